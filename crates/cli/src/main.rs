@@ -1,0 +1,331 @@
+//! `tessera`: a thin command line over the engine. It parses arguments, wires the
+//! crates together and prints; the work happens in the libraries.
+
+mod npy;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tessera_engine::{EngineConfig, Generator, SamplingParams, StopReason};
+use tessera_model::{ChatTemplate, DenseTransformer, Message, Tokenizer};
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Run large language models on one machine or many.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt or a chat message, streaming it to stdout.
+    Generate(GenerateArgs),
+    /// Write float32 logits [n_tokens, vocab] of one forward pass to a .npy file.
+    Logits(LogitsArgs),
+    /// Print the token ids of a text (or of a chat message rendered with the template).
+    Tokenize {
+        #[arg(long)]
+        model: PathBuf,
+        text: String,
+        /// Treat TEXT as a user message and render the chat template first.
+        #[arg(long)]
+        chat: bool,
+    },
+    /// Describe a checkpoint: architecture, parameters, formats, bytes per token.
+    Inspect {
+        /// A GGUF file or a Hugging Face directory.
+        path: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct RuntimeArgs {
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// KV-cache capacity in tokens (default: min(model limit, 4096)).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Prompt tokens per prefill step.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// A GGUF file or a Hugging Face directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Raw prompt text (no chat template).
+    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+    prompt: Option<String>,
+    /// A user message, wrapped in the model's chat template.
+    #[arg(long)]
+    chat: Option<String>,
+    /// A system message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    #[arg(long, default_value_t = 64)]
+    penalty_window: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+}
+
+#[derive(Args)]
+struct LogitsArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',', required = true)]
+    tokens: Vec<u32>,
+    /// Output .npy file.
+    #[arg(long)]
+    out: PathBuf,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate(a),
+        Command::Logits(a) => logits(a),
+        Command::Inspect { path } => inspect(&path),
+        Command::Tokenize { model, text, chat } => tokenize(&model, &text, chat),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn load(path: &Path) -> Result<DenseTransformer> {
+    let model = tessera_model::load_model(path).with_context(|| format!("loading {}", path.display()))?;
+    prefetch(&model);
+    Ok(model)
+}
+
+/// Reads every weight page once so the first token does not pay for disk reads,
+/// with a progress bar for checkpoints large enough to notice (> 1 GiB).
+fn prefetch(model: &DenseTransformer) {
+    let ckpt = model.checkpoint();
+    let linears = model.linears();
+    let total: usize = linears.iter().map(|l| l.bytes()).sum();
+    let bar = (total > 1 << 30).then(|| {
+        let bar = indicatif::ProgressBar::with_draw_target(Some(total as u64), indicatif::ProgressDrawTarget::stderr());
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("loading {bar:40} {bytes}/{total_bytes} ({eta})")
+                .expect("static template"),
+        );
+        bar
+    });
+    let mut sink = 0u8;
+    for l in linears {
+        let data = l.weights(ckpt).data;
+        for page in data.chunks(4096) {
+            sink ^= page[0];
+        }
+        if let Some(b) = &bar {
+            b.inc(l.bytes() as u64);
+        }
+    }
+    std::hint::black_box(sink);
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+}
+
+fn engine_config(model: &DenseTransformer, rt: &RuntimeArgs) -> EngineConfig {
+    let mut cfg = EngineConfig::for_model(model);
+    if let Some(t) = rt.threads {
+        cfg.threads = t;
+    }
+    if let Some(c) = rt.ctx {
+        cfg.context_max = c;
+    }
+    cfg.prefill_chunk = rt.prefill_chunk;
+    cfg
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let model = load(&a.model)?;
+    let tok = Tokenizer::from_checkpoint(model.checkpoint())?;
+    let prompt_ids = match (&a.prompt, &a.chat) {
+        (Some(p), _) => tok.encode(p, true).map_err(anyhow::Error::msg)?,
+        (None, Some(user)) => {
+            let mut messages = Vec::new();
+            if let Some(s) = &a.system {
+                messages.push(Message::new("system", s));
+            }
+            messages.push(Message::new("user", user));
+            tok.encode(&render_chat(&model, &tok, &messages)?, true).map_err(anyhow::Error::msg)?
+        }
+        (None, None) => bail!("give --prompt or --chat"),
+    };
+    let load_secs = t0.elapsed().as_secs_f64();
+    let sampling = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repetition_penalty: a.repeat_penalty,
+        presence_penalty: a.presence_penalty,
+        penalty_window: a.penalty_window,
+        seed: a.seed,
+    };
+    let cfg = engine_config(&model, &a.runtime);
+    let mut gen = Generator::new(&model, cfg)?;
+    let mut stream = tessera_model::TextStream::new();
+    let mut out = std::io::stdout().lock();
+    let mut write_err = None;
+    let (_, reason, stats) = gen.generate(&prompt_ids, a.max_tokens, &sampling, &tok.stop, |id| {
+        match stream.push(&tok, id) {
+            Ok(text) => {
+                if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+                    write_err = Some(e);
+                    return false;
+                }
+            }
+            Err(e) => {
+                write_err = Some(std::io::Error::other(e));
+                return false;
+            }
+        }
+        true
+    })?;
+    if let Some(e) = write_err {
+        bail!("writing output: {e}");
+    }
+    let _ = writeln!(out);
+    let why = match reason {
+        StopReason::Stop => "stop token",
+        StopReason::Length => "max tokens",
+        StopReason::Context => "context full",
+        StopReason::Cancelled => "cancelled",
+    };
+    eprintln!(
+        "\n[load {:.2} s] prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | time to first token: {:.0} ms | stopped: {why} | {} threads, {}",
+        load_secs,
+        stats.prompt_tokens,
+        stats.prompt_tok_per_sec(),
+        stats.generated_tokens,
+        stats.decode_tok_per_sec(),
+        stats.time_to_first_token_secs * 1000.0,
+        gen.config().threads,
+        model.isa().name(),
+    );
+    Ok(())
+}
+
+/// The prompt text for a conversation, through the checkpoint's chat template.
+fn render_chat(model: &DenseTransformer, tok: &Tokenizer, messages: &[Message]) -> Result<String> {
+    let template = ChatTemplate::from_checkpoint(model.checkpoint())?.with_context(|| {
+        format!("{} has no chat template: use --prompt for raw text", model.checkpoint().path.display())
+    })?;
+    let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or_default();
+    Ok(template.render(messages, true, &name(tok.bos), &name(tok.eos))?)
+}
+
+fn tokenize(path: &Path, text: &str, chat: bool) -> Result<()> {
+    let model = tessera_model::load_model(path).with_context(|| format!("loading {}", path.display()))?;
+    let tok = Tokenizer::from_checkpoint(model.checkpoint())?;
+    let text = if chat { render_chat(&model, &tok, &[Message::new("user", text)])? } else { text.to_string() };
+    let ids = tok.encode(&text, true).map_err(anyhow::Error::msg)?;
+    let list: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    println!("{}", list.join(","));
+    Ok(())
+}
+
+fn logits(a: LogitsArgs) -> Result<()> {
+    let model = load(&a.model)?;
+    let mut cfg = engine_config(&model, &a.runtime);
+    cfg.context_max = cfg.context_max.max(a.tokens.len());
+    let mut gen = Generator::new(&model, cfg)?;
+    let logits = gen.logits_all(&a.tokens)?;
+    npy::write_f32(&a.out, &[a.tokens.len(), model.cfg.vocab], &logits)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!("wrote {} [{} x {}] float32", a.out.display(), a.tokens.len(), model.cfg.vocab);
+    Ok(())
+}
+
+fn human_bytes(b: usize) -> String {
+    let b = b as f64;
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else if b >= (1u64 << 20) as f64 {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", b / 1024.0)
+    }
+}
+
+fn inspect(path: &Path) -> Result<()> {
+    let model = tessera_model::load_model(path).with_context(|| format!("loading {}", path.display()))?;
+    let ckpt = model.checkpoint();
+    let c = &model.cfg;
+    let mut formats: std::collections::BTreeMap<String, (usize, usize, usize)> = Default::default();
+    let mut params = 0usize;
+    for t in ckpt.tensors() {
+        let e = formats.entry(format!("{:?}", t.dtype)).or_default();
+        e.0 += 1;
+        e.1 += t.elements();
+        e.2 += t.range.len();
+        params += t.elements();
+    }
+    println!("checkpoint      {} ({:?}, {} file(s), {})", path.display(), ckpt.kind, ckpt.files.len(), human_bytes(ckpt.data_bytes()));
+    println!("architecture    {}", c.arch.name());
+    println!(
+        "shape           {} layers, hidden {}, {} heads / {} kv heads × {}, intermediate {}, vocab {}",
+        c.layers, c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, c.vocab
+    );
+    println!("parameters      {} ({:.1} M) stored; all active per token (dense)", params, params as f64 / 1e6);
+    println!("embeddings      {}", if model.is_tied() { "tied to the LM head" } else { "separate LM head" });
+    println!("rope            theta {}, {:?}, {}", c.rope.theta, c.rope.scaling, if c.rope.interleaved { "interleaved pairs" } else { "rotate-half" });
+    println!("context         {} tokens (model limit)", c.context_max);
+    println!("tensor formats:");
+    for (f, (n, elems, bytes)) in &formats {
+        println!("  {f:<6} {n:>5} tensors {:>12} params {:>11}", elems, human_bytes(*bytes));
+    }
+    let per_tok = model.bytes_per_token();
+    println!("bytes read per decoded token   {} ({})", per_tok, human_bytes(per_tok));
+    let kv = c.layers * 2 * c.kv_heads * c.head_dim * 4;
+    println!("KV cache per token of context  {} (f32 keys and values)", human_bytes(kv));
+    match Tokenizer::from_checkpoint(ckpt) {
+        Ok(t) => println!(
+            "tokenizer       {} tokens, bos {:?}, eos {:?}, stop {:?}, add_bos {}",
+            t.vocab_size(),
+            t.bos,
+            t.eos,
+            t.stop,
+            t.add_bos
+        ),
+        Err(e) => println!("tokenizer       none ({e})"),
+    }
+    match ChatTemplate::from_checkpoint(ckpt) {
+        Ok(Some(t)) => println!("chat template   yes ({} chars)", t.source().len()),
+        Ok(None) => println!("chat template   none"),
+        Err(e) => println!("chat template   unusable ({e})"),
+    }
+    Ok(())
+}

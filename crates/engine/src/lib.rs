@@ -1,0 +1,11 @@
+//! Tessera engine: drives a model through prefill and decode steps, owns the KV
+//! cache and the thread pool, and samples.
+//!
+//! Invariants: the engine never parses checkpoints (that is `tessera-model`) and never
+//! prints; progress and text reach the caller through callbacks.
+
+pub mod generate;
+pub mod sampling;
+
+pub use generate::{EngineConfig, EngineError, Generator, GenerationStats, StopReason};
+pub use sampling::{Sampler, SamplingError, SamplingParams};

@@ -1,0 +1,107 @@
+//! Tiny random-weight checkpoints written by `tools/reference/make_dense_fixtures.py`
+//! with mlx-lm's float32 logits and greedy ids: every logit within tolerance, greedy
+//! ids identical, through the full-prompt path and the KV-cache decode path, with the
+//! SIMD kernels and with the scalar reference kernels.
+
+use std::path::{Path, PathBuf};
+use tessera_engine::{EngineConfig, Generator, SamplingParams};
+use tessera_kernels::{Isa, ThreadPool};
+use tessera_model::{load_model, LogitsFor, StepLimits};
+
+/// float32 end to end: mlx and we sum in different orders, so logits agree to a few
+/// ulps of their magnitude (~1e-6 relative) — 1e-4 absolute leaves room, and is far
+/// below any difference a wrong formula makes (≥ 1e-2 in practice).
+const LOGIT_TOL: f32 = 1e-4;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+struct Expected {
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+    prompt_logits: Vec<f32>,
+    decode_logits: Vec<f32>,
+}
+
+fn expected(name: &str) -> Expected {
+    let dir = fixtures().join(name);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let ids = |k: &str| -> Vec<u32> { json[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+    let bytes = std::fs::read(dir.join("expected.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |k: &str| -> Vec<f32> {
+        st.tensor(k).unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+    };
+    Expected { prompt: ids("prompt_ids"), greedy: ids("greedy_ids"), prompt_logits: f32s("prompt_logits"), decode_logits: f32s("decode_logits") }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn check(name: &str) {
+    let exp = expected(name);
+    let mut model = load_model(&fixtures().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let vocab = model.cfg.vocab;
+    for isa in [Isa::detect(), Isa::Scalar] {
+        model.set_isa(isa);
+        let limits = StepLimits { tokens_per_step_max: 32, context_max: 64 };
+        // Full prompt in one step, logits for every position.
+        let pool = ThreadPool::new(2);
+        let mut ws = model.new_workspace(limits, pool.n_threads());
+        let mut cache = model.new_cache(limits);
+        let mut logits = vec![0.0; exp.prompt.len() * vocab];
+        model.forward(&pool, &mut ws, &mut cache, &exp.prompt, LogitsFor::All, &mut logits).unwrap();
+        let d = max_abs_diff(&logits, &exp.prompt_logits);
+        assert!(d <= LOGIT_TOL, "{name} ({}): prompt logits differ by {d}", isa.name());
+
+        // KV-cache decode: prefill, then one token per step.
+        cache.clear();
+        let mut last = vec![0.0; vocab];
+        model.forward(&pool, &mut ws, &mut cache, &exp.prompt, LogitsFor::Last, &mut last).unwrap();
+        for (k, &id) in exp.greedy.iter().enumerate() {
+            let want = &exp.decode_logits[k * vocab..(k + 1) * vocab];
+            let d = max_abs_diff(&last, want);
+            assert!(d <= LOGIT_TOL, "{name} ({}): decode step {k} logits differ by {d}", isa.name());
+            model.forward(&pool, &mut ws, &mut cache, &[id], LogitsFor::Last, &mut last).unwrap();
+        }
+    }
+
+    // The engine's greedy generation gives mlx-lm's ids exactly.
+    model.set_isa(Isa::detect());
+    for chunk in [3, 512] {
+        let cfg = EngineConfig { threads: 2, prefill_chunk: chunk, context_max: 64 };
+        let mut gen = Generator::new(&model, cfg).unwrap();
+        let (ids, _, stats) = gen.generate(&exp.prompt, exp.greedy.len(), &SamplingParams::default(), &[], |_| true).unwrap();
+        assert_eq!(ids, exp.greedy, "{name}: greedy ids (prefill chunk {chunk})");
+        assert_eq!(stats.generated_tokens, exp.greedy.len());
+    }
+}
+
+#[test]
+fn llama_gqa_with_llama3_rope_scaling() {
+    check("llama_gqa_rope3");
+}
+
+#[test]
+fn llama_9_heads_3_kv_heads_tied_embeddings() {
+    check("llama_smol_tied");
+}
+
+#[test]
+fn llama_with_biases_and_explicit_head_dim() {
+    check("llama_bias_hd");
+}
+
+#[test]
+fn qwen2_with_qkv_bias() {
+    check("qwen2");
+}
+
+#[test]
+fn qwen3_with_qk_norm() {
+    check("qwen3");
+}

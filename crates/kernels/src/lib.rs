@@ -1,0 +1,19 @@
+//! Tessera compute kernels.
+//!
+//! Invariant: this crate knows nothing of models, checkpoints, tokens or ranks. It sees
+//! weight rows as `(WeightFormat, &[u8])`, activations as `&[f32]`, and threads as a
+//! [`ThreadPool`]. Every SIMD kernel has a scalar twin in [`scalar`] that tests compare
+//! against; the SIMD flavour is chosen once at run time ([`Isa::detect`]).
+
+pub mod format;
+pub mod matmul;
+pub mod ops;
+pub mod pool;
+pub mod q8;
+pub mod scalar;
+mod simd;
+
+pub use format::{FormatError, WeightFormat};
+pub use matmul::{matmul, MatmulScratch, WeightRows};
+pub use pool::ThreadPool;
+pub use simd::Isa;

@@ -1,0 +1,33 @@
+//! Activations quantized to 8 bits, per block of 32, for integer dot products with
+//! Q4_0 / Q4_1 / Q8_0 weights (as llama.cpp does with q8_0/q8_1). The scale stays
+//! f32 (llama.cpp rounds it to f16): a little more accurate for the same speed.
+
+pub const QK: usize = 32;
+
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockQ8 {
+    /// Scale: x ≈ d·q.
+    pub d: f32,
+    /// d·Σq, used by Q4_1's `m` term.
+    pub sum: f32,
+    pub qs: [i8; QK],
+}
+
+/// Scalar quantization of one row; `x.len()` must be a multiple of 32.
+pub fn quantize_row_scalar(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * QK, "q8 quantize: length mismatch");
+    for (block, xs) in out.iter_mut().zip(x.chunks_exact(QK)) {
+        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut isum = 0i32;
+        for (q, &v) in block.qs.iter_mut().zip(xs) {
+            let r = (v * id).round() as i32;
+            *q = r as i8;
+            isum += r;
+        }
+        block.d = d;
+        block.sum = d * isum as f32;
+    }
+}

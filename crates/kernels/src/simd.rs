@@ -1,0 +1,255 @@
+//! Run-time selected SIMD kernels. `Isa::detect()` picks the best flavour this CPU
+//! supports; every entry point falls back to [`crate::scalar`] on other CPUs
+//! (aarch64 today: the portable path, which LLVM auto-vectorises for NEON).
+
+use crate::format::WeightFormat;
+use crate::q8::BlockQ8;
+use crate::scalar;
+
+/// Instruction-set flavour for the kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable scalar loops.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+}
+
+impl Isa {
+    /// The best flavour this CPU runs. `TESSERA_ISA=scalar` forces the portable path
+    /// (for debugging a suspected kernel bug against the reference).
+    pub fn detect() -> Isa {
+        if std::env::var("TESSERA_ISA").is_ok_and(|v| v == "scalar") {
+            return Isa::Scalar;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2+fma+f16c",
+        }
+    }
+
+    /// Dot product of one float-format weight row with f32 activations.
+    #[inline]
+    pub fn dot_f32(self, format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+        debug_assert!(!format.is_quantized());
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: Avx2 is only constructed when the CPU supports avx2, fma and f16c.
+            Isa::Avx2 => unsafe { x86::dot_float(format, row, x) },
+            _ => scalar::dot_f32(format, row, x),
+        }
+    }
+
+    /// Dot product of one quantized weight row with q8 activations.
+    #[inline]
+    pub fn dot_q8(self, format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
+        debug_assert!(format.is_quantized());
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 => unsafe { x86::dot_q8(format, row, x) },
+            _ => scalar::dot_q8(format, row, x),
+        }
+    }
+
+    /// Quantize activations to q8 blocks.
+    #[inline]
+    pub fn quantize_q8(self, x: &[f32], out: &mut [BlockQ8]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 => unsafe { x86::quantize_q8(x, out) },
+            _ => crate::q8::quantize_row_scalar(x, out),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// An f16 at `p` (unaligned) as f32, in one F16C instruction.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        let bits = std::ptr::read_unaligned(p as *const u16);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// 8 floats from 8 bytes at `p` in the given float format.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(format: WeightFormat, p: *const u8) -> __m256 {
+        match format {
+            WeightFormat::F32 => _mm256_loadu_ps(p as *const f32),
+            WeightFormat::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+            _ => {
+                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+                _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_float(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+        let n = x.len();
+        let esize = format.block_bytes();
+        assert!(row.len() >= n * esize);
+        let (wp, xp) = (row.as_ptr(), x.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (k, a) in acc.iter_mut().enumerate() {
+                let j = i + 8 * k;
+                *a = _mm256_fmadd_ps(load8(format, wp.add(j * esize)), _mm256_loadu_ps(xp.add(j)), *a);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(load8(format, wp.add(i * esize)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+            i += 8;
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut total = hsum(sum);
+        if i < n {
+            total += scalar::dot_f32(format, &row[i * esize..n * esize], &x[i..]);
+        }
+        total
+    }
+
+    /// Σ x_i·y_i over 32 signed bytes, as 8 i32 lanes converted to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256 {
+        let ax = _mm256_sign_epi8(x, x);
+        let sy = _mm256_sign_epi8(y, x);
+        let dot = _mm256_maddubs_epi16(ax, sy);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)))
+    }
+
+    /// 32 nibbles from 16 bytes: low nibbles in the low lane (elements 0..16), high
+    /// nibbles in the high lane (16..32), each in 0..=15.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nibbles32(p: *const u8) -> __m256i {
+        let tmp = _mm_loadu_si128(p as *const __m128i);
+        let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+        _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
+        let bb = format.block_bytes();
+        assert!(row.len() >= x.len() * bb);
+        let wp = row.as_ptr();
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_m = 0.0f32;
+        match format {
+            WeightFormat::Q8_0 => {
+                for (i, xb) in x.iter().enumerate() {
+                    let b = wp.add(i * bb);
+                    let d = _mm256_set1_ps(f16_at(b) * xb.d);
+                    let q = _mm256_loadu_si256(b.add(2) as *const __m256i);
+                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                    acc = _mm256_fmadd_ps(d, mul_sum_i8(q, y), acc);
+                }
+            }
+            WeightFormat::Q4_0 => {
+                let eight = _mm256_set1_epi8(8);
+                for (i, xb) in x.iter().enumerate() {
+                    let b = wp.add(i * bb);
+                    let d = _mm256_set1_ps(f16_at(b) * xb.d);
+                    let q = _mm256_sub_epi8(nibbles32(b.add(2)), eight);
+                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                    acc = _mm256_fmadd_ps(d, mul_sum_i8(q, y), acc);
+                }
+            }
+            WeightFormat::Q4_1 => {
+                let ones = _mm256_set1_epi16(1);
+                for (i, xb) in x.iter().enumerate() {
+                    let b = wp.add(i * bb);
+                    let d = _mm256_set1_ps(f16_at(b) * xb.d);
+                    acc_m += f16_at(b.add(2)) * xb.sum;
+                    let q = nibbles32(b.add(4));
+                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                    // q is unsigned 0..15, y signed: maddubs cannot saturate (15·127·2).
+                    let s = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
+                    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
+                }
+            }
+            _ => unreachable!("float formats take f32 activations"),
+        }
+        hsum(acc) + acc_m
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+        assert_eq!(x.len(), out.len() * 32, "q8 quantize: length mismatch");
+        let sign_mask = _mm256_set1_ps(-0.0);
+        for (bi, block) in out.iter_mut().enumerate() {
+            let p = x.as_ptr().add(bi * 32);
+            let v = [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ];
+            let mut m = _mm256_andnot_ps(sign_mask, v[0]);
+            for vk in &v[1..] {
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign_mask, *vk));
+            }
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            let amax = _mm_cvtss_f32(m4);
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            // Round half away from zero, as f32::round in the scalar twin.
+            let mut ints = [_mm256_setzero_si256(); 4];
+            for k in 0..4 {
+                let s = _mm256_mul_ps(v[k], id);
+                let half = _mm256_or_ps(_mm256_and_ps(s, sign_mask), _mm256_set1_ps(0.5));
+                let r = _mm256_round_ps(_mm256_add_ps(s, half), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                ints[k] = _mm256_cvtps_epi32(r);
+            }
+            let isum = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+            let s4 = _mm_hadd_epi32(s4, s4);
+            let s4 = _mm_hadd_epi32(s4, s4);
+            let total = _mm_cvtsi128_si32(s4);
+            // Pack i32 → i16 → i8; packs interleave 128-bit lanes, the permute restores order.
+            let i16a = _mm256_packs_epi32(ints[0], ints[1]);
+            let i16b = _mm256_packs_epi32(ints[2], ints[3]);
+            let i8s = _mm256_packs_epi16(i16a, i16b);
+            let i8s = _mm256_permutevar8x32_epi32(i8s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(block.qs.as_mut_ptr() as *mut __m256i, i8s);
+            block.d = d;
+            block.sum = d * total as f32;
+        }
+    }
+}

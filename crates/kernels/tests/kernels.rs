@@ -1,0 +1,209 @@
+//! Every format's dequantize and dot product against the scalar reference, on random
+//! data with odd sizes; matmul against naive loops.
+
+use half::{bf16, f16};
+use tessera_kernels::q8::{quantize_row_scalar, BlockQ8};
+use tessera_kernels::{matmul, scalar, Isa, MatmulScratch, ThreadPool, WeightFormat, WeightRows};
+
+/// SplitMix64: deterministic test data without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn byte(&mut self) -> u8 {
+        self.next_u64() as u8
+    }
+}
+
+fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(format.row_bytes(cols).unwrap());
+    match format {
+        WeightFormat::F32 => (0..cols).for_each(|_| out.extend(rng.f32().to_le_bytes())),
+        WeightFormat::F16 => (0..cols).for_each(|_| out.extend(f16::from_f32(rng.f32()).to_le_bytes())),
+        WeightFormat::Bf16 => (0..cols).for_each(|_| out.extend(bf16::from_f32(rng.f32()).to_le_bytes())),
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
+            for _ in 0..cols / 32 {
+                out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
+                if format == WeightFormat::Q4_1 {
+                    out.extend(f16::from_f32(rng.f32() * 0.2).to_le_bytes());
+                }
+                let q_bytes = if format == WeightFormat::Q8_0 { 32 } else { 16 };
+                (0..q_bytes).for_each(|_| out.push(rng.byte()));
+            }
+        }
+    }
+    assert_eq!(out.len(), format.row_bytes(cols).unwrap());
+    out
+}
+
+fn random_vec(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.f32() * 2.0).collect()
+}
+
+fn close(a: f32, b: f32, tol: f32) -> bool {
+    (a - b).abs() <= tol * (1.0 + a.abs().max(b.abs()))
+}
+
+#[test]
+fn dequantize_known_blocks() {
+    // Q4_0: d = 0.5, byte j = (hi << 4) | lo with lo = j % 16, hi = 15 - j % 16.
+    let mut q4_0 = f16::from_f32(0.5).to_le_bytes().to_vec();
+    q4_0.extend((0..16u8).map(|j| ((15 - j) << 4) | j));
+    let mut out = [0.0f32; 32];
+    scalar::dequantize_row(WeightFormat::Q4_0, &q4_0, &mut out);
+    for j in 0..16 {
+        assert_eq!(out[j], 0.5 * (j as f32 - 8.0));
+        assert_eq!(out[j + 16], 0.5 * ((15 - j) as f32 - 8.0));
+    }
+    // Q4_1: d = 0.25, m = -1.0.
+    let mut q4_1 = f16::from_f32(0.25).to_le_bytes().to_vec();
+    q4_1.extend(f16::from_f32(-1.0).to_le_bytes());
+    q4_1.extend((0..16u8).map(|j| ((15 - j) << 4) | j));
+    scalar::dequantize_row(WeightFormat::Q4_1, &q4_1, &mut out);
+    for j in 0..16 {
+        assert_eq!(out[j], 0.25 * j as f32 - 1.0);
+        assert_eq!(out[j + 16], 0.25 * (15 - j) as f32 - 1.0);
+    }
+    // Q8_0: d = 2, q_j = j - 16.
+    let mut q8 = f16::from_f32(2.0).to_le_bytes().to_vec();
+    q8.extend((0..32i32).map(|j| (j - 16) as i8 as u8));
+    scalar::dequantize_row(WeightFormat::Q8_0, &q8, &mut out);
+    for j in 0..32 {
+        assert_eq!(out[j], 2.0 * (j as f32 - 16.0));
+    }
+    // Float formats.
+    let vals = [1.5f32, -2.25, 0.0, 3.0e-3];
+    let mut o4 = [0.0f32; 4];
+    let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    scalar::dequantize_row(WeightFormat::F32, &f32b, &mut o4);
+    assert_eq!(o4, vals);
+    let bf: Vec<u8> = vals.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect();
+    scalar::dequantize_row(WeightFormat::Bf16, &bf, &mut o4);
+    for (a, b) in o4.iter().zip(vals) {
+        assert_eq!(*a, bf16::from_f32(b).to_f32());
+    }
+    let hf: Vec<u8> = vals.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect();
+    scalar::dequantize_row(WeightFormat::F16, &hf, &mut o4);
+    for (a, b) in o4.iter().zip(vals) {
+        assert_eq!(*a, f16::from_f32(b).to_f32());
+    }
+}
+
+#[test]
+fn row_bytes_rejects_partial_blocks() {
+    assert_eq!(WeightFormat::Q4_1.row_bytes(64), Ok(40));
+    assert!(WeightFormat::Q4_1.row_bytes(65).is_err());
+    assert_eq!(WeightFormat::F16.row_bytes(7), Ok(14));
+}
+
+#[test]
+fn float_dot_simd_matches_scalar_on_odd_sizes() {
+    let isa = Isa::detect();
+    let mut rng = Rng(1);
+    for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Bf16] {
+        for cols in (1..70).chain([255, 576, 1000, 1537]) {
+            let row = random_row(&mut rng, format, cols);
+            let x = random_vec(&mut rng, cols);
+            let want = scalar::dot_f32(format, &row, &x);
+            let got = isa.dot_f32(format, &row, &x);
+            assert!(close(got, want, 1e-5), "{format} cols={cols}: simd {got} vs scalar {want}");
+        }
+    }
+}
+
+#[test]
+fn q8_quantize_simd_matches_scalar() {
+    let isa = Isa::detect();
+    let mut rng = Rng(2);
+    for blocks in [1usize, 2, 3, 7, 18, 37] {
+        let mut x = random_vec(&mut rng, blocks * 32);
+        x[0] = 0.0;
+        if blocks > 2 {
+            // An all-zero block must give d = 0 and q = 0, not NaN.
+            x[32..64].iter_mut().for_each(|v| *v = 0.0);
+        }
+        let mut want = vec![BlockQ8::default(); blocks];
+        let mut got = vec![BlockQ8::default(); blocks];
+        quantize_row_scalar(&x, &mut want);
+        isa.quantize_q8(&x, &mut got);
+        for (b, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.qs, g.qs, "block {b}");
+            assert_eq!(w.d, g.d, "block {b}");
+            assert!(close(w.sum, g.sum, 1e-6), "block {b}");
+            assert!(w.d.is_finite());
+        }
+    }
+}
+
+#[test]
+fn quantized_dot_simd_matches_scalar_and_exact() {
+    let isa = Isa::detect();
+    let mut rng = Rng(3);
+    for format in [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1] {
+        for blocks in [1usize, 2, 3, 5, 9, 18, 37] {
+            let cols = blocks * 32;
+            let row = random_row(&mut rng, format, cols);
+            let x = random_vec(&mut rng, cols);
+            let mut xq = vec![BlockQ8::default(); blocks];
+            quantize_row_scalar(&x, &mut xq);
+            let want = scalar::dot_q8(format, &row, &xq);
+            let got = isa.dot_q8(format, &row, &xq);
+            assert!(close(got, want, 1e-5), "{format} blocks={blocks}: simd {got} vs scalar {want}");
+            // 8-bit activations: error ≤ ~0.5/127 of |w|·|x| per element.
+            let exact = scalar::dot_f32(format, &row, &x);
+            let mut w = vec![0.0; cols];
+            scalar::dequantize_row(format, &row, &mut w);
+            let bound: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum::<f32>() * 0.01 + 1e-6;
+            assert!((got - exact).abs() <= bound, "{format} blocks={blocks}: q8 {got} vs exact {exact} (bound {bound})");
+        }
+    }
+}
+
+#[test]
+fn matmul_matches_naive_loops_for_every_format_and_thread_count() {
+    let isa = Isa::detect();
+    let mut rng = Rng(4);
+    for threads in [1, 2, 3] {
+        let pool = ThreadPool::new(threads);
+        for format in WeightFormat::ALL {
+            for (rows, cols, tokens) in [(1, 32, 1), (7, 64, 3), (33, 96, 5), (130, 160, 2)] {
+                let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+                let w = WeightRows::new(format, rows, cols, &data).unwrap();
+                let x = random_vec(&mut rng, tokens * cols);
+                let mut y = vec![0.0; tokens * rows];
+                let mut scratch = MatmulScratch::new(8, 256);
+                matmul(&pool, isa, w, &x, tokens, &mut y, &mut scratch);
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        let xs = &x[t * cols..(t + 1) * cols];
+                        let want = if format.is_quantized() {
+                            let mut xq = vec![BlockQ8::default(); cols / 32];
+                            quantize_row_scalar(xs, &mut xq);
+                            scalar::dot_q8(format, w.row(r), &xq)
+                        } else {
+                            scalar::dot_f32(format, w.row(r), xs)
+                        };
+                        let got = y[t * rows + r];
+                        assert!(close(got, want, 1e-5), "{format} {rows}x{cols} t={t} r={r}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn weight_rows_rejects_wrong_sizes() {
+    assert!(WeightRows::new(WeightFormat::Q4_0, 2, 32, &[0u8; 35]).is_none());
+    assert!(WeightRows::new(WeightFormat::Q4_0, 2, 33, &[0u8; 36]).is_none());
+    assert!(WeightRows::new(WeightFormat::Q4_0, 2, 32, &[0u8; 36]).is_some());
+}

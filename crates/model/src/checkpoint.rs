@@ -1,0 +1,309 @@
+//! Checkpoint containers: a Hugging Face directory of safetensors files, or one GGUF
+//! file. Knows nothing of models: it lists tensors (name, dtype, shape, byte range)
+//! and hands out zero-copy views of the memory-mapped files.
+
+use crate::error::{LoadError, Result};
+use crate::gguf::GgufFile;
+use memmap2::Mmap;
+use std::collections::HashMap;
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// Element types a tensor can be stored in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TensorDtype {
+    F32,
+    F16,
+    Bf16,
+    F64,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    I8,
+    I16,
+    I32,
+    I64,
+    U8,
+    U16,
+    U32,
+    U64,
+    Bool,
+    F8E4M3,
+    F8E5M2,
+}
+
+impl TensorDtype {
+    /// The kernel format this dtype computes as, if any.
+    pub fn weight_format(self) -> Option<tessera_kernels::WeightFormat> {
+        use tessera_kernels::WeightFormat as W;
+        Some(match self {
+            TensorDtype::F32 => W::F32,
+            TensorDtype::F16 => W::F16,
+            TensorDtype::Bf16 => W::Bf16,
+            TensorDtype::Q8_0 => W::Q8_0,
+            TensorDtype::Q4_0 => W::Q4_0,
+            TensorDtype::Q4_1 => W::Q4_1,
+            _ => return None,
+        })
+    }
+}
+
+/// One tensor: where its bytes are. `shape` is outermost-first (PyTorch order) for
+/// both containers; a GGUF `[in, out]` tensor reads as `[out, in]`.
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: TensorDtype,
+    pub shape: Vec<usize>,
+    /// Index into the checkpoint's files.
+    pub file: usize,
+    /// Absolute byte range in that file.
+    pub range: Range<usize>,
+}
+
+impl TensorInfo {
+    pub fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckpointKind {
+    /// `config.json` + safetensors.
+    HfDir,
+    Gguf,
+}
+
+pub struct MappedFile {
+    pub path: PathBuf,
+    pub map: Mmap,
+}
+
+/// An opened checkpoint. Cheap to keep: the files are memory-mapped, so only pages a
+/// computation touches are ever read from disk.
+pub struct Checkpoint {
+    /// The path the user gave (directory or .gguf file).
+    pub path: PathBuf,
+    pub kind: CheckpointKind,
+    pub files: Vec<MappedFile>,
+    tensors: Vec<TensorInfo>,
+    by_name: HashMap<String, usize>,
+    /// GGUF metadata (tensor infos moved to `tensors`).
+    pub gguf: Option<GgufFile>,
+    /// Parsed `config.json` of a HF directory.
+    pub config: Option<serde_json::Value>,
+}
+
+fn map_file(path: &Path) -> Result<Mmap> {
+    let file = File::open(path).map_err(|source| LoadError::Io { path: path.into(), source })?;
+    // SAFETY: the mapping is read-only; a checkpoint rewritten under a running engine
+    // is outside what we can defend against (as for every mmap-based loader).
+    unsafe { Mmap::map(&file) }.map_err(|source| LoadError::Io { path: path.into(), source })
+}
+
+impl Checkpoint {
+    /// Opens a HF directory (with `config.json`) or a `.gguf` file.
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        let meta = std::fs::metadata(path).map_err(|source| LoadError::Io { path: path.into(), source })?;
+        if meta.is_dir() {
+            Self::open_hf_dir(path)
+        } else {
+            let map = map_file(path)?;
+            if map.len() >= 4 && &map[..4] == b"GGUF" {
+                Self::open_gguf(path, map)
+            } else if path.extension().is_some_and(|e| e == "safetensors") {
+                Err(LoadError::format(
+                    path,
+                    "a bare .safetensors file has no config: pass the directory that holds it and its config.json",
+                ))
+            } else {
+                Err(LoadError::format(
+                    path,
+                    "neither a GGUF file (magic \"GGUF\") nor a directory with config.json and safetensors",
+                ))
+            }
+        }
+    }
+
+    fn open_gguf(path: &Path, map: Mmap) -> Result<Checkpoint> {
+        let mut gguf = GgufFile::parse(path, &map)?;
+        let tensors = std::mem::take(&mut gguf.tensors);
+        let by_name = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        Ok(Checkpoint {
+            path: path.into(),
+            kind: CheckpointKind::Gguf,
+            files: vec![MappedFile { path: path.into(), map }],
+            tensors,
+            by_name,
+            gguf: Some(gguf),
+            config: None,
+        })
+    }
+
+    fn open_hf_dir(dir: &Path) -> Result<Checkpoint> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|source| LoadError::Io { path: config_path.clone(), source })?;
+        let config: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| LoadError::format(&config_path, format!("invalid JSON: {e}")))?;
+        if !config.is_object() {
+            return Err(LoadError::format(&config_path, "expected a JSON object"));
+        }
+        let index_path = dir.join("model.safetensors.index.json");
+        let (file_names, weight_map) = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|source| LoadError::Io { path: index_path.clone(), source })?;
+            let index: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| LoadError::format(&index_path, format!("invalid JSON: {e}")))?;
+            let map = index
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| LoadError::key(&index_path, "weight_map", "missing or not an object"))?;
+            let mut weight_map = HashMap::new();
+            let mut files: Vec<String> = Vec::new();
+            for (name, file) in map {
+                let file = file
+                    .as_str()
+                    .ok_or_else(|| LoadError::key(&index_path, format!("weight_map.{name}"), "file name is not a string"))?;
+                if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+                    return Err(LoadError::key(&index_path, format!("weight_map.{name}"), format!("`{file}` is not a plain file name")));
+                }
+                if !files.iter().any(|f| f == file) {
+                    files.push(file.to_string());
+                }
+                weight_map.insert(name.clone(), file.to_string());
+            }
+            files.sort();
+            (files, Some(weight_map))
+        } else {
+            let mut files: Vec<String> = std::fs::read_dir(dir)
+                .map_err(|source| LoadError::Io { path: dir.into(), source })?
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".safetensors"))
+                .collect();
+            files.sort();
+            if files.is_empty() {
+                return Err(LoadError::format(dir, "no *.safetensors files and no model.safetensors.index.json"));
+            }
+            (files, None)
+        };
+
+        let mut files = Vec::with_capacity(file_names.len());
+        let mut tensors: Vec<TensorInfo> = Vec::new();
+        let mut by_name: HashMap<String, usize> = HashMap::new();
+        for (file_idx, name) in file_names.iter().enumerate() {
+            let path = dir.join(name);
+            let map = map_file(&path)?;
+            for t in read_safetensors_header(&path, &map, file_idx)? {
+                if let Some(&prev) = by_name.get(&t.name) {
+                    return Err(LoadError::tensor(
+                        &path,
+                        &t.name,
+                        format!("also present in {}", file_names[tensors[prev].file]),
+                    ));
+                }
+                if let Some(wm) = &weight_map {
+                    match wm.get(&t.name) {
+                        Some(f) if f == name => {}
+                        Some(f) => {
+                            return Err(LoadError::tensor(&path, &t.name, format!("the index says it lives in {f}")))
+                        }
+                        None => return Err(LoadError::tensor(&path, &t.name, "not listed in model.safetensors.index.json")),
+                    }
+                }
+                by_name.insert(t.name.clone(), tensors.len());
+                tensors.push(t);
+            }
+            files.push(MappedFile { path, map });
+        }
+        if let Some(wm) = &weight_map {
+            let mut missing: Vec<&String> = wm.keys().filter(|n| !by_name.contains_key(*n)).collect();
+            missing.sort();
+            if let Some(name) = missing.first() {
+                return Err(LoadError::MissingTensor {
+                    path: dir.join(&wm[*name]),
+                    tensor: (*name).clone(),
+                    hint: format!(" (the index lists it; {} listed tensors are absent)", missing.len()),
+                });
+            }
+        }
+        Ok(Checkpoint { path: dir.into(), kind: CheckpointKind::HfDir, files, tensors, by_name, gguf: None, config: Some(config) })
+    }
+
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TensorInfo> {
+        self.by_name.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// The bytes of a tensor, straight from the memory map.
+    pub fn bytes(&self, t: &TensorInfo) -> &[u8] {
+        &self.files[t.file].map[t.range.clone()]
+    }
+
+    /// The file a tensor lives in, for error messages.
+    pub fn file_of(&self, t: &TensorInfo) -> &Path {
+        &self.files[t.file].path
+    }
+
+    /// Total bytes of tensor data.
+    pub fn data_bytes(&self) -> usize {
+        self.tensors.iter().map(|t| t.range.len()).sum()
+    }
+}
+
+fn read_safetensors_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<TensorInfo>> {
+    use safetensors::{Dtype, SafeTensors};
+    // `deserialize` checks the header JSON, that offsets are contiguous and consistent
+    // with dtype × shape, and that the data fits the file.
+    let st = SafeTensors::deserialize(bytes).map_err(|e| LoadError::format(path, describe_safetensors_error(&e)))?;
+    let header_len = 8 + u64::from_le_bytes(bytes[..8].try_into().expect("deserialize checked the length")) as usize;
+    let mut out = Vec::with_capacity(st.len());
+    for (name, view) in st.tensors() {
+        let dtype = match view.dtype() {
+            Dtype::F32 => TensorDtype::F32,
+            Dtype::F16 => TensorDtype::F16,
+            Dtype::BF16 => TensorDtype::Bf16,
+            Dtype::F64 => TensorDtype::F64,
+            Dtype::I8 => TensorDtype::I8,
+            Dtype::I16 => TensorDtype::I16,
+            Dtype::I32 => TensorDtype::I32,
+            Dtype::I64 => TensorDtype::I64,
+            Dtype::U8 => TensorDtype::U8,
+            Dtype::U16 => TensorDtype::U16,
+            Dtype::U32 => TensorDtype::U32,
+            Dtype::U64 => TensorDtype::U64,
+            Dtype::BOOL => TensorDtype::Bool,
+            Dtype::F8_E4M3 => TensorDtype::F8E4M3,
+            Dtype::F8_E5M2 => TensorDtype::F8E5M2,
+            other => return Err(LoadError::tensor(path, name, format!("dtype {other:?} is not supported"))),
+        };
+        let data = view.data();
+        // The view borrows `bytes`; recover its absolute offset.
+        let start = data.as_ptr() as usize - bytes.as_ptr() as usize;
+        debug_assert!(start >= header_len);
+        out.push(TensorInfo { name, dtype, shape: view.shape().to_vec(), file, range: start..start + data.len() });
+    }
+    out.sort_by_key(|t| t.range.start);
+    Ok(out)
+}
+
+fn describe_safetensors_error(e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall => "file too small for a safetensors header (truncated?)".into(),
+        E::HeaderTooLarge => "header length is implausibly large (not a safetensors file?)".into(),
+        E::InvalidHeaderLength => "header length runs past the end of the file (truncated?)".into(),
+        E::MetadataIncompleteBuffer => "tensor data runs past the end of the file (truncated download?)".into(),
+        E::InvalidOffset(name) => format!("tensor `{name}`: byte offsets are not contiguous or do not match its dtype × shape"),
+        E::TensorInvalidInfo => "a tensor's dtype × shape does not match its byte range".into(),
+        E::InvalidHeader(err) => format!("header is not valid UTF-8: {err}"),
+        E::InvalidHeaderDeserialization(err) => format!("header JSON is invalid: {err}"),
+        E::InvalidHeaderStart => "header does not start with '{' (not a safetensors file?)".into(),
+        other => format!("{other}"),
+    }
+}
