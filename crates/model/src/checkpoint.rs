@@ -260,7 +260,13 @@ fn read_safetensors_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec
     use safetensors::{Dtype, SafeTensors};
     // `deserialize` checks the header JSON, that offsets are contiguous and consistent
     // with dtype × shape, and that the data fits the file.
-    let st = SafeTensors::deserialize(bytes).map_err(|e| LoadError::format(path, describe_safetensors_error(&e)))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| match e {
+        safetensors::SafeTensorError::TensorInvalidInfo => match find_inconsistent_tensor(bytes) {
+            Some((name, reason)) => LoadError::tensor(path, name, reason),
+            None => LoadError::format(path, describe_safetensors_error(&e)),
+        },
+        e => LoadError::format(path, describe_safetensors_error(&e)),
+    })?;
     let header_len = 8 + u64::from_le_bytes(bytes[..8].try_into().expect("deserialize checked the length")) as usize;
     let mut out = Vec::with_capacity(st.len());
     for (name, view) in st.tensors() {
@@ -306,4 +312,35 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError) -> String {
         E::InvalidHeaderStart => "header does not start with '{' (not a safetensors file?)".into(),
         other => format!("{other}"),
     }
+}
+
+/// Which tensor's dtype × shape disagrees with its byte range (the safetensors crate
+/// reports that something does, not what).
+fn find_inconsistent_tensor(bytes: &[u8]) -> Option<(String, String)> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value = serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
+    for (name, info) in header.as_object()? {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = info.get("dtype")?.as_str()?;
+        let elem_bits: usize = match dtype {
+            "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 8,
+            "U16" | "I16" | "F16" | "BF16" => 16,
+            "U32" | "I32" | "F32" => 32,
+            "U64" | "I64" | "F64" => 64,
+            _ => continue,
+        };
+        let shape: Vec<usize> = info.get("shape")?.as_array()?.iter().filter_map(|d| d.as_u64().map(|d| d as usize)).collect();
+        let offs = info.get("data_offsets")?.as_array()?;
+        let (a, b) = (offs.first()?.as_u64()? as usize, offs.get(1)?.as_u64()? as usize);
+        let want = shape.iter().product::<usize>() * elem_bits / 8;
+        if b.checked_sub(a) != Some(want) {
+            return Some((
+                name.clone(),
+                format!("{dtype} {shape:?} needs {want} bytes but its data_offsets [{a}, {b}) hold {}", b.wrapping_sub(a) as isize),
+            ));
+        }
+    }
+    None
 }

@@ -333,11 +333,11 @@ impl ModelConfig {
             qk_norm: arch == Arch::Qwen3,
             context_max: uint_or("context_length", 4096)?,
         };
-        cfg.validate().map_err(|(k, reason)| LoadError::key(path, key(k), reason))?;
+        cfg.validate().map_err(|(k, reason)| LoadError::key(path, key(gguf_key(k)), reason))?;
         Ok(cfg)
     }
 
-    /// Cross-field checks; returns the offending key and why.
+    /// Cross-field checks; returns the offending key (HF spelling) and why.
     fn validate(&self) -> std::result::Result<(), (&'static str, String)> {
         let nonzero = [
             ("hidden_size", self.hidden),
@@ -390,5 +390,20 @@ impl ModelConfig {
         }
         let embed = self.vocab * h;
         per_layer * self.layers + embed + h + if tied { 0 } else { embed }
+    }
+}
+
+/// The GGUF key (after `{arch}.`) for a HF config key named in a validation error.
+fn gguf_key(hf: &str) -> &str {
+    match hf {
+        "hidden_size" => "embedding_length",
+        "num_hidden_layers" => "block_count",
+        "intermediate_size" => "feed_forward_length",
+        "num_attention_heads" => "attention.head_count",
+        "num_key_value_heads" => "attention.head_count_kv",
+        "head_dim" => "attention.key_length",
+        "rms_norm_eps" => "attention.layer_norm_rms_epsilon",
+        "rope_theta" => "rope.freq_base",
+        other => other,
     }
 }

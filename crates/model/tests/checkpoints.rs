@@ -1,0 +1,374 @@
+//! Checkpoint readers and model loading: the same weights through GGUF and HF give
+//! the same logits, and every malformed file is a clear error (file, tensor or key,
+//! reason), never a panic.
+
+mod support;
+
+use std::path::Path;
+use std::sync::Arc;
+use support::*;
+use tessera_kernels::ThreadPool;
+use tessera_model::{load_model, Checkpoint, DenseTransformer, LogitsFor, ModelConfig, StepLimits};
+
+fn logits(model: &DenseTransformer, tokens: &[u32]) -> Vec<f32> {
+    let limits = StepLimits { tokens_per_step_max: 16, context_max: 32 };
+    let pool = ThreadPool::new(2);
+    let mut ws = model.new_workspace(limits, pool.n_threads());
+    let mut cache = model.new_cache(limits);
+    let mut out = vec![0.0; tokens.len() * model.cfg.vocab];
+    model.forward(&pool, &mut ws, &mut cache, tokens, LogitsFor::All, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn gguf_and_hf_layouts_of_the_same_weights_give_the_same_logits() {
+    let dir = scratch("same-weights");
+    write_hf_dir(&dir, &hf_config(), &tiny_llama_tensors(11));
+    let gguf_path = dir.join("tiny.gguf");
+    std::fs::write(&gguf_path, tiny_llama_gguf(11).bytes()).unwrap();
+    let hf = load_model(&dir).unwrap();
+    let gg = load_model(&gguf_path).unwrap();
+    assert!(gg.cfg.rope.interleaved && !hf.cfg.rope.interleaved);
+    let tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5];
+    let (a, b) = (logits(&hf, &tokens), logits(&gg, &tokens));
+    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    // Same f32 weights, same sums; only the RoPE pairing order differs.
+    assert!(d < 1e-5, "HF vs GGUF logits differ by {d}");
+    // And a wrong permutation would show: a model whose GGUF Q/K are NOT permuted.
+    let mut unpermuted = tiny_llama_gguf(11);
+    for t in unpermuted.tensors.iter_mut() {
+        if t.name.ends_with("attn_q.weight") || t.name.ends_with("attn_k.weight") {
+            let hf_name = t.name.replace("blk.", "model.layers.").replace("attn_q", "self_attn.q_proj").replace("attn_k", "self_attn.k_proj");
+            let orig = tiny_llama_tensors(11).into_iter().find(|(n, _, _)| *n == hf_name).unwrap().2;
+            t.data = orig.iter().flat_map(|v| v.to_le_bytes()).collect();
+        }
+    }
+    std::fs::write(&gguf_path, unpermuted.bytes()).unwrap();
+    let c = logits(&load_model(&gguf_path).unwrap(), &tokens);
+    let d = a.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    assert!(d > 1e-3, "the permutation test cannot tell permuted from unpermuted weights");
+}
+
+/// Loads `path` and expects an error whose message contains every `needle`.
+fn expect_error(path: &Path, needles: &[&str]) {
+    let result = std::panic::catch_unwind(|| load_model(path).map(|_| ()));
+    let err = match result {
+        Err(_) => panic!("loading {} panicked; expected an error containing {needles:?}", path.display()),
+        Ok(Ok(())) => panic!("loading {} succeeded; expected an error containing {needles:?}", path.display()),
+        Ok(Err(e)) => e.to_string(),
+    };
+    for n in needles {
+        assert!(err.contains(n), "error `{err}` lacks `{n}`");
+    }
+}
+
+fn gguf_case(name: &str, edit: impl FnOnce(&mut Gguf), needles: &[&str]) {
+    let dir = scratch(&format!("gguf-{name}"));
+    let mut g = tiny_llama_gguf(5);
+    edit(&mut g);
+    let path = dir.join("model.gguf");
+    std::fs::write(&path, g.bytes()).unwrap();
+    expect_error(&path, &[&["model.gguf"], needles].concat());
+}
+
+fn gguf_bytes_case(name: &str, edit: impl FnOnce(&mut Vec<u8>), needles: &[&str]) {
+    let dir = scratch(&format!("gguf-bytes-{name}"));
+    let mut bytes = tiny_llama_gguf(5).bytes();
+    edit(&mut bytes);
+    let path = dir.join("model.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    expect_error(&path, &[&["model.gguf"], needles].concat());
+}
+
+fn tensor<'a>(g: &'a mut Gguf, name: &str) -> &'a mut GgufTensor {
+    g.tensors.iter_mut().find(|t| t.name == name).unwrap()
+}
+
+#[test]
+fn malformed_gguf_files_are_clear_errors() {
+    gguf_bytes_case("bad-magic", |b| b[..4].copy_from_slice(b"GGML"), &["neither a GGUF file"]);
+    gguf_bytes_case("magic-only", |b| b.truncate(4), &["truncated header", "version"]);
+    gguf_bytes_case("header-cut", |b| b.truncate(200), &["truncated header"]);
+    gguf_bytes_case("data-cut", |b| b.truncate(b.len() - 100), &["runs past the end of the file"]);
+    gguf_case("version", |g| g.version = 1, &["version 1 is not supported"]);
+    gguf_case(
+        "offset-past-end",
+        |g| tensor(g, "blk.0.ffn_up.weight").offset = Some(1 << 40),
+        &["blk.0.ffn_up.weight", "past the end"],
+    );
+    gguf_case(
+        "misaligned",
+        |g| tensor(g, "blk.0.ffn_up.weight").offset = Some(4),
+        &["blk.0.ffn_up.weight", "not aligned"],
+    );
+    gguf_case("unknown-type", |g| tensor(g, "blk.1.ffn_down.weight").ggml_type = 99, &["blk.1.ffn_down.weight", "ggml type 99"]);
+    gguf_case("unsupported-type", |g| tensor(g, "blk.1.ffn_down.weight").ggml_type = 12, &["blk.1.ffn_down.weight", "Q4_K", "not supported yet"]);
+    gguf_case(
+        "partial-block",
+        |g| {
+            let t = tensor(g, "output_norm.weight");
+            t.ggml_type = 2;
+            t.dims = vec![33];
+        },
+        &["output_norm.weight", "not a multiple"],
+    );
+    gguf_case(
+        "duplicate-tensor",
+        |g| {
+            let t = g.tensors[3].clone();
+            g.tensors.push(t);
+        },
+        &["appears twice"],
+    );
+    gguf_case(
+        "duplicate-key",
+        |g| g.kvs.push(("llama.block_count".into(), Kv::U32(2))),
+        &["llama.block_count", "appears twice"],
+    );
+    gguf_case(
+        "missing-tensor",
+        |g| g.tensors.retain(|t| t.name != "blk.1.ffn_up.weight"),
+        &["blk.1.ffn_up.weight", "missing"],
+    );
+    gguf_case(
+        "shape-mismatch",
+        |g| {
+            let t = tensor(g, "blk.0.attn_v.weight");
+            t.dims = vec![32, 8];
+            t.data.truncate(32 * 8 * 4);
+        },
+        &["blk.0.attn_v.weight", "shape [8, 32]", "[16, 32]"],
+    );
+    gguf_case(
+        "extra-layer",
+        |g| {
+            let mut t = g.tensors.iter().find(|t| t.name == "blk.1.attn_norm.weight").unwrap().clone();
+            t.name = "blk.2.attn_norm.weight".into();
+            g.tensors.push(t);
+        },
+        &["blk.2.attn_norm.weight", "more layers than the config"],
+    );
+    gguf_case("missing-key", |g| g.kvs.retain(|(k, _)| k != "llama.embedding_length"), &["llama.embedding_length", "missing"]);
+    gguf_case(
+        "key-wrong-type",
+        |g| g.kvs.iter_mut().find(|(k, _)| k == "llama.block_count").unwrap().1 = Kv::Str("two".into()),
+        &["llama.block_count", "expected an unsigned integer", "string"],
+    );
+    gguf_case(
+        "bad-bool",
+        |g| g.kvs.push(("general.flag".into(), Kv::Bool(7))),
+        &["general.flag", "bool value 7"],
+    );
+    gguf_case(
+        "unknown-value-type",
+        |g| g.kvs.push(("general.weird".into(), Kv::Raw(42, vec![]))),
+        &["general.weird", "unknown value type 42"],
+    );
+    gguf_case(
+        "bad-utf8",
+        |g| g.kvs.push(("general.name".into(), Kv::Raw(8, [3u64.to_le_bytes().to_vec(), vec![0xff, 0xfe, 0xfd]].concat()))),
+        &["not valid UTF-8"],
+    );
+    gguf_case(
+        "huge-array",
+        |g| g.kvs.push(("general.list".into(), Kv::Raw(9, [4u32.to_le_bytes(), 0u32.to_le_bytes()].concat().into_iter().chain(u64::MAX.to_le_bytes()).collect()))),
+        &["general.list", "exceeds the limit"],
+    );
+    gguf_case(
+        "unsupported-arch",
+        |g| g.kvs[0].1 = Kv::Str("mamba".into()),
+        &["general.architecture", "`mamba` is not supported"],
+    );
+    gguf_case(
+        "heads-not-grouped",
+        |g| g.kvs.iter_mut().find(|(k, _)| k == "llama.attention.head_count_kv").unwrap().1 = Kv::U32(3),
+        &["llama.attention.head_count_kv", "cannot be grouped"],
+    );
+    gguf_case(
+        "nan-norm",
+        |g| tensor(g, "output_norm.weight").data[..4].copy_from_slice(&f32::NAN.to_le_bytes()),
+        &["output_norm.weight", "NaN"],
+    );
+}
+
+fn hf_case(name: &str, edit: impl FnOnce(&Path, &mut serde_json::Value, &mut Vec<(String, Vec<usize>, Vec<f32>)>), needles: &[&str]) {
+    let dir = scratch(&format!("hf-{name}"));
+    let mut cfg = hf_config();
+    let mut tensors = tiny_llama_tensors(7);
+    write_hf_dir(&dir, &cfg, &tensors);
+    edit(&dir, &mut cfg, &mut tensors);
+    expect_error(&dir, needles);
+}
+
+fn rewrite(dir: &Path, cfg: &serde_json::Value, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    write_hf_dir(dir, cfg, tensors);
+}
+
+#[test]
+fn malformed_hf_checkpoints_are_clear_errors() {
+    hf_case("no-config", |d, _, _| std::fs::remove_file(d.join("config.json")).unwrap(), &["config.json", "cannot read"]);
+    hf_case("bad-json", |d, _, _| std::fs::write(d.join("config.json"), "{ nope").unwrap(), &["config.json", "invalid JSON"]);
+    hf_case(
+        "missing-key",
+        |d, c, t| {
+            c.as_object_mut().unwrap().remove("hidden_size");
+            rewrite(d, c, t)
+        },
+        &["config.json", "hidden_size", "missing"],
+    );
+    hf_case(
+        "wrong-type",
+        |d, c, t| {
+            c["num_hidden_layers"] = serde_json::json!("2");
+            rewrite(d, c, t)
+        },
+        &["num_hidden_layers", "expected a non-negative integer"],
+    );
+    hf_case(
+        "unsupported-model",
+        |d, c, t| {
+            c["model_type"] = serde_json::json!("gpt_neox");
+            rewrite(d, c, t)
+        },
+        &["model_type", "gpt_neox", "not supported"],
+    );
+    hf_case(
+        "truncated-data",
+        |d, _, _| {
+            let p = d.join("model.safetensors");
+            let b = std::fs::read(&p).unwrap();
+            std::fs::write(&p, &b[..b.len() - 10]).unwrap();
+        },
+        &["model.safetensors", "past the end of the file"],
+    );
+    hf_case(
+        "truncated-header",
+        |d, _, _| {
+            let p = d.join("model.safetensors");
+            let b = std::fs::read(&p).unwrap();
+            std::fs::write(&p, &b[..100]).unwrap();
+        },
+        &["model.safetensors"],
+    );
+    hf_case(
+        "header-too-large",
+        |d, _, _| {
+            let p = d.join("model.safetensors");
+            let mut b = std::fs::read(&p).unwrap();
+            b[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+            std::fs::write(&p, b).unwrap();
+        },
+        &["model.safetensors", "header"],
+    );
+    hf_case(
+        "dtype-shape-mismatch",
+        |d, _, t| {
+            let p = d.join("model.safetensors");
+            t[0].1 = vec![V, H + 1];
+            let b = safetensors_bytes(t);
+            std::fs::write(&p, b).unwrap();
+        },
+        &["model.safetensors", "model.embed_tokens.weight", "F32 [40, 33] needs 5280 bytes"],
+    );
+    hf_case(
+        "unknown-dtype",
+        |d, _, _| {
+            let p = d.join("model.safetensors");
+            let mut b = std::fs::read(&p).unwrap();
+            let i = b.windows(5).position(|w| w == b"\"F32\"").unwrap();
+            b[i..i + 5].copy_from_slice(b"\"F33\"");
+            std::fs::write(&p, b).unwrap();
+        },
+        &["model.safetensors", "header JSON is invalid", "F33"],
+    );
+    hf_case(
+        "missing-tensor",
+        |d, c, t| {
+            t.retain(|(n, _, _)| n != "model.layers.1.mlp.down_proj.weight");
+            rewrite(d, c, t)
+        },
+        &["model.layers.1.mlp.down_proj.weight", "missing"],
+    );
+    hf_case(
+        "config-disagrees",
+        |d, c, t| {
+            c["intermediate_size"] = serde_json::json!(48);
+            rewrite(d, c, t)
+        },
+        &["model.layers.0.mlp.gate_proj.weight", "[64, 32]", "[48, 32]"],
+    );
+    hf_case(
+        "integer-weights",
+        |d, _, _| {
+            let p = d.join("model.safetensors");
+            let b = std::fs::read(&p).unwrap();
+            // Same size per element: F32 → I32 on the first tensor (the embedding).
+            let text = String::from_utf8_lossy(&b).into_owned();
+            let i = text.find("model.embed_tokens.weight").unwrap();
+            let j = i + text[i..].find("\"F32\"").unwrap();
+            let mut b = b;
+            b[j..j + 5].copy_from_slice(b"\"I32\"");
+            std::fs::write(&p, b).unwrap();
+        },
+        &["model.embed_tokens.weight", "I32", "cannot be used as a weight matrix"],
+    );
+    hf_case(
+        "sharded-duplicate",
+        |d, c, t| {
+            let (a, b) = t.split_at(5);
+            let mut b = b.to_vec();
+            b.push(a[0].clone());
+            std::fs::write(d.join("model-00001-of-00002.safetensors"), safetensors_bytes(a)).unwrap();
+            std::fs::write(d.join("model-00002-of-00002.safetensors"), safetensors_bytes(&b)).unwrap();
+            std::fs::remove_file(d.join("model.safetensors")).unwrap();
+            let _ = c;
+        },
+        &["model-00002-of-00002.safetensors", "also present in model-00001-of-00002.safetensors"],
+    );
+    hf_case(
+        "index-names-missing-tensor",
+        |d, _, t| {
+            let mut map = serde_json::Map::new();
+            for (n, _, _) in t.iter() {
+                map.insert(n.clone(), serde_json::json!("model.safetensors"));
+            }
+            map.insert("model.layers.9.mlp.up_proj.weight".into(), serde_json::json!("model.safetensors"));
+            let idx = serde_json::json!({"metadata": {}, "weight_map": map});
+            std::fs::write(d.join("model.safetensors.index.json"), idx.to_string()).unwrap();
+        },
+        &["model.layers.9.mlp.up_proj.weight", "the index lists it"],
+    );
+    hf_case(
+        "index-names-missing-file",
+        |d, _, t| {
+            let mut map = serde_json::Map::new();
+            for (n, _, _) in t.iter() {
+                map.insert(n.clone(), serde_json::json!("model-00009.safetensors"));
+            }
+            let idx = serde_json::json!({"weight_map": map});
+            std::fs::write(d.join("model.safetensors.index.json"), idx.to_string()).unwrap();
+        },
+        &["model-00009.safetensors", "cannot read"],
+    );
+}
+
+#[test]
+fn readers_list_tensors_with_dtype_shape_and_range() {
+    let dir = scratch("listing");
+    write_hf_dir(&dir, &hf_config(), &tiny_llama_tensors(3));
+    let gguf_path = dir.join("tiny.gguf");
+    std::fs::write(&gguf_path, tiny_llama_gguf(3).bytes()).unwrap();
+    let hf = Checkpoint::open(&dir).unwrap();
+    let gg = Checkpoint::open(&gguf_path).unwrap();
+    assert_eq!(hf.tensors().len(), gg.tensors().len());
+    let e = hf.get("model.embed_tokens.weight").unwrap();
+    assert_eq!(e.shape, vec![V, H]);
+    assert_eq!(e.range.len(), V * H * 4);
+    let g = gg.get("token_embd.weight").unwrap();
+    assert_eq!(g.shape, vec![V, H], "GGUF dims are reported outermost-first");
+    assert_eq!(hf.bytes(e), gg.bytes(g), "zero-copy views of the same data");
+    let cfg = ModelConfig::from_checkpoint(&gg).unwrap();
+    assert_eq!((cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim), (H, LAYERS, HEADS, KV_HEADS, HD));
+    let m = DenseTransformer::load(Arc::new(gg), cfg).unwrap();
+    assert!(!m.is_tied());
+}
