@@ -83,6 +83,9 @@ impl ChatTemplate {
         let err = |reason: String| LoadError::ChatTemplate { path: self.path.clone(), reason };
         let mut env = minijinja::Environment::new();
         env.set_fuel(Some(TEMPLATE_FUEL_MAX));
+        // As transformers' apply_chat_template renders them.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))

@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with special tokens treated as plain text.
+    inner_plain: tokenizers::Tokenizer,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     /// Tokens that end generation (EOS, end-of-turn and other stop tokens).
@@ -86,7 +88,7 @@ impl Tokenizer {
         stop.sort_unstable();
         stop.dedup();
         let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
-        Ok(Tokenizer { inner, bos, eos, stop, add_bos, source: path })
+        Ok(Tokenizer::build(inner, bos, eos, stop, add_bos, path))
     }
 
     pub fn from_gguf(path: &Path, md: &BTreeMap<String, GgufValue>) -> Result<Tokenizer> {
@@ -198,7 +200,13 @@ impl Tokenizer {
         let mut stop: Vec<u32> = [eos, eot].into_iter().flatten().collect();
         stop.sort_unstable();
         stop.dedup();
-        Ok(Tokenizer { inner, bos, eos, stop, add_bos, source: path.into() })
+        Ok(Tokenizer::build(inner, bos, eos, stop, add_bos, path.into()))
+    }
+
+    fn build(inner: tokenizers::Tokenizer, bos: Option<u32>, eos: Option<u32>, stop: Vec<u32>, add_bos: bool, source: PathBuf) -> Tokenizer {
+        let mut inner_plain = inner.clone();
+        inner_plain.set_encode_special_tokens(true);
+        Tokenizer { inner, inner_plain, bos, eos, stop, add_bos, source }
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -208,7 +216,15 @@ impl Tokenizer {
     /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) are
     /// recognised; BOS is prepended when `add_bos` and the checkpoint asks for it.
     pub fn encode(&self, text: &str, add_bos: bool) -> std::result::Result<Vec<u32>, String> {
-        let enc = self.inner.encode_fast(text, false).map_err(|e| format!("{}: encoding failed: {e}", self.source.display()))?;
+        self.encode_with(text, add_bos, true)
+    }
+
+    /// As [`Tokenizer::encode`]; with `parse_special` false, special-token strings in
+    /// the text are tokenized as ordinary text (user content that must not inject
+    /// control tokens; llama.cpp's `special=False`).
+    pub fn encode_with(&self, text: &str, add_bos: bool, parse_special: bool) -> std::result::Result<Vec<u32>, String> {
+        let inner = if parse_special { &self.inner } else { &self.inner_plain };
+        let enc = inner.encode_fast(text, false).map_err(|e| format!("{}: encoding failed: {e}", self.source.display()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if add_bos && self.add_bos {
             ids.extend(self.bos);

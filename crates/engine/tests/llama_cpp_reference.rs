@@ -1,0 +1,87 @@
+//! The real default model, SmolLM2-135M-Instruct Q4_1 (fetched by `scripts/fetch-model`),
+//! against llama.cpp's recorded outputs (`tools/reference/make_llamacpp_refs.py`):
+//! token ids for tricky texts, chat-template rendering and ids, and greedy continuations.
+
+use std::path::{Path, PathBuf};
+use tessera_engine::{EngineConfig, Generator, SamplingParams};
+use tessera_model::{load_model, ChatTemplate, DenseTransformer, Message, Tokenizer};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn model() -> DenseTransformer {
+    let path = repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(path.exists(), "{} is missing: run scripts/fetch-model (scripts/test does)", path.display());
+    load_model(&path).unwrap()
+}
+
+fn reference() -> serde_json::Value {
+    let path = repo().join("tests/fixtures/smollm2/llama_cpp_reference.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn messages(v: &serde_json::Value) -> Vec<Message> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|m| Message::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+        .collect()
+}
+
+#[test]
+fn tokenizer_matches_llama_cpp() {
+    let m = model();
+    let tok = Tokenizer::from_checkpoint(m.checkpoint()).unwrap();
+    let r = reference();
+    let cases = r["tokenize"].as_array().unwrap();
+    assert!(cases.len() >= 12);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        // The reference tokenized with special=False: control-token strings are text.
+        let got = tok.encode_with(text, case["add_bos"].as_bool().unwrap(), false).unwrap();
+        assert_eq!(got, ids(&case["ids"]), "text {text:?}");
+        // And back: decoding gives the text again.
+        assert_eq!(tok.decode(&got, true).unwrap(), text, "round trip of {text:?}");
+    }
+}
+
+#[test]
+fn chat_template_renders_and_tokenizes_like_the_reference() {
+    let m = model();
+    let tok = Tokenizer::from_checkpoint(m.checkpoint()).unwrap();
+    let r = reference();
+    let chat = &r["chat"];
+    let template = ChatTemplate::from_checkpoint(m.checkpoint()).unwrap().expect("SmolLM2 has a chat template");
+    assert_eq!(template.source(), chat["template"].as_str().unwrap());
+    let (bos, eos) = (chat["bos_token"].as_str().unwrap(), chat["eos_token"].as_str().unwrap());
+    for conv in chat["conversations"].as_array().unwrap() {
+        let name = conv["name"].as_str().unwrap();
+        let text = template.render(&messages(&conv["messages"]), true, bos, eos).unwrap();
+        assert_eq!(text, conv["rendered"].as_str().unwrap(), "conversation {name}: rendered text (jinja2)");
+        let got = tok.encode(&text, conv["add_bos"].as_bool().unwrap()).unwrap();
+        assert_eq!(got, ids(&conv["ids"]), "conversation {name}: token ids (llama.cpp)");
+    }
+}
+
+#[test]
+fn greedy_continuations_match_llama_cpp_for_32_tokens() {
+    let m = model();
+    let r = reference();
+    let cfg = EngineConfig { threads: 2, prefill_chunk: 512, context_max: 512 };
+    let mut gen = Generator::new(&m, cfg).unwrap();
+    let cases = r["greedy"].as_array().unwrap();
+    assert!(cases.len() >= 4);
+    for case in cases {
+        let prompt = ids(&case["prompt_ids"]);
+        let want = ids(&case["greedy_ids"]);
+        assert!(want.len() >= 32);
+        let (got, _, _) = gen.generate(&prompt, 32, &SamplingParams::default(), &[], |_| true).unwrap();
+        let text = case["prompt_text"].as_str().unwrap_or("");
+        assert_eq!(got, want[..32], "prompt {text:?}");
+    }
+}
