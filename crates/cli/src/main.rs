@@ -299,7 +299,27 @@ fn inspect(path: &Path) -> Result<()> {
         "shape           {} layers, hidden {}, {} heads / {} kv heads × {}, intermediate {}, vocab {}",
         c.layers, c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, c.vocab
     );
-    println!("parameters      {} ({:.1} M) stored; all active per token (dense)", params, params as f64 / 1e6);
+    let (per_tok, active) = model.per_token_reads();
+    println!(
+        "parameters      {} total ({:.1} M); {} active per token ({:.1} M)",
+        params,
+        params as f64 / 1e6,
+        active,
+        active as f64 / 1e6
+    );
+    if let Some(m) = c.moe.as_ref().filter(|_| c.layer_ffn.contains(&tessera_model::config::FfnKind::Moe)) {
+        let moe_layers = c.layer_ffn.iter().filter(|k| **k == tessera_model::config::FfnKind::Moe).count();
+        println!(
+            "experts         {} routed, top-{} ({:?}), width {}, shared width {}, {} of {} layers MoE",
+            m.experts, m.top_k, m.routing, m.expert_width, m.shared_width, moe_layers, c.layers
+        );
+    }
+    if let Some(m) = &c.mla {
+        println!(
+            "attention       MLA: q_lora {:?}, kv_lora {}, nope {}, rope {}, v {}",
+            m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_dim
+        );
+    }
     println!("embeddings      {}", if model.is_tied() { "tied to the LM head" } else { "separate LM head" });
     println!("rope            theta {}, {:?}, {}", c.rope.theta, c.rope.scaling, if c.rope.interleaved { "interleaved pairs" } else { "rotate-half" });
     println!("context         {} tokens (model limit)", c.context_max);
@@ -307,10 +327,10 @@ fn inspect(path: &Path) -> Result<()> {
     for (f, (n, elems, bytes)) in &formats {
         println!("  {f:<6} {n:>5} tensors {:>12} params {:>11}", elems, human_bytes(*bytes));
     }
-    let per_tok = model.bytes_per_token();
     println!("bytes read per decoded token   {} ({})", per_tok, human_bytes(per_tok));
-    let kv = c.layers * 2 * c.kv_heads * c.head_dim * 4;
-    println!("KV cache per token of context  {} (f32 keys and values)", human_bytes(kv));
+    let kv = model.kv_floats_per_token() * 4;
+    let what = if c.mla.is_some() { "f32 latent + rope key" } else { "f32 keys and values" };
+    println!("KV cache per token of context  {} ({what})", human_bytes(kv));
     match Tokenizer::from_checkpoint(ckpt) {
         Ok(t) => println!(
             "tokenizer       {} tokens, bos {:?}, eos {:?}, stop {:?}, add_bos {}",

@@ -85,3 +85,41 @@ fn greedy_continuations_match_llama_cpp_for_32_tokens() {
         assert_eq!(got, want[..32], "prompt {text:?}");
     }
 }
+
+/// SmolLM2's tokenizer as a HF `tokenizer.json` (converted from the GGUF by
+/// transformers): the HF path gives llama.cpp's ids too.
+#[test]
+fn hf_tokenizer_json_matches_llama_cpp() {
+    let tok = Tokenizer::from_hf_dir(&repo().join("tests/fixtures/smollm2_hf_tokenizer")).unwrap();
+    assert!(!tok.add_bos);
+    let r = reference();
+    for case in r["tokenize"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let got = tok.encode_with(text, case["add_bos"].as_bool().unwrap(), false).unwrap();
+        assert_eq!(got, ids(&case["ids"]), "text {text:?}");
+    }
+    for conv in r["chat"]["conversations"].as_array().unwrap() {
+        let got = tok.encode(conv["rendered"].as_str().unwrap(), false).unwrap();
+        assert_eq!(got, ids(&conv["ids"]), "conversation {}", conv["name"]);
+    }
+}
+
+/// A SentencePiece (GGUF `llama` tokenizer model) vocabulary: ids equal llama.cpp's
+/// (which equal sentencepiece's own) for 21 texts with and without BOS.
+#[test]
+fn gguf_sentencepiece_tokenizer_matches_llama_cpp() {
+    let dir = repo().join("tests/fixtures/spm");
+    let ckpt = tessera_model::Checkpoint::open(&dir.join("vocab.gguf")).unwrap();
+    let tok = Tokenizer::from_checkpoint(&ckpt).unwrap();
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let cases = r["cases"].as_array().unwrap();
+    assert!(cases.len() >= 30);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let add_bos = case["add_bos"].as_bool().unwrap();
+        let want = ids(&case["llama_cpp_ids"]);
+        assert_eq!(want, ids(&case["sentencepiece_ids"]), "the reference itself disagrees for {text:?}");
+        let got = tok.encode_with(text, add_bos, false).unwrap();
+        assert_eq!(got, want, "text {text:?} add_bos {add_bos}");
+    }
+}

@@ -43,8 +43,13 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn check(name: &str) {
+    check_file(name, &fixtures().join(name));
+}
+
+/// Compares the checkpoint at `path` with fixture `name`'s mlx-lm reference.
+fn check_file(name: &str, path: &Path) {
     let exp = expected(name);
-    let mut model = load_model(&fixtures().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut model = load_model(path).unwrap_or_else(|e| panic!("{name}: {e}"));
     let vocab = model.cfg.vocab;
     for isa in [Isa::detect(), Isa::Scalar] {
         model.set_isa(isa);
@@ -104,4 +109,48 @@ fn qwen2_with_qkv_bias() {
 #[test]
 fn qwen3_with_qk_norm() {
     check("qwen3");
+}
+
+#[test]
+fn qwen3_moe_with_a_dense_layer() {
+    check("qwen3_moe");
+}
+
+#[test]
+fn qwen3_moe_sparse_step_without_renormalisation() {
+    check("qwen3_moe_sparse_step");
+}
+
+#[test]
+fn mixtral_top2() {
+    check("mixtral");
+}
+
+#[test]
+fn deepseek_v3_mla_grouped_routing_yarn() {
+    check("deepseek_v3");
+}
+
+#[test]
+fn deepseek_v3_without_q_lora() {
+    check("deepseek_v3_no_qlora");
+}
+
+#[test]
+fn kimi_k2_through_its_own_model_type() {
+    check("kimi_k2");
+}
+
+#[test]
+fn deepseek_v3_one_expert_takes_every_token() {
+    check("deepseek_v3_hot_expert");
+}
+
+/// The same weights converted to GGUF as llama.cpp's converter writes them (names,
+/// llama Q/K permutation, `rope_freqs` for llama3 scaling): same mlx-lm logits.
+#[test]
+fn gguf_conversions_match_mlx() {
+    for name in ["llama_gqa_rope3", "llama_smol_tied", "qwen2", "qwen3"] {
+        check_file(name, &fixtures().join(format!("gguf/{name}.gguf")));
+    }
 }

@@ -12,6 +12,10 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    Qwen3Moe,
+    Mixtral,
+    /// DeepSeek-V3 and Kimi-K2 (MLA attention, DeepSeekMoE).
+    DeepseekV3,
 }
 
 impl Arch {
@@ -20,8 +24,55 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Mixtral => "mixtral",
+            Arch::DeepseekV3 => "deepseek_v3",
         }
     }
+}
+
+/// How router logits become expert choices and weights (spec §1.6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routing {
+    /// qwen3_moe: softmax over all experts, top-k, optional renormalisation.
+    SoftmaxTopK,
+    /// mixtral: top-k of the logits, softmax over the k chosen.
+    TopKSoftmax,
+    /// deepseek_v3 / kimi_k2: sigmoid scores; the correction bias only selects;
+    /// grouped top-k; renormalise; scale.
+    SigmoidGrouped,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub top_k: usize,
+    /// Width of one routed expert.
+    pub expert_width: usize,
+    pub routing: Routing,
+    /// Renormalise the chosen weights to sum to 1.
+    pub norm_topk: bool,
+    /// Width of the shared expert(s) MLP (0: none).
+    pub shared_width: usize,
+    pub routed_scaling: f32,
+    pub n_group: usize,
+    pub topk_group: usize,
+}
+
+/// Multi-head latent attention (DeepSeek-V3).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaConfig {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub v_dim: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FfnKind {
+    Dense,
+    Moe,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -29,6 +80,16 @@ pub enum RopeScaling {
     None,
     Linear { factor: f32 },
     Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position: f32 },
+    Yarn { factor: f32, original_max_position: f32, beta_fast: f32, beta_slow: f32, mscale: f32, mscale_all_dim: f32 },
+}
+
+/// YaRN's attention magnitude correction `g(f, m)` (spec §1.3).
+fn yarn_get_mscale(factor: f32, m: f32) -> f32 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * factor.ln() + 1.0
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -43,15 +104,56 @@ pub struct RopeConfig {
 }
 
 impl RopeConfig {
+    /// Factor applied to the rotated slice of q and k before rotating (YaRN's mscale
+    /// ratio; 1 otherwise).
+    pub fn rotated_scale(&self) -> f32 {
+        match self.scaling {
+            RopeScaling::Yarn { factor, mscale, mscale_all_dim, .. } => {
+                yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+            }
+            _ => 1.0,
+        }
+    }
+
+    /// Extra softmax-scale factor: `g(f, mscale_all_dim)²` for YaRN when
+    /// mscale_all_dim ≠ 0 and f > 1 (DeepSeek), else 1.
+    pub fn softmax_scale_factor(&self) -> f32 {
+        match self.scaling {
+            RopeScaling::Yarn { factor, mscale_all_dim, .. } if mscale_all_dim != 0.0 && factor > 1.0 => {
+                let m = yarn_get_mscale(factor, mscale_all_dim);
+                m * m
+            }
+            _ => 1.0,
+        }
+    }
+
     /// Inverse frequencies `θ^(−2i/d)` with scaling applied (spec §1.3).
     pub fn inv_freq(&self) -> Vec<f32> {
         let d = self.dim;
+        if let RopeScaling::Yarn { factor, original_max_position, beta_fast, beta_slow, .. } = self.scaling {
+            let (d64, theta) = (d as f64, self.theta as f64);
+            let correction_dim =
+                |r: f64| d64 * (original_max_position as f64 / (2.0 * std::f64::consts::PI * r)).ln() / (2.0 * theta.ln());
+            let lo = correction_dim(beta_fast as f64).floor().max(0.0);
+            let mut hi = correction_dim(beta_slow as f64).ceil().min(d64 - 1.0);
+            if lo == hi {
+                hi += 0.001;
+            }
+            return (0..d / 2)
+                .map(|i| {
+                    let ramp = ((i as f64 - lo) / (hi - lo)).clamp(0.0, 1.0);
+                    let base = theta.powf(-2.0 * i as f64 / d64);
+                    (base * (1.0 - ramp) + base / factor as f64 * ramp) as f32
+                })
+                .collect();
+        }
         (0..d / 2)
             .map(|i| {
                 let inv = 1.0 / (self.theta as f64).powf(2.0 * i as f64 / d as f64);
                 match self.scaling {
                     RopeScaling::None => inv as f32,
                     RopeScaling::Linear { factor } => (inv / factor as f64) as f32,
+                    RopeScaling::Yarn { .. } => unreachable!("handled above"),
                     RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
                         let (factor, low, high, orig) =
                             (factor as f64, low_freq_factor as f64, high_freq_factor as f64, original_max_position as f64);
@@ -94,6 +196,10 @@ pub struct ModelConfig {
     /// Per-head RMSNorm on q and k before RoPE (qwen3).
     pub qk_norm: bool,
     pub context_max: usize,
+    /// Dense or MoE, per layer.
+    pub layer_ffn: Vec<FfnKind>,
+    pub moe: Option<MoeConfig>,
+    pub mla: Option<MlaConfig>,
 }
 
 struct Json<'a> {
@@ -156,11 +262,16 @@ impl ModelConfig {
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "mixtral" => Arch::Mixtral,
+            "deepseek_v3" | "kimi_k2" => Arch::DeepseekV3,
             other => {
                 return Err(LoadError::key(
                     &j.path,
                     "model_type",
-                    format!("`{other}` is not supported (supported: llama, mistral, qwen2, qwen3)"),
+                    format!(
+                        "`{other}` is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3, kimi_k2)"
+                    ),
                 ))
             }
         };
@@ -170,10 +281,32 @@ impl ModelConfig {
         if heads == 0 || hidden == 0 {
             return Err(LoadError::key(&j.path, "num_attention_heads", "hidden_size and num_attention_heads must be > 0"));
         }
+        let mla = if arch == Arch::DeepseekV3 {
+            let q_lora_rank = match j.get("q_lora_rank") {
+                None => None,
+                Some(_) => Some(j.usize("q_lora_rank")?),
+            };
+            Some(MlaConfig {
+                q_lora_rank,
+                kv_lora_rank: j.usize("kv_lora_rank")?,
+                nope_dim: j.usize("qk_nope_head_dim")?,
+                rope_dim: j.usize("qk_rope_head_dim")?,
+                v_dim: j.usize("v_head_dim")?,
+            })
+        } else {
+            None
+        };
         let head_dim = match j.get("head_dim") {
-            Some(_) => j.usize("head_dim")?,
-            None if arch == Arch::Qwen3 => return Err(LoadError::key(&j.path, "head_dim", "missing (qwen3 requires it)")),
-            None => {
+            // mlx ignores head_dim for mixtral (always H / heads); MLA has its own dims.
+            Some(_) if !matches!(arch, Arch::Mixtral | Arch::DeepseekV3) => j.usize("head_dim")?,
+            _ if arch == Arch::DeepseekV3 => {
+                let m = mla.as_ref().expect("set above");
+                m.nope_dim + m.rope_dim
+            }
+            None if matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe) => {
+                return Err(LoadError::key(&j.path, "head_dim", format!("missing ({model_type} requires it)")))
+            }
+            _ => {
                 if hidden % heads != 0 {
                     return Err(LoadError::key(
                         &j.path,
@@ -190,9 +323,14 @@ impl ModelConfig {
         let theta = match (j.get("rope_theta"), &nested) {
             (Some(_), _) => j.f32_or("rope_theta", None)?,
             (None, Some(n)) if n.get("rope_theta").is_some() => n.f32_or("rope_theta", None)?,
+            _ if arch == Arch::Mixtral => 1_000_000.0,
             _ => 10_000.0,
         };
-        let scaling_value = j.get("rope_scaling").or(rope_params);
+        // mlx ignores rope_scaling for qwen3_moe and mixtral (spec §6).
+        let scaling_value = match arch {
+            Arch::Qwen3Moe | Arch::Mixtral => None,
+            _ => j.get("rope_scaling").or(rope_params),
+        };
         let scaling = match scaling_value {
             None => RopeScaling::None,
             Some(s) => {
@@ -201,6 +339,14 @@ impl ModelConfig {
                 match ty {
                     "default" => RopeScaling::None,
                     "linear" => RopeScaling::Linear { factor: sj.f32_or("factor", None)? },
+                    "yarn" | "deepseek_yarn" => RopeScaling::Yarn {
+                        factor: sj.f32_or("factor", None)?,
+                        original_max_position: sj.f32_or("original_max_position_embeddings", Some(4096.0))?,
+                        beta_fast: sj.f32_or("beta_fast", Some(32.0))?,
+                        beta_slow: sj.f32_or("beta_slow", Some(1.0))?,
+                        mscale: sj.f32_or("mscale", Some(1.0))?,
+                        mscale_all_dim: sj.f32_or("mscale_all_dim", Some(0.0))?,
+                    },
                     "llama3" => RopeScaling::Llama3 {
                         factor: sj.f32_or("factor", None)?,
                         low_freq_factor: sj.f32_or("low_freq_factor", Some(1.0))?,
@@ -211,37 +357,119 @@ impl ModelConfig {
                         return Err(LoadError::key(
                             &j.path,
                             "rope_scaling.rope_type",
-                            format!("`{other}` is not supported for {model_type} (default, linear, llama3 are)"),
+                            format!("`{other}` is not supported for {model_type} (default, linear, llama3, yarn are)"),
                         ))
                     }
                 }
             }
         };
         let (qkv_bias, o_bias, mlp_bias) = match arch {
-            Arch::Llama => {
+            Arch::Llama | Arch::DeepseekV3 => {
                 let ab = j.bool_or("attention_bias", false)?;
                 (ab, ab, j.bool_or("mlp_bias", false)?)
             }
             Arch::Qwen2 => (true, false, false),
-            Arch::Qwen3 => (false, false, false),
+            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral => (false, false, false),
         };
+        let layers = j.usize("num_hidden_layers")?;
+        let (moe, layer_ffn) = match arch {
+            Arch::Qwen3Moe => {
+                let experts = j.usize("num_experts")?;
+                let step = j.usize_or("decoder_sparse_step", 1)?.max(1);
+                let mlp_only: Vec<usize> = match j.get("mlp_only_layers") {
+                    None => vec![],
+                    Some(v) => v
+                        .as_array()
+                        .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<Vec<_>>>())
+                        .ok_or_else(|| LoadError::key(&j.path, "mlp_only_layers", format!("expected a list of layer indices, got {v}")))?,
+                };
+                let kinds = (0..layers)
+                    .map(|i| if !mlp_only.contains(&i) && experts > 0 && (i + 1) % step == 0 { FfnKind::Moe } else { FfnKind::Dense })
+                    .collect();
+                let moe = MoeConfig {
+                    experts,
+                    top_k: j.usize("num_experts_per_tok")?,
+                    expert_width: j.usize("moe_intermediate_size")?,
+                    routing: Routing::SoftmaxTopK,
+                    norm_topk: j.bool_or("norm_topk_prob", false)?,
+                    shared_width: 0,
+                    routed_scaling: 1.0,
+                    n_group: 1,
+                    topk_group: 1,
+                };
+                (Some(moe), kinds)
+            }
+            Arch::Mixtral => {
+                let moe = MoeConfig {
+                    experts: j.usize("num_local_experts")?,
+                    top_k: j.usize("num_experts_per_tok")?,
+                    expert_width: j.usize("intermediate_size")?,
+                    routing: Routing::TopKSoftmax,
+                    norm_topk: false,
+                    shared_width: 0,
+                    routed_scaling: 1.0,
+                    n_group: 1,
+                    topk_group: 1,
+                };
+                (Some(moe), vec![FfnKind::Moe; layers])
+            }
+            Arch::DeepseekV3 => {
+                for (key, want) in [("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")] {
+                    if let Some(v) = j.get(key) {
+                        if v.as_str() != Some(want) {
+                            return Err(LoadError::key(&j.path, key, format!("only `{want}` is supported, got {v}")));
+                        }
+                    }
+                }
+                let experts = j.usize_or("n_routed_experts", 0)?;
+                let first_dense = j.usize_or("first_k_dense_replace", 0)?;
+                let freq = j.usize_or("moe_layer_freq", 1)?.max(1);
+                let kinds = (0..layers)
+                    .map(|i| if experts > 0 && i >= first_dense && i % freq == 0 { FfnKind::Moe } else { FfnKind::Dense })
+                    .collect();
+                let expert_width = j.usize("moe_intermediate_size")?;
+                let moe = MoeConfig {
+                    experts,
+                    top_k: j.usize("num_experts_per_tok")?,
+                    expert_width,
+                    routing: Routing::SigmoidGrouped,
+                    norm_topk: j.bool_or("norm_topk_prob", true)?,
+                    shared_width: expert_width * j.usize_or("n_shared_experts", 0)?,
+                    routed_scaling: j.f32_or("routed_scaling_factor", Some(1.0))?,
+                    n_group: j.usize_or("n_group", 1)?.max(1),
+                    topk_group: j.usize_or("topk_group", 1)?.max(1),
+                };
+                (Some(moe), kinds)
+            }
+            _ => (None, vec![FfnKind::Dense; layers]),
+        };
+        let rope_dim = mla.as_ref().map_or(head_dim, |m| m.rope_dim);
         let cfg = ModelConfig {
             arch,
             hidden,
-            layers: j.usize("num_hidden_layers")?,
+            layers,
             intermediate: j.usize("intermediate_size")?,
             heads,
             kv_heads,
             head_dim,
             vocab: j.usize("vocab_size")?,
             rms_eps: j.f32_or("rms_norm_eps", Some(1e-6))?,
-            rope: RopeConfig { theta, dim: head_dim, scaling, interleaved: j.bool_or("rope_traditional", false)? },
+            rope: RopeConfig {
+                theta,
+                dim: rope_dim,
+                scaling,
+                // DeepSeek's rope pairs are interleaved (mlx `traditional=True`).
+                interleaved: arch == Arch::DeepseekV3 || j.bool_or("rope_traditional", false)?,
+            },
             tie_embeddings: j.opt_bool("tie_word_embeddings")?,
             qkv_bias,
             o_bias,
             mlp_bias,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             context_max: j.usize_or("max_position_embeddings", 4096)?,
+            layer_ffn,
+            moe,
+            mla,
         };
         cfg.validate().map_err(|(key, reason)| LoadError::key(&j.path, key, reason))?;
         Ok(cfg)
@@ -309,10 +537,11 @@ impl ModelConfig {
                 return Err(LoadError::key(path, key("rope.scaling.type"), format!("`{other}` is not supported (none, linear)")))
             }
         };
+        let layers = uint("block_count")?;
         let cfg = ModelConfig {
             arch,
             hidden,
-            layers: uint("block_count")?,
+            layers,
             intermediate: uint("feed_forward_length")?,
             heads,
             kv_heads,
@@ -332,6 +561,9 @@ impl ModelConfig {
             mlp_bias: false,
             qk_norm: arch == Arch::Qwen3,
             context_max: uint_or("context_length", 4096)?,
+            layer_ffn: vec![FfnKind::Dense; layers],
+            moe: None,
+            mla: None,
         };
         cfg.validate().map_err(|(k, reason)| LoadError::key(path, key(gguf_key(k)), reason))?;
         Ok(cfg)
@@ -361,6 +593,33 @@ impl ModelConfig {
         if self.head_dim % 2 != 0 || self.rope.dim % 2 != 0 || self.rope.dim > self.head_dim {
             return Err(("head_dim", format!("head_dim {} / rope dim {} must be even, rope ≤ head", self.head_dim, self.rope.dim)));
         }
+        if self.layer_ffn.len() != self.layers {
+            return Err(("num_hidden_layers", format!("{} layer kinds for {} layers", self.layer_ffn.len(), self.layers)));
+        }
+        if let Some(m) = &self.moe {
+            if self.layer_ffn.contains(&FfnKind::Moe) {
+                if m.experts == 0 || m.top_k == 0 || m.top_k > m.experts {
+                    return Err(("num_experts_per_tok", format!("{} experts per token of {} experts", m.top_k, m.experts)));
+                }
+                if m.experts % m.n_group != 0 || m.topk_group > m.n_group {
+                    return Err(("n_group", format!("{} experts in {} groups, {} kept", m.experts, m.n_group, m.topk_group)));
+                }
+                if m.n_group > 1 && m.experts / m.n_group < 2 {
+                    return Err(("n_group", "grouped routing needs at least 2 experts per group".into()));
+                }
+                if m.top_k > m.topk_group * (m.experts / m.n_group) {
+                    return Err(("topk_group", format!("{} kept groups cannot supply {} experts", m.topk_group, m.top_k)));
+                }
+                if m.expert_width == 0 {
+                    return Err(("moe_intermediate_size", "must be > 0".into()));
+                }
+            }
+        }
+        if let Some(m) = &self.mla {
+            if m.kv_lora_rank == 0 || m.v_dim == 0 || m.rope_dim % 2 != 0 || m.q_lora_rank == Some(0) {
+                return Err(("kv_lora_rank", format!("invalid MLA dims {m:?}")));
+            }
+        }
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
             return Err(("rms_norm_eps", format!("must be a positive number, got {}", self.rms_eps)));
         }
@@ -368,28 +627,6 @@ impl ModelConfig {
             return Err(("rope_theta", format!("must be a positive number, got {}", self.rope.theta)));
         }
         Ok(())
-    }
-
-    /// Weight parameters (embeddings counted once when tied).
-    pub fn param_count(&self, tied: bool) -> usize {
-        let (h, i) = (self.hidden, self.intermediate);
-        let q = self.heads * self.head_dim;
-        let kv = self.kv_heads * self.head_dim;
-        let mut per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h;
-        if self.qkv_bias {
-            per_layer += q + 2 * kv;
-        }
-        if self.o_bias {
-            per_layer += h;
-        }
-        if self.mlp_bias {
-            per_layer += 2 * i + h;
-        }
-        if self.qk_norm {
-            per_layer += 2 * self.head_dim;
-        }
-        let embed = self.vocab * h;
-        per_layer * self.layers + embed + h + if tied { 0 } else { embed }
     }
 }
 

@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod moe;
 pub mod names;
 pub mod tokenizer;
 pub mod transformer;

@@ -1,55 +1,120 @@
-//! The dense decoder-only transformer: llama, qwen2 and qwen3 (spec §1, §2.1–2.2),
-//! from HF or GGUF checkpoints through the same code.
+//! The decoder-only transformer: llama, qwen2, qwen3 (spec §1, §2.1–2.2), the MoE
+//! families qwen3_moe and mixtral (§2.3–2.4), and deepseek_v3 / kimi_k2 with MLA
+//! attention and DeepSeekMoE (§2.5–2.6), from HF or GGUF checkpoints through the same
+//! code.
 //!
 //! One step runs `T` tokens of one sequence: embeddings → for each layer
-//! (RMSNorm → q/k/v → [q/k norm] → RoPE → cache → causal attention → o_proj →
-//! residual → RMSNorm → SwiGLU MLP → residual) → final norm → LM head. All buffers a
-//! step needs live in a [`Workspace`] sized at load from [`StepLimits`]; a step
-//! allocates nothing.
+//! (RMSNorm → attention (GQA or MLA) → residual → RMSNorm → FFN (dense SwiGLU or
+//! sparse MoE) → residual) → final norm → LM head. All buffers a step needs live in a
+//! [`Workspace`] sized at load from [`StepLimits`]; a step allocates nothing.
+//!
+//! MoE runs sparsely: tokens are grouped by expert, each chosen expert's weights are
+//! read once for all of its tokens, and unchosen experts are never touched.
+//! MLA runs in the absorbed form for prefill and decode alike, so the cache holds only
+//! the compressed latent and the rope key (`kv_lora_rank + qk_rope_head_dim` floats
+//! per token per layer).
 
 use crate::checkpoint::{Checkpoint, TensorInfo};
-use crate::config::ModelConfig;
+use crate::config::{FfnKind, MlaConfig, ModelConfig, MoeConfig};
 use crate::error::{LoadError, Result};
+use crate::moe::{route, RouteScratch};
 use crate::names::stored_name;
 use std::ops::Range;
 use std::sync::Arc;
 use tessera_kernels::pool::SharedMut;
 use tessera_kernels::{matmul, ops, scalar, Isa, MatmulScratch, ThreadPool, WeightFormat, WeightRows};
 
-/// A weight matrix `[rows, cols]` left in place in the checkpoint's memory map.
+/// Where a weight matrix's bytes live.
+#[derive(Clone, Debug)]
+enum Storage {
+    /// In the checkpoint's memory map.
+    Mapped { file: usize, range: Range<usize> },
+    /// Built at load (e.g. MLA's per-head matrices split from `kv_b_proj`).
+    Owned(Arc<Vec<u8>>),
+}
+
+/// A weight matrix `[rows, cols]`.
 #[derive(Clone, Debug)]
 pub struct Linear {
     pub name: String,
     pub format: WeightFormat,
     pub rows: usize,
     pub cols: usize,
-    file: usize,
-    range: Range<usize>,
+    storage: Storage,
     pub bias: Option<Vec<f32>>,
 }
 
 impl Linear {
-    pub fn weights<'a>(&self, ckpt: &'a Checkpoint) -> WeightRows<'a> {
-        let data = &ckpt.files[self.file].map[self.range.clone()];
+    pub fn weights<'a>(&'a self, ckpt: &'a Checkpoint) -> WeightRows<'a> {
+        let data: &[u8] = match &self.storage {
+            Storage::Mapped { file, range } => &ckpt.files[*file].map[range.clone()],
+            Storage::Owned(v) => v,
+        };
         WeightRows::new(self.format, self.rows, self.cols, data).expect("shape checked at load")
     }
     pub fn bytes(&self) -> usize {
-        self.range.len()
+        self.rows * self.format.row_bytes(self.cols).expect("checked at load")
+    }
+    fn owned_f32(name: String, rows: usize, cols: usize, data: &[f32]) -> Linear {
+        assert_eq!(data.len(), rows * cols);
+        let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Linear { name, format: WeightFormat::F32, rows, cols, storage: Storage::Owned(Arc::new(bytes)), bias: None }
     }
 }
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    ffn_norm: Vec<f32>,
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct Moe {
+    router: Linear,
+    correction_bias: Option<Vec<f32>>,
+    gate: Vec<Linear>,
+    up: Vec<Linear>,
+    down: Vec<Linear>,
+    shared: Option<Mlp>,
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+struct Gqa {
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+}
+
+struct Mla {
+    /// `q_a_proj` and `q_a_layernorm` when `q_lora_rank` is set.
+    q_a: Option<(Linear, Vec<f32>)>,
+    /// `q_b_proj` (after q_a) or `q_proj`.
+    q: Linear,
+    kv_a: Linear,
+    kv_a_norm: Vec<f32>,
+    /// `[heads · r, nope]`: head h's rows map q_nope to the latent (W_UKᵀ).
+    embed_q: Linear,
+    /// `[heads · dv, r]`: head h's rows map the latent output to values (W_UV).
+    unembed_out: Linear,
+    o: Linear,
+}
+
+enum Attn {
+    Gqa(Gqa),
+    Mla(Mla),
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    attn: Attn,
+    ffn: Ffn,
 }
 
 /// Which rows of a step produce logits.
@@ -96,14 +161,16 @@ pub struct DenseTransformer {
     isa: Isa,
 }
 
-/// Per-sequence KV cache: keys (after RoPE and k-norm) and values, f32,
-/// `[layer][position][kv_head][head_dim]`.
+/// Per-sequence cache, `[layer][position][row]`. GQA: keys (after RoPE and k-norm)
+/// and values, `kv_heads · head_dim` each. MLA: the normed latent `c` (`kv_lora_rank`)
+/// in `k` and the roped shared key `k_pe` (`qk_rope_head_dim`) in `v`.
 pub struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     len: usize,
     capacity: usize,
-    row: usize,
+    k_row: usize,
+    v_row: usize,
 }
 
 impl KvCache {
@@ -123,6 +190,10 @@ impl KvCache {
     /// Drop cached tokens past `len` (e.g. to reuse a shared prompt prefix).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
+    }
+    /// Floats cached per token per layer.
+    pub fn floats_per_token_per_layer(&self) -> usize {
+        self.k_row + self.v_row
     }
 }
 
@@ -144,10 +215,154 @@ pub struct Workspace {
     scores: Vec<f32>,
     threads: usize,
     mm: MatmulScratch,
+    // MLA: per-head gathers and latents.
+    head_in: Vec<f32>,
+    head_out: Vec<f32>,
+    q_lat: Vec<f32>,
+    out_lat: Vec<f32>,
+    // MoE.
+    router_logits: Vec<f32>,
+    route_ids: Vec<u32>,
+    route_weights: Vec<f32>,
+    route_scratch: Option<RouteScratch>,
+    expert_count: Vec<usize>,
+    expert_slots: Vec<(u32, f32)>,
+    moe_in: Vec<f32>,
+    moe_out: Vec<f32>,
 }
 
 fn shape_str(s: &[usize]) -> String {
     format!("{s:?}")
+}
+
+/// Looks tensors up by HF name in a checkpoint of either container, checking shapes
+/// and dtypes against the config.
+struct Loader<'a> {
+    c: &'a Checkpoint,
+    arch: &'static str,
+}
+
+impl<'a> Loader<'a> {
+    fn find(&self, hf: &str) -> Option<&'a TensorInfo> {
+        self.c.get(&stored_name(self.c.kind, hf))
+    }
+
+    fn require(&self, hf: &str) -> Result<&'a TensorInfo> {
+        self.find(hf).ok_or_else(|| LoadError::MissingTensor {
+            path: self.c.path.clone(),
+            tensor: stored_name(self.c.kind, hf),
+            hint: format!(" (required by the {} config)", self.arch),
+        })
+    }
+
+    fn format_of(&self, t: &TensorInfo) -> Result<WeightFormat> {
+        t.dtype.weight_format().ok_or_else(|| {
+            LoadError::tensor(self.c.file_of(t), &t.name, format!("dtype {:?} cannot be used as a weight matrix", t.dtype))
+        })
+    }
+
+    fn linear(&self, hf: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear> {
+        let t = self.require(hf)?;
+        let file = self.c.file_of(t);
+        if t.shape != [rows, cols] {
+            return Err(LoadError::tensor(
+                file,
+                &t.name,
+                format!("shape {} does not match the config's [{rows}, {cols}]", shape_str(&t.shape)),
+            ));
+        }
+        let format = self.format_of(t)?;
+        format.row_bytes(cols).map_err(|e| LoadError::tensor(file, &t.name, e.to_string()))?;
+        let bias = if bias {
+            let name = hf.strip_suffix(".weight").unwrap_or(hf).to_string() + ".bias";
+            Some(self.vector(&name, rows)?)
+        } else {
+            None
+        };
+        Ok(Linear {
+            name: t.name.clone(),
+            format,
+            rows,
+            cols,
+            storage: Storage::Mapped { file: t.file, range: t.range.clone() },
+            bias,
+        })
+    }
+
+    /// `n` matrices `[rows, cols]` stacked in one tensor `[n, rows, cols]`, as views.
+    fn stacked(&self, hf: &str, n: usize, rows: usize, cols: usize) -> Result<Vec<Linear>> {
+        let t = self.require(hf)?;
+        let file = self.c.file_of(t);
+        if t.shape != [n, rows, cols] {
+            return Err(LoadError::tensor(
+                file,
+                &t.name,
+                format!("shape {} does not match the config's [{n}, {rows}, {cols}]", shape_str(&t.shape)),
+            ));
+        }
+        let format = self.format_of(t)?;
+        let row_bytes = format.row_bytes(cols).map_err(|e| LoadError::tensor(file, &t.name, e.to_string()))?;
+        let per = rows * row_bytes;
+        Ok((0..n)
+            .map(|e| Linear {
+                name: format!("{}[{e}]", t.name),
+                format,
+                rows,
+                cols,
+                storage: Storage::Mapped { file: t.file, range: t.range.start + e * per..t.range.start + (e + 1) * per },
+                bias: None,
+            })
+            .collect())
+    }
+
+    fn vector(&self, hf: &str, n: usize) -> Result<Vec<f32>> {
+        vector(self.c, self.require(hf)?, n)
+    }
+
+    /// A whole matrix dequantized to f32 (small matrices only: MLA's kv_b).
+    fn dense_f32(&self, hf: &str, rows: usize, cols: usize) -> Result<Vec<f32>> {
+        let l = self.linear(hf, rows, cols, false)?;
+        let w = l.weights(self.c);
+        let mut out = vec![0.0; rows * cols];
+        for r in 0..rows {
+            scalar::dequantize_row(w.format, w.row(r), &mut out[r * cols..(r + 1) * cols]);
+        }
+        Ok(out)
+    }
+
+    fn mlp(&self, prefix: &str, width: usize, hidden: usize, bias: bool) -> Result<Mlp> {
+        Ok(Mlp {
+            gate: self.linear(&format!("{prefix}.gate_proj.weight"), width, hidden, bias)?,
+            up: self.linear(&format!("{prefix}.up_proj.weight"), width, hidden, bias)?,
+            down: self.linear(&format!("{prefix}.down_proj.weight"), hidden, width, bias)?,
+        })
+    }
+
+    /// Routed experts: per-expert HF tensors, or stacked (MLX `switch_mlp`, GGUF `_exps`).
+    fn experts(&self, prefix: &str, names: [&str; 3], m: &MoeConfig, hidden: usize) -> Result<[Vec<Linear>; 3]> {
+        let (e, w) = (m.experts, m.expert_width);
+        let shapes = [(w, hidden), (w, hidden), (hidden, w)];
+        if self.find(&format!("{prefix}.experts.0.{}.weight", names[0])).is_some() {
+            let mut out: [Vec<Linear>; 3] = Default::default();
+            for (k, (rows, cols)) in shapes.iter().enumerate() {
+                for i in 0..e {
+                    out[k].push(self.linear(&format!("{prefix}.experts.{i}.{}.weight", names[k]), *rows, *cols, false)?);
+                }
+            }
+            // More experts on disk than the config says means they disagree.
+            let extra = format!("{prefix}.experts.{e}.{}.weight", names[0]);
+            if let Some(t) = self.find(&extra) {
+                return Err(LoadError::tensor(self.c.file_of(t), &t.name, format!("the checkpoint has more experts than the config's {e}")));
+            }
+            return Ok(out);
+        }
+        let stacked = ["gate_proj", "up_proj", "down_proj"];
+        let mut out: [Vec<Linear>; 3] = Default::default();
+        for (k, (rows, cols)) in shapes.iter().enumerate() {
+            out[k] = self.stacked(&format!("{prefix}.switch_mlp.{}.weight", stacked[k]), e, *rows, *cols)?;
+        }
+        Ok(out)
+    }
 }
 
 impl DenseTransformer {
@@ -155,91 +370,85 @@ impl DenseTransformer {
     /// dtype and shape against the config, reads the small ones (norms, biases) into
     /// memory and leaves the matrices in the memory map.
     pub fn load(ckpt: Arc<Checkpoint>, cfg: ModelConfig) -> Result<DenseTransformer> {
-        let c = &*ckpt;
-        let find = |hf: &str| -> Option<&TensorInfo> { c.get(&stored_name(c.kind, hf)) };
-        let require = |hf: &str| -> Result<&TensorInfo> {
-            find(hf).ok_or_else(|| LoadError::MissingTensor {
-                path: c.path.clone(),
-                tensor: stored_name(c.kind, hf),
-                hint: format!(" (required by the {} config)", cfg.arch.name()),
-            })
-        };
-        let linear = |hf: &str, rows: usize, cols: usize, bias: bool| -> Result<Linear> {
-            let t = require(hf)?;
-            let file = c.file_of(t);
-            if t.shape != [rows, cols] {
-                return Err(LoadError::tensor(
-                    file,
-                    &t.name,
-                    format!("shape {} does not match the config's [{rows}, {cols}]", shape_str(&t.shape)),
-                ));
-            }
-            let format = t
-                .dtype
-                .weight_format()
-                .ok_or_else(|| LoadError::tensor(file, &t.name, format!("dtype {:?} cannot be used as a weight matrix", t.dtype)))?;
-            format.row_bytes(cols).map_err(|e| LoadError::tensor(file, &t.name, e.to_string()))?;
-            let bias = if bias {
-                let name = hf.strip_suffix(".weight").unwrap_or(hf).to_string() + ".bias";
-                Some(vector(c, require(&name)?, rows)?)
-            } else {
-                None
-            };
-            Ok(Linear { name: t.name.clone(), format, rows, cols, file: t.file, range: t.range.clone(), bias })
-        };
-        let norm = |hf: &str, n: usize| -> Result<Vec<f32>> { vector(c, require(hf)?, n) };
-
+        let ld = Loader { c: &ckpt, arch: cfg.arch.name() };
         let (h, v) = (cfg.hidden, cfg.vocab);
-        let q_dim = cfg.heads * cfg.head_dim;
-        let kv_dim = cfg.kv_heads * cfg.head_dim;
-        let embed = linear("model.embed_tokens.weight", v, h, false)?;
-        let head_present = find("lm_head.weight").is_some();
+        let embed = ld.linear("model.embed_tokens.weight", v, h, false)?;
+        let head_present = ld.find("lm_head.weight").is_some();
         let tied = cfg.tie_embeddings.unwrap_or(!head_present);
-        let head = if tied { None } else { Some(linear("lm_head.weight", v, h, false)?) };
+        let head = if tied { None } else { Some(ld.linear("lm_head.weight", v, h, false)?) };
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let p = |s: &str| format!("model.layers.{i}.{s}");
+            let attn = match &cfg.mla {
+                None => {
+                    let q_dim = cfg.heads * cfg.head_dim;
+                    let kv_dim = cfg.kv_heads * cfg.head_dim;
+                    Attn::Gqa(Gqa {
+                        q: ld.linear(&p("self_attn.q_proj.weight"), q_dim, h, cfg.qkv_bias)?,
+                        k: ld.linear(&p("self_attn.k_proj.weight"), kv_dim, h, cfg.qkv_bias)?,
+                        v: ld.linear(&p("self_attn.v_proj.weight"), kv_dim, h, cfg.qkv_bias)?,
+                        o: ld.linear(&p("self_attn.o_proj.weight"), h, q_dim, cfg.o_bias)?,
+                        q_norm: cfg.qk_norm.then(|| ld.vector(&p("self_attn.q_norm.weight"), cfg.head_dim)).transpose()?,
+                        k_norm: cfg.qk_norm.then(|| ld.vector(&p("self_attn.k_norm.weight"), cfg.head_dim)).transpose()?,
+                    })
+                }
+                Some(m) => Attn::Mla(load_mla(&ld, &cfg, m, i)?),
+            };
+            let ffn = match cfg.layer_ffn[i] {
+                FfnKind::Dense => Ffn::Dense(ld.mlp(&p("mlp"), cfg.intermediate, h, cfg.mlp_bias)?),
+                FfnKind::Moe => {
+                    let m = cfg.moe.as_ref().expect("MoE layers have a MoE config");
+                    let (prefix, names) = match cfg.arch {
+                        crate::config::Arch::Mixtral => (p("block_sparse_moe"), ["w1", "w3", "w2"]),
+                        _ => (p("mlp"), ["gate_proj", "up_proj", "down_proj"]),
+                    };
+                    let [gate, up, down] = ld.experts(&prefix, names, m, h)?;
+                    let correction_bias = match cfg.arch {
+                        crate::config::Arch::DeepseekV3 => Some(ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.experts)?),
+                        _ => None,
+                    };
+                    Ffn::Moe(Moe {
+                        router: ld.linear(&format!("{prefix}.gate.weight"), m.experts, h, false)?,
+                        correction_bias,
+                        gate,
+                        up,
+                        down,
+                        shared: (m.shared_width > 0)
+                            .then(|| ld.mlp(&format!("{prefix}.shared_experts"), m.shared_width, h, false))
+                            .transpose()?,
+                    })
+                }
+            };
             layers.push(Layer {
-                attn_norm: norm(&p("input_layernorm.weight"), h)?,
-                ffn_norm: norm(&p("post_attention_layernorm.weight"), h)?,
-                q: linear(&p("self_attn.q_proj.weight"), q_dim, h, cfg.qkv_bias)?,
-                k: linear(&p("self_attn.k_proj.weight"), kv_dim, h, cfg.qkv_bias)?,
-                v: linear(&p("self_attn.v_proj.weight"), kv_dim, h, cfg.qkv_bias)?,
-                o: linear(&p("self_attn.o_proj.weight"), h, q_dim, cfg.o_bias)?,
-                q_norm: cfg.qk_norm.then(|| norm(&p("self_attn.q_norm.weight"), cfg.head_dim)).transpose()?,
-                k_norm: cfg.qk_norm.then(|| norm(&p("self_attn.k_norm.weight"), cfg.head_dim)).transpose()?,
-                gate: linear(&p("mlp.gate_proj.weight"), cfg.intermediate, h, cfg.mlp_bias)?,
-                up: linear(&p("mlp.up_proj.weight"), cfg.intermediate, h, cfg.mlp_bias)?,
-                down: linear(&p("mlp.down_proj.weight"), h, cfg.intermediate, cfg.mlp_bias)?,
+                attn_norm: ld.vector(&p("input_layernorm.weight"), h)?,
+                ffn_norm: ld.vector(&p("post_attention_layernorm.weight"), h)?,
+                attn,
+                ffn,
             });
         }
         // A layer past the configured count means config and tensors disagree.
         let extra = format!("model.layers.{}.input_layernorm.weight", cfg.layers);
-        if let Some(t) = find(&extra) {
-            return Err(LoadError::tensor(
-                c.file_of(t),
-                &t.name,
-                format!("the checkpoint has more layers than the config's {}", cfg.layers),
-            ));
+        if let Some(t) = ld.find(&extra) {
+            // DeepSeek-V3's layer 61 is the multi-token-prediction module: skipped, as mlx does.
+            let is_mtp = cfg.arch == crate::config::Arch::DeepseekV3 && ld.find(&format!("model.layers.{}.eh_proj.weight", cfg.layers)).is_some();
+            if !is_mtp {
+                return Err(LoadError::tensor(
+                    ckpt.file_of(t),
+                    &t.name,
+                    format!("the checkpoint has more layers than the config's {}", cfg.layers),
+                ));
+            }
         }
         let mut inv_freq = cfg.rope.inv_freq();
         // llama.cpp stores llama3 scaling as per-frequency divisors.
-        if let Some(t) = find("rope_freqs.weight") {
-            let div = vector(c, t, inv_freq.len())?;
+        if let Some(t) = ld.find("rope_freqs.weight") {
+            let div = vector(&ckpt, t, inv_freq.len())?;
             for (f, d) in inv_freq.iter_mut().zip(div) {
                 *f /= d;
             }
         }
-        Ok(DenseTransformer {
-            norm: norm("model.norm.weight", h)?,
-            cfg,
-            embed,
-            head,
-            layers,
-            inv_freq,
-            isa: Isa::detect(),
-            ckpt,
-        })
+        let norm = ld.vector("model.norm.weight", h)?;
+        Ok(DenseTransformer { norm, cfg, embed, head, layers, inv_freq, isa: Isa::detect(), ckpt })
     }
 
     pub fn checkpoint(&self) -> &Checkpoint {
@@ -263,44 +472,114 @@ impl DenseTransformer {
         self.head.as_ref().unwrap_or(&self.embed)
     }
 
-    /// Every weight matrix, for inspection and load-time prefetch.
+    /// Every weight matrix (experts included), for inspection and load-time prefetch.
     pub fn linears(&self) -> Vec<&Linear> {
         let mut out = vec![&self.embed];
         if let Some(h) = &self.head {
             out.push(h);
         }
         for l in &self.layers {
-            out.extend([&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]);
+            out.extend(attn_linears(&l.attn));
+            match &l.ffn {
+                Ffn::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),
+                Ffn::Moe(m) => {
+                    out.push(&m.router);
+                    out.extend(m.gate.iter().chain(&m.up).chain(&m.down));
+                    if let Some(s) = &m.shared {
+                        out.extend([&s.gate, &s.up, &s.down]);
+                    }
+                }
+            }
         }
         out
     }
 
-    /// Bytes of weights read to decode one token: every layer matrix, the head, and
-    /// one embedding row. This is what bounds decode speed: tok/s ≤ bandwidth / this.
+    /// (bytes, parameters) of weights read to decode one token: attention, dense
+    /// MLPs, routers, `top_k` experts per MoE layer (average expert size), shared
+    /// experts, the head and one embedding row. Bytes bound decode speed:
+    /// tok/s ≤ bandwidth / bytes.
+    pub fn per_token_reads(&self) -> (usize, usize) {
+        let mut bytes = 0usize;
+        let mut params = 0usize;
+        let mut add = |l: &Linear, frac: f64| {
+            bytes += (l.bytes() as f64 * frac) as usize;
+            params += (l.rows as f64 * l.cols as f64 * frac) as usize;
+        };
+        for l in &self.layers {
+            for m in attn_linears(&l.attn) {
+                add(m, 1.0);
+            }
+            match &l.ffn {
+                Ffn::Dense(m) => [&m.gate, &m.up, &m.down].into_iter().for_each(|x| add(x, 1.0)),
+                Ffn::Moe(m) => {
+                    add(&m.router, 1.0);
+                    let k = self.cfg.moe.as_ref().map_or(0, |c| c.top_k) as f64 / m.gate.len() as f64;
+                    m.gate.iter().chain(&m.up).chain(&m.down).for_each(|x| add(x, k));
+                    if let Some(s) = &m.shared {
+                        [&s.gate, &s.up, &s.down].into_iter().for_each(|x| add(x, 1.0));
+                    }
+                }
+            }
+        }
+        add(self.head(), 1.0);
+        add(&self.embed, 1.0 / self.embed.rows as f64);
+        (bytes, params)
+    }
+
+    /// Bytes of weights read to decode one token (see [`Self::per_token_reads`]).
     pub fn bytes_per_token(&self) -> usize {
-        let layers: usize = self.layers.iter().map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|m| m.bytes()).sum::<usize>()).sum();
-        let embed_row = self.embed.bytes() / self.embed.rows;
-        layers + self.head().bytes() + embed_row
+        self.per_token_reads().0
+    }
+
+    /// Floats the KV cache holds per token of context, all layers together.
+    pub fn kv_floats_per_token(&self) -> usize {
+        let (k, v) = self.kv_rows();
+        self.cfg.layers * (k + v)
+    }
+
+    fn kv_rows(&self) -> (usize, usize) {
+        match &self.cfg.mla {
+            Some(m) => (m.kv_lora_rank, m.rope_dim),
+            None => {
+                let row = self.cfg.kv_heads * self.cfg.head_dim;
+                (row, row)
+            }
+        }
     }
 
     pub fn new_cache(&self, limits: StepLimits) -> KvCache {
-        let row = self.cfg.kv_heads * self.cfg.head_dim;
-        let n = limits.context_max * row;
+        let (k_row, v_row) = self.kv_rows();
         KvCache {
-            k: (0..self.cfg.layers).map(|_| vec![0.0; n]).collect(),
-            v: (0..self.cfg.layers).map(|_| vec![0.0; n]).collect(),
+            k: (0..self.cfg.layers).map(|_| vec![0.0; limits.context_max * k_row]).collect(),
+            v: (0..self.cfg.layers).map(|_| vec![0.0; limits.context_max * v_row]).collect(),
             len: 0,
             capacity: limits.context_max,
-            row,
+            k_row,
+            v_row,
         }
     }
 
     pub fn new_workspace(&self, limits: StepLimits, threads: usize) -> Workspace {
         let c = &self.cfg;
         let t = limits.tokens_per_step_max;
-        let q_dim = c.heads * c.head_dim;
-        let kv_dim = c.kv_heads * c.head_dim;
-        let widest = c.hidden.max(q_dim).max(c.intermediate);
+        let (q_dim, kv_dim, attn_dim, head_in, head_out, lat) = match &c.mla {
+            None => (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.heads * c.head_dim, 0, 0, 0),
+            Some(m) => {
+                let r = m.kv_lora_rank;
+                (
+                    c.heads * (m.nope_dim + m.rope_dim),
+                    r + m.rope_dim,
+                    c.heads * m.v_dim,
+                    m.nope_dim.max(r).max(m.q_lora_rank.unwrap_or(0)),
+                    r.max(m.v_dim),
+                    c.heads * r,
+                )
+            }
+        };
+        let moe = c.moe.as_ref().filter(|_| c.layer_ffn.contains(&FfnKind::Moe));
+        let ffn_width = c.intermediate.max(moe.map_or(0, |m| m.expert_width.max(m.shared_width)));
+        let widest = [c.hidden, q_dim, attn_dim, ffn_width, head_in, head_out].into_iter().max().unwrap_or(1);
+        let moe_rows = if moe.is_some() { t * c.hidden } else { 0 };
         Workspace {
             limits,
             x: vec![0.0; t * c.hidden],
@@ -308,15 +587,27 @@ impl DenseTransformer {
             q: vec![0.0; t * q_dim],
             k: vec![0.0; t * kv_dim],
             v: vec![0.0; t * kv_dim],
-            attn: vec![0.0; t * q_dim],
+            attn: vec![0.0; t * attn_dim],
             proj: vec![0.0; t * c.hidden],
-            gate: vec![0.0; t * c.intermediate],
-            up: vec![0.0; t * c.intermediate],
+            gate: vec![0.0; t * ffn_width],
+            up: vec![0.0; t * ffn_width],
             cos: vec![0.0; t * c.rope.dim / 2],
             sin: vec![0.0; t * c.rope.dim / 2],
             scores: vec![0.0; threads * limits.context_max],
             threads,
             mm: MatmulScratch::new(t, widest),
+            head_in: vec![0.0; t * head_in],
+            head_out: vec![0.0; t * head_out],
+            q_lat: vec![0.0; t * lat],
+            out_lat: vec![0.0; t * lat],
+            router_logits: vec![0.0; moe.map_or(0, |m| t * m.experts)],
+            route_ids: vec![0; moe.map_or(0, |m| t * m.top_k)],
+            route_weights: vec![0.0; moe.map_or(0, |m| t * m.top_k)],
+            route_scratch: moe.map(RouteScratch::new),
+            expert_count: vec![0; moe.map_or(0, |m| m.experts + 1)],
+            expert_slots: vec![(0, 0.0); moe.map_or(0, |m| t * m.top_k)],
+            moe_in: vec![0.0; moe_rows],
+            moe_out: vec![0.0; moe_rows],
         }
     }
 
@@ -354,9 +645,7 @@ impl DenseTransformer {
         }
         assert!(ws.threads >= pool.n_threads(), "workspace sized for fewer threads than the pool has");
         let ckpt = &*self.ckpt;
-        let (h, hd) = (c.hidden, c.head_dim);
-        let q_dim = c.heads * hd;
-        let kv_dim = c.kv_heads * hd;
+        let h = c.hidden;
         let pos0 = cache.len;
 
         // Embeddings.
@@ -375,44 +664,23 @@ impl DenseTransformer {
             }
         }
 
-        let isa = self.isa;
+        let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, pos0 };
         for (li, layer) in self.layers.iter().enumerate() {
             for t in 0..n {
                 ops::rms_norm(&ws.x[t * h..(t + 1) * h], &layer.attn_norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
             }
-            let xn = &ws.xn[..n * h];
-            linear_fwd(pool, isa, ckpt, &layer.q, xn, n, &mut ws.q[..n * q_dim], &mut ws.mm);
-            linear_fwd(pool, isa, ckpt, &layer.k, xn, n, &mut ws.k[..n * kv_dim], &mut ws.mm);
-            linear_fwd(pool, isa, ckpt, &layer.v, xn, n, &mut ws.v[..n * kv_dim], &mut ws.mm);
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                ops::rms_norm_heads(&mut ws.q[..n * q_dim], qn, c.rms_eps);
-                ops::rms_norm_heads(&mut ws.k[..n * kv_dim], kn, c.rms_eps);
+            match &layer.attn {
+                Attn::Gqa(g) => run.gqa(g, ws, cache, li),
+                Attn::Mla(m) => run.mla(m, c.mla.as_ref().expect("MLA config"), ws, cache, li),
             }
-            for t in 0..n {
-                let (cos, sin) = (&ws.cos[t * half..(t + 1) * half], &ws.sin[t * half..(t + 1) * half]);
-                for head in ws.q[t * q_dim..(t + 1) * q_dim].chunks_exact_mut(hd) {
-                    ops::rope_head(head, cos, sin, c.rope.interleaved);
-                }
-                for head in ws.k[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
-                    ops::rope_head(head, cos, sin, c.rope.interleaved);
-                }
-            }
-            let row = cache.row;
-            cache.k[li][pos0 * row..(pos0 + n) * row].copy_from_slice(&ws.k[..n * kv_dim]);
-            cache.v[li][pos0 * row..(pos0 + n) * row].copy_from_slice(&ws.v[..n * kv_dim]);
-            attention(pool, c, &ws.q[..n * q_dim], &cache.k[li], &cache.v[li], pos0, n, &mut ws.scores, &mut ws.attn[..n * q_dim]);
-            linear_fwd(pool, isa, ckpt, &layer.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
             ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
-
             for t in 0..n {
                 ops::rms_norm(&ws.x[t * h..(t + 1) * h], &layer.ffn_norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
             }
-            let i_dim = c.intermediate;
-            let xn = &ws.xn[..n * h];
-            linear_fwd(pool, isa, ckpt, &layer.gate, xn, n, &mut ws.gate[..n * i_dim], &mut ws.mm);
-            linear_fwd(pool, isa, ckpt, &layer.up, xn, n, &mut ws.up[..n * i_dim], &mut ws.mm);
-            ops::silu_mul(&mut ws.gate[..n * i_dim], &ws.up[..n * i_dim]);
-            linear_fwd(pool, isa, ckpt, &layer.down, &ws.gate[..n * i_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
+            match &layer.ffn {
+                Ffn::Dense(m) => run.mlp(m, ws),
+                Ffn::Moe(m) => run.moe(m, c.moe.as_ref().expect("MoE config"), ws),
+            }
             ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
         }
         cache.len = pos0 + n;
@@ -421,8 +689,293 @@ impl DenseTransformer {
         for t in first..n {
             ops::rms_norm(&ws.x[t * h..(t + 1) * h], &self.norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
         }
-        linear_fwd(pool, isa, ckpt, self.head(), &ws.xn[first * h..n * h], logit_rows, logits, &mut ws.mm);
+        linear_fwd(pool, self.isa, ckpt, self.head(), &ws.xn[first * h..n * h], logit_rows, logits, &mut ws.mm);
         Ok(())
+    }
+}
+
+fn attn_linears(a: &Attn) -> Vec<&Linear> {
+    match a {
+        Attn::Gqa(g) => vec![&g.q, &g.k, &g.v, &g.o],
+        Attn::Mla(m) => {
+            let mut v = vec![&m.q, &m.kv_a, &m.embed_q, &m.unembed_out, &m.o];
+            if let Some((qa, _)) = &m.q_a {
+                v.push(qa);
+            }
+            v
+        }
+    }
+}
+
+/// MLA weights of layer `i`: HF (`kv_b_proj`, split per head at load) or MLX
+/// (`embed_q` / `unembed_out`) layout.
+fn load_mla(ld: &Loader, cfg: &ModelConfig, m: &MlaConfig, i: usize) -> Result<Mla> {
+    let p = |s: &str| format!("model.layers.{i}.self_attn.{s}");
+    let (h, nh, r) = (cfg.hidden, cfg.heads, m.kv_lora_rank);
+    let dq = m.nope_dim + m.rope_dim;
+    let bias = cfg.qkv_bias;
+    let (q_a, q) = match m.q_lora_rank {
+        Some(ql) => (
+            Some((ld.linear(&p("q_a_proj.weight"), ql, h, bias)?, ld.vector(&p("q_a_layernorm.weight"), ql)?)),
+            ld.linear(&p("q_b_proj.weight"), nh * dq, ql, false)?,
+        ),
+        None => (None, ld.linear(&p("q_proj.weight"), nh * dq, h, false)?),
+    };
+    let (embed_q, unembed_out) = if ld.find(&p("embed_q.weight")).is_some() {
+        let eq = ld.stacked(&p("embed_q.weight"), nh, r, m.nope_dim)?;
+        let uo = ld.stacked(&p("unembed_out.weight"), nh, m.v_dim, r)?;
+        (merge_stacked(eq), merge_stacked(uo))
+    } else {
+        let per = m.nope_dim + m.v_dim;
+        let kv_b = ld.dense_f32(&p("kv_b_proj.weight"), nh * per, r)?;
+        let mut eq = vec![0.0; nh * r * m.nope_dim];
+        let mut uo = vec![0.0; nh * m.v_dim * r];
+        for head in 0..nh {
+            for j in 0..m.nope_dim {
+                let row = &kv_b[(head * per + j) * r..(head * per + j + 1) * r];
+                for (ri, &val) in row.iter().enumerate() {
+                    eq[(head * r + ri) * m.nope_dim + j] = val;
+                }
+            }
+            let src = &kv_b[(head * per + m.nope_dim) * r..(head + 1) * per * r];
+            uo[head * m.v_dim * r..(head + 1) * m.v_dim * r].copy_from_slice(src);
+        }
+        let name = stored_name(ld.c.kind, &p("kv_b_proj.weight"));
+        (
+            Linear::owned_f32(format!("{name} (W_UKᵀ per head)"), nh * r, m.nope_dim, &eq),
+            Linear::owned_f32(format!("{name} (W_UV per head)"), nh * m.v_dim, r, &uo),
+        )
+    };
+    Ok(Mla {
+        q_a,
+        q,
+        kv_a: ld.linear(&p("kv_a_proj_with_mqa.weight"), r + m.rope_dim, h, bias)?,
+        kv_a_norm: ld.vector(&p("kv_a_layernorm.weight"), r)?,
+        embed_q,
+        unembed_out,
+        o: ld.linear(&p("o_proj.weight"), h, nh * m.v_dim, cfg.o_bias)?,
+    })
+}
+
+/// One `[n·rows, cols]` matrix from `n` contiguous stacked views.
+fn merge_stacked(parts: Vec<Linear>) -> Linear {
+    let first = &parts[0];
+    let (Storage::Mapped { file, range: a }, Storage::Mapped { range: b, .. }) = (&first.storage, &parts[parts.len() - 1].storage) else {
+        unreachable!("stacked views are mapped")
+    };
+    Linear {
+        name: first.name.trim_end_matches("[0]").to_string(),
+        format: first.format,
+        rows: first.rows * parts.len(),
+        cols: first.cols,
+        storage: Storage::Mapped { file: *file, range: a.start..b.end },
+        bias: None,
+    }
+}
+
+/// The fixed context of one forward step.
+struct Run<'a> {
+    pool: &'a ThreadPool,
+    isa: Isa,
+    ckpt: &'a Checkpoint,
+    cfg: &'a ModelConfig,
+    n: usize,
+    pos0: usize,
+}
+
+impl Run<'_> {
+    fn linear(&self, l: &Linear, x: &[f32], n: usize, y: &mut [f32], mm: &mut MatmulScratch) {
+        linear_fwd(self.pool, self.isa, self.ckpt, l, x, n, y, mm);
+    }
+
+    /// Grouped-query attention over `ws.xn`; output projection into `ws.proj`.
+    fn gqa(&self, g: &Gqa, ws: &mut Workspace, cache: &mut KvCache, li: usize) {
+        let (c, n, pos0) = (self.cfg, self.n, self.pos0);
+        let (h, hd) = (c.hidden, c.head_dim);
+        let q_dim = c.heads * hd;
+        let kv_dim = c.kv_heads * hd;
+        let xn = &ws.xn[..n * h];
+        self.linear(&g.q, xn, n, &mut ws.q[..n * q_dim], &mut ws.mm);
+        self.linear(&g.k, xn, n, &mut ws.k[..n * kv_dim], &mut ws.mm);
+        self.linear(&g.v, xn, n, &mut ws.v[..n * kv_dim], &mut ws.mm);
+        if let (Some(qn), Some(kn)) = (&g.q_norm, &g.k_norm) {
+            ops::rms_norm_heads(&mut ws.q[..n * q_dim], qn, c.rms_eps);
+            ops::rms_norm_heads(&mut ws.k[..n * kv_dim], kn, c.rms_eps);
+        }
+        let half = c.rope.dim / 2;
+        for t in 0..n {
+            let (cos, sin) = (&ws.cos[t * half..(t + 1) * half], &ws.sin[t * half..(t + 1) * half]);
+            for head in ws.q[t * q_dim..(t + 1) * q_dim].chunks_exact_mut(hd) {
+                ops::rope_head(head, cos, sin, c.rope.interleaved);
+            }
+            for head in ws.k[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
+                ops::rope_head(head, cos, sin, c.rope.interleaved);
+            }
+        }
+        cache.k[li][pos0 * kv_dim..(pos0 + n) * kv_dim].copy_from_slice(&ws.k[..n * kv_dim]);
+        cache.v[li][pos0 * kv_dim..(pos0 + n) * kv_dim].copy_from_slice(&ws.v[..n * kv_dim]);
+        attention(self.pool, c, &ws.q[..n * q_dim], &cache.k[li], &cache.v[li], pos0, n, &mut ws.scores, &mut ws.attn[..n * q_dim]);
+        self.linear(&g.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
+    }
+
+    /// Multi-head latent attention, absorbed form (spec §2.5), into `ws.proj`.
+    fn mla(&self, a: &Mla, m: &MlaConfig, ws: &mut Workspace, cache: &mut KvCache, li: usize) {
+        let (c, n, pos0) = (self.cfg, self.n, self.pos0);
+        let (h, nh, r) = (c.hidden, c.heads, m.kv_lora_rank);
+        let (nope, rope, dv) = (m.nope_dim, m.rope_dim, m.v_dim);
+        let dq = nope + rope;
+        // mlx hard-codes 1e-6 for the MLA norms.
+        const MLA_NORM_EPS: f32 = 1e-6;
+        let xn = &ws.xn[..n * h];
+        match &a.q_a {
+            Some((qa, qa_norm)) => {
+                let ql = qa.rows;
+                self.linear(qa, xn, n, &mut ws.head_in[..n * ql], &mut ws.mm);
+                for row in ws.head_in[..n * ql].chunks_exact_mut(ql) {
+                    ops::rms_norm_heads(row, qa_norm, MLA_NORM_EPS);
+                }
+                self.linear(&a.q, &ws.head_in[..n * ql], n, &mut ws.q[..n * nh * dq], &mut ws.mm);
+            }
+            None => self.linear(&a.q, xn, n, &mut ws.q[..n * nh * dq], &mut ws.mm),
+        }
+        let kv_row = r + rope;
+        self.linear(&a.kv_a, xn, n, &mut ws.k[..n * kv_row], &mut ws.mm);
+        let rot_scale = c.rope.rotated_scale();
+        let half = rope / 2;
+        for t in 0..n {
+            let (cos, sin) = (&ws.cos[t * half..(t + 1) * half], &ws.sin[t * half..(t + 1) * half]);
+            let kva = &mut ws.k[t * kv_row..(t + 1) * kv_row];
+            let (c_raw, k_pe) = kva.split_at_mut(r);
+            ops::rms_norm_heads(c_raw, &a.kv_a_norm, MLA_NORM_EPS);
+            k_pe.iter_mut().for_each(|v| *v *= rot_scale);
+            ops::rope_head(k_pe, cos, sin, c.rope.interleaved);
+            cache.k[li][(pos0 + t) * r..(pos0 + t + 1) * r].copy_from_slice(c_raw);
+            cache.v[li][(pos0 + t) * rope..(pos0 + t + 1) * rope].copy_from_slice(k_pe);
+            for head in 0..nh {
+                let q_pe = &mut ws.q[(t * nh + head) * dq + nope..(t * nh + head + 1) * dq];
+                q_pe.iter_mut().for_each(|v| *v *= rot_scale);
+                ops::rope_head(q_pe, cos, sin, c.rope.interleaved);
+            }
+        }
+        // q_lat[t, h] = W_UK[h]ᵀ · q_nope[t, h].
+        for head in 0..nh {
+            for t in 0..n {
+                let src = &ws.q[(t * nh + head) * dq..(t * nh + head) * dq + nope];
+                ws.head_in[t * nope..(t + 1) * nope].copy_from_slice(src);
+            }
+            let w = &a.embed_q;
+            let rows = w.weights(self.ckpt).slice_rows(head * r..(head + 1) * r);
+            matmul(self.pool, self.isa, rows, &ws.head_in[..n * nope], n, &mut ws.head_out[..n * r], &mut ws.mm);
+            for t in 0..n {
+                ws.q_lat[(t * nh + head) * r..(t * nh + head + 1) * r].copy_from_slice(&ws.head_out[t * r..(t + 1) * r]);
+            }
+        }
+        let scale = c.rope.softmax_scale_factor() / (dq as f32).sqrt();
+        mla_attention(
+            self.pool,
+            nh,
+            (r, rope, dq, nope),
+            &ws.q_lat[..n * nh * r],
+            &ws.q[..n * nh * dq],
+            (&cache.k[li], &cache.v[li]),
+            pos0,
+            n,
+            scale,
+            &mut ws.scores,
+            &mut ws.out_lat[..n * nh * r],
+        );
+        // o[t, h] = W_UV[h] · out_lat[t, h].
+        for head in 0..nh {
+            for t in 0..n {
+                ws.head_in[t * r..(t + 1) * r].copy_from_slice(&ws.out_lat[(t * nh + head) * r..(t * nh + head + 1) * r]);
+            }
+            let rows = a.unembed_out.weights(self.ckpt).slice_rows(head * dv..(head + 1) * dv);
+            matmul(self.pool, self.isa, rows, &ws.head_in[..n * r], n, &mut ws.head_out[..n * dv], &mut ws.mm);
+            for t in 0..n {
+                ws.attn[(t * nh + head) * dv..(t * nh + head + 1) * dv].copy_from_slice(&ws.head_out[t * dv..(t + 1) * dv]);
+            }
+        }
+        self.linear(&a.o, &ws.attn[..n * nh * dv], n, &mut ws.proj[..n * h], &mut ws.mm);
+    }
+
+    /// SwiGLU MLP of `x` (`n` rows) into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu(&self, [g, u, d]: [&Linear; 3], x: &[f32], n: usize, gate: &mut [f32], up: &mut [f32], out: &mut [f32], mm: &mut MatmulScratch) {
+        let w = g.rows;
+        self.linear(g, x, n, &mut gate[..n * w], mm);
+        self.linear(u, x, n, &mut up[..n * w], mm);
+        ops::silu_mul(&mut gate[..n * w], &up[..n * w]);
+        self.linear(d, &gate[..n * w], n, out, mm);
+    }
+
+    fn mlp(&self, m: &Mlp, ws: &mut Workspace) {
+        let (n, h) = (self.n, self.cfg.hidden);
+        self.swiglu([&m.gate, &m.up, &m.down], &ws.xn[..n * h], n, &mut ws.gate, &mut ws.up, &mut ws.proj[..n * h], &mut ws.mm);
+    }
+
+    /// Sparse MoE: route every token, group tokens by expert, run each chosen expert
+    /// once over its tokens, combine with the routing weights, add shared experts.
+    fn moe(&self, m: &Moe, cfg: &MoeConfig, ws: &mut Workspace) {
+        let (n, h) = (self.n, self.cfg.hidden);
+        let (e, k) = (cfg.experts, cfg.top_k);
+        self.linear(&m.router, &ws.xn[..n * h], n, &mut ws.router_logits[..n * e], &mut ws.mm);
+        let scratch = ws.route_scratch.as_mut().expect("workspace sized for MoE");
+        for t in 0..n {
+            route(
+                cfg,
+                &ws.router_logits[t * e..(t + 1) * e],
+                m.correction_bias.as_deref(),
+                scratch,
+                &mut ws.route_ids[t * k..(t + 1) * k],
+                &mut ws.route_weights[t * k..(t + 1) * k],
+            );
+        }
+        // Counting sort of (token, weight) slots by expert: starts[e]..starts[e+1].
+        let starts = &mut ws.expert_count[..e + 1];
+        starts.fill(0);
+        for &id in &ws.route_ids[..n * k] {
+            starts[id as usize + 1] += 1;
+        }
+        for i in 0..e {
+            starts[i + 1] += starts[i];
+        }
+        for t in 0..n {
+            for j in 0..k {
+                let id = ws.route_ids[t * k + j] as usize;
+                // starts[id] advances as slots are placed, then is shifted back.
+                ws.expert_slots[starts[id]] = (t as u32, ws.route_weights[t * k + j]);
+                starts[id] += 1;
+            }
+        }
+        for i in (1..=e).rev() {
+            starts[i] = starts[i - 1];
+        }
+        starts[0] = 0;
+        ws.moe_out[..n * h].fill(0.0);
+        for ex in 0..e {
+            let (a, b) = (ws.expert_count[ex], ws.expert_count[ex + 1]);
+            if a == b {
+                continue;
+            }
+            let cnt = b - a;
+            for (j, &(t, _)) in ws.expert_slots[a..b].iter().enumerate() {
+                let t = t as usize;
+                ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&ws.xn[t * h..(t + 1) * h]);
+            }
+            let (gate, up, down) = (&m.gate[ex], &m.up[ex], &m.down[ex]);
+            self.swiglu([gate, up, down], &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.proj[..cnt * h], &mut ws.mm);
+            for (j, &(t, wt)) in ws.expert_slots[a..b].iter().enumerate() {
+                let t = t as usize;
+                ops::axpy(&mut ws.moe_out[t * h..(t + 1) * h], wt, &ws.proj[j * h..(j + 1) * h]);
+            }
+        }
+        match &m.shared {
+            Some(s) => {
+                self.swiglu([&s.gate, &s.up, &s.down], &ws.xn[..n * h], n, &mut ws.gate, &mut ws.up, &mut ws.proj[..n * h], &mut ws.mm);
+                ops::add_assign(&mut ws.proj[..n * h], &ws.moe_out[..n * h]);
+            }
+            None => ws.proj[..n * h].copy_from_slice(&ws.moe_out[..n * h]),
+        }
     }
 }
 
@@ -483,6 +1036,49 @@ fn attention(
             o.fill(0.0);
             for (j, &p) in s.iter().enumerate() {
                 ops::axpy(o, p, &v_cache[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd]);
+            }
+        }
+    });
+}
+
+/// MLA attention over the latent cache: `s_j = scale·(q_lat·c_j + q_pe·k_pe_j)`,
+/// causal softmax, `out_lat = Σ_j p_j·c_j`.
+#[allow(clippy::too_many_arguments)]
+fn mla_attention(
+    pool: &ThreadPool,
+    nh: usize,
+    (r, rope, dq, nope): (usize, usize, usize, usize),
+    q_lat: &[f32],
+    q: &[f32],
+    (c_cache, pe_cache): (&[f32], &[f32]),
+    pos0: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out_lat: &mut [f32],
+) {
+    let ctx = scores.len() / pool.n_threads();
+    let out_ptr = SharedMut(out_lat.as_mut_ptr());
+    let scores_ptr = SharedMut(scores.as_mut_ptr());
+    pool.parallel_for(n * nh, 1, &|tid, items| {
+        // SAFETY: thread `tid` owns score row `tid` and the output heads it is given.
+        let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
+        for item in items {
+            let t = item / nh;
+            let ql = &q_lat[item * r..(item + 1) * r];
+            let qp = &q[item * dq + nope..(item + 1) * dq];
+            let len = pos0 + t + 1;
+            let s = &mut sc[..len];
+            for (j, sj) in s.iter_mut().enumerate() {
+                let lat = ops::dot(ql, &c_cache[j * r..(j + 1) * r]);
+                let pe = ops::dot(qp, &pe_cache[j * rope..(j + 1) * rope]);
+                *sj = (lat + pe) * scale;
+            }
+            ops::softmax(s);
+            let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(item * r), r) };
+            o.fill(0.0);
+            for (j, &p) in s.iter().enumerate() {
+                ops::axpy(o, p, &c_cache[j * r..(j + 1) * r]);
             }
         }
     });

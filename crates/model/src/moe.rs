@@ -1,0 +1,193 @@
+//! Expert routing (spec §1.6): router logits → the chosen experts and their weights.
+//! Pure functions over one token's logits, so every variant is unit-tested on its own.
+
+use crate::config::{MoeConfig, Routing};
+
+/// Index of the largest `v[i]` among `i` where `allowed(i)`; first on ties.
+fn argmax_where(v: &[f32], allowed: impl Fn(usize) -> bool) -> usize {
+    let mut best = usize::MAX;
+    for i in 0..v.len() {
+        if allowed(i) && (best == usize::MAX || v[i] > v[best]) {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Top-k indices of `v` (descending), written to `out` (len k). `taken` is scratch
+/// of len `v.len()`.
+fn top_k(v: &[f32], out: &mut [u32], taken: &mut [bool]) {
+    taken.iter_mut().for_each(|t| *t = false);
+    for slot in out.iter_mut() {
+        let i = argmax_where(v, |i| !taken[i]);
+        taken[i] = true;
+        *slot = i as u32;
+    }
+}
+
+/// Scratch for [`route`], sized once for `experts`.
+pub struct RouteScratch {
+    scores: Vec<f32>,
+    choice: Vec<f32>,
+    taken: Vec<bool>,
+    group_score: Vec<f32>,
+    group_taken: Vec<bool>,
+    group_idx: Vec<u32>,
+}
+
+impl RouteScratch {
+    pub fn new(cfg: &MoeConfig) -> Self {
+        RouteScratch {
+            scores: vec![0.0; cfg.experts],
+            choice: vec![0.0; cfg.experts],
+            taken: vec![false; cfg.experts],
+            group_score: vec![0.0; cfg.n_group],
+            group_taken: vec![false; cfg.n_group],
+            group_idx: vec![0; cfg.n_group],
+        }
+    }
+}
+
+/// Chooses `cfg.top_k` experts for one token from its router `logits`; writes their
+/// ids and combine weights. `bias` is DeepSeek's `e_score_correction_bias`, which
+/// only affects the choice, never the weights.
+pub fn route(cfg: &MoeConfig, logits: &[f32], bias: Option<&[f32]>, s: &mut RouteScratch, ids: &mut [u32], weights: &mut [f32]) {
+    let (e, k) = (cfg.experts, cfg.top_k);
+    assert!(logits.len() == e && ids.len() == k && weights.len() == k);
+    match cfg.routing {
+        Routing::TopKSoftmax => {
+            top_k(logits, ids, &mut s.taken);
+            let max = logits[ids[0] as usize];
+            let mut sum = 0.0;
+            for (w, &i) in weights.iter_mut().zip(ids.iter()) {
+                *w = (logits[i as usize] - max).exp();
+                sum += *w;
+            }
+            weights.iter_mut().for_each(|w| *w /= sum);
+        }
+        Routing::SoftmaxTopK => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for (p, &l) in s.scores.iter_mut().zip(logits) {
+                *p = (l - max).exp();
+                sum += *p;
+            }
+            s.scores.iter_mut().for_each(|p| *p /= sum);
+            top_k(&s.scores, ids, &mut s.taken);
+            for (w, &i) in weights.iter_mut().zip(ids.iter()) {
+                *w = s.scores[i as usize];
+            }
+            if cfg.norm_topk {
+                let total: f32 = weights.iter().sum();
+                weights.iter_mut().for_each(|w| *w /= total);
+            }
+        }
+        Routing::SigmoidGrouped => {
+            for (i, &l) in logits.iter().enumerate() {
+                s.scores[i] = 1.0 / (1.0 + (-l).exp());
+                s.choice[i] = s.scores[i] + bias.map_or(0.0, |b| b[i]);
+            }
+            if cfg.n_group > 1 {
+                let per = e / cfg.n_group;
+                for g in 0..cfg.n_group {
+                    let grp = &s.choice[g * per..(g + 1) * per];
+                    let a = argmax_where(grp, |_| true);
+                    let b = argmax_where(grp, |i| i != a);
+                    s.group_score[g] = grp[a] + grp[b];
+                }
+                top_k(&s.group_score, &mut s.group_idx[..cfg.topk_group], &mut s.group_taken);
+                // mlx sets the choice scores of dropped groups to 0.0 (HF uses -inf).
+                for g in 0..cfg.n_group {
+                    if !s.group_idx[..cfg.topk_group].contains(&(g as u32)) {
+                        s.choice[g * per..(g + 1) * per].iter_mut().for_each(|c| *c = 0.0);
+                    }
+                }
+            }
+            top_k(&s.choice, ids, &mut s.taken);
+            for (w, &i) in weights.iter_mut().zip(ids.iter()) {
+                *w = s.scores[i as usize];
+            }
+            if cfg.norm_topk && k > 1 {
+                let total: f32 = weights.iter().sum();
+                weights.iter_mut().for_each(|w| *w /= total);
+            }
+            weights.iter_mut().for_each(|w| *w *= cfg.routed_scaling);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(routing: Routing, experts: usize, top_k: usize) -> MoeConfig {
+        MoeConfig {
+            experts,
+            top_k,
+            expert_width: 1,
+            routing,
+            norm_topk: false,
+            shared_width: 0,
+            routed_scaling: 1.0,
+            n_group: 1,
+            topk_group: 1,
+        }
+    }
+
+    fn run(c: &MoeConfig, logits: &[f32], bias: Option<&[f32]>) -> (Vec<u32>, Vec<f32>) {
+        let mut s = RouteScratch::new(c);
+        let (mut ids, mut w) = (vec![0; c.top_k], vec![0.0; c.top_k]);
+        route(c, logits, bias, &mut s, &mut ids, &mut w);
+        (ids, w)
+    }
+
+    fn close(a: &[f32], b: &[f32]) -> bool {
+        a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6)
+    }
+
+    #[test]
+    fn mixtral_softmax_over_the_chosen_logits() {
+        let (ids, w) = run(&cfg(Routing::TopKSoftmax, 4, 2), &[0.0, 2.0, 1.0, -1.0], None);
+        assert_eq!(ids, [1, 2]);
+        let e = 1f32.exp();
+        assert!(close(&w, &[e / (e + 1.0), 1.0 / (e + 1.0)]));
+    }
+
+    #[test]
+    fn qwen3_softmax_over_all_then_optional_renormalisation() {
+        let l = [0.0f32, 1.0, 2.0];
+        let z: f32 = l.iter().map(|x| x.exp()).sum();
+        let (ids, w) = run(&cfg(Routing::SoftmaxTopK, 3, 2), &l, None);
+        assert_eq!(ids, [2, 1]);
+        assert!(close(&w, &[2f32.exp() / z, 1f32.exp() / z]));
+        let mut c = cfg(Routing::SoftmaxTopK, 3, 2);
+        c.norm_topk = true;
+        let (_, w) = run(&c, &l, None);
+        let e = 1f32.exp();
+        assert!(close(&w, &[e / (e + 1.0), 1.0 / (e + 1.0)]));
+    }
+
+    #[test]
+    fn deepseek_bias_selects_but_does_not_weigh() {
+        let mut c = cfg(Routing::SigmoidGrouped, 4, 1);
+        c.routed_scaling = 2.5;
+        let l = [3.0f32, 0.0, 0.0, 0.0];
+        let (ids, w) = run(&c, &l, Some(&[0.0, 0.0, 10.0, 0.0]));
+        assert_eq!(ids, [2]);
+        // Weight is sigmoid(0) = 0.5 (unbiased), × 2.5; k = 1 is not renormalised.
+        assert!(close(&w, &[1.25]));
+    }
+
+    #[test]
+    fn deepseek_grouped_selection_drops_weak_groups() {
+        // 2 groups of 3; group 0 has the single best expert, group 1 the best top-2 sum.
+        let mut c = cfg(Routing::SigmoidGrouped, 6, 2);
+        c.n_group = 2;
+        c.topk_group = 1;
+        c.norm_topk = true;
+        let l = [5.0f32, -5.0, -5.0, 1.0, 1.0, 0.5];
+        let (ids, w) = run(&c, &l, None);
+        assert_eq!(ids, [3, 4], "expert 0 sits in the dropped group");
+        assert!(close(&w, &[0.5, 0.5]));
+    }
+}
