@@ -154,3 +154,23 @@ fn gguf_conversions_match_mlx() {
         check_file(name, &fixtures().join(format!("gguf/{name}.gguf")));
     }
 }
+
+#[test]
+fn mlx_affine_4bit_group_64() {
+    check("qwen3_moe_mlx_q4g64");
+}
+
+#[test]
+fn mlx_affine_8bit_group_32() {
+    check("qwen3_moe_mlx_q8g32");
+}
+
+#[test]
+fn mlx_mxfp4() {
+    check("qwen3_moe_mlx_mxfp4");
+}
+
+#[test]
+fn mlx_quantized_mla_embed_q_unembed_out() {
+    check("deepseek_v3_mlx_q4g32");
+}

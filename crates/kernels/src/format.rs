@@ -5,6 +5,11 @@
 //! - Q4_1: 32 weights in 20 bytes: f16 d, f16 m, 16 bytes of nibbles; w = d·q + m
 //! - Q8_0: 32 weights in 34 bytes: f16 d, 32 × i8; w = d·q
 //! Nibble order: element j < 16 is the low nibble of byte j, element j+16 the high one.
+//! - MXFP4: 32 weights in 17 bytes: u8 E8M0 exponent e, 16 bytes of E2M1 nibbles (same
+//!   order); w = e2m1(q)·2^(e−127). GGUF type 39; MLX `mxfp4` is repacked into it.
+//! - A4 / A8 (MLX affine, repacked at load): per group of g weights an f32 scale s, an
+//!   f32 bias b, then the quantized values (4-bit: per 32 values 16 bytes in the Q4_0
+//!   nibble order; 8-bit: one byte each); w = s·q + b.
 
 use std::fmt;
 
@@ -17,6 +22,11 @@ pub enum WeightFormat {
     Q8_0,
     Q4_0,
     Q4_1,
+    Mxfp4,
+    /// MLX affine 4-bit with `group` elements per scale/bias (32, 64 or 128).
+    A4 { group: u16 },
+    /// MLX affine 8-bit.
+    A8 { group: u16 },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,14 +55,25 @@ impl fmt::Display for WeightFormat {
 }
 
 impl WeightFormat {
-    pub const ALL: [WeightFormat; 6] = [
+    /// One of each kind (affine formats with each supported group), for tests.
+    pub const ALL: [WeightFormat; 13] = [
         WeightFormat::F32,
         WeightFormat::F16,
         WeightFormat::Bf16,
         WeightFormat::Q8_0,
         WeightFormat::Q4_0,
         WeightFormat::Q4_1,
+        WeightFormat::Mxfp4,
+        WeightFormat::A4 { group: 32 },
+        WeightFormat::A4 { group: 64 },
+        WeightFormat::A4 { group: 128 },
+        WeightFormat::A8 { group: 32 },
+        WeightFormat::A8 { group: 64 },
+        WeightFormat::A8 { group: 128 },
     ];
+
+    /// Largest block in elements (sizes stack buffers of the scalar path).
+    pub const BLOCK_ELEMS_MAX: usize = 128;
 
     pub fn name(self) -> &'static str {
         match self {
@@ -62,14 +83,29 @@ impl WeightFormat {
             WeightFormat::Q8_0 => "Q8_0",
             WeightFormat::Q4_0 => "Q4_0",
             WeightFormat::Q4_1 => "Q4_1",
+            WeightFormat::Mxfp4 => "MXFP4",
+            WeightFormat::A4 { group: 32 } => "MLX-A4/g32",
+            WeightFormat::A4 { group: 64 } => "MLX-A4/g64",
+            WeightFormat::A4 { .. } => "MLX-A4/g128",
+            WeightFormat::A8 { group: 32 } => "MLX-A8/g32",
+            WeightFormat::A8 { group: 64 } => "MLX-A8/g64",
+            WeightFormat::A8 { .. } => "MLX-A8/g128",
         }
+    }
+
+    /// Whether matmul quantizes activations to int8 for this format (llama.cpp's
+    /// scheme for its block formats). Other formats compute with f32 activations, which
+    /// is what mlx does for its own quantized formats.
+    pub fn int8_activations(self) -> bool {
+        matches!(self, WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1)
     }
 
     /// Elements per block (1 for plain float formats).
     pub fn block_elems(self) -> usize {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
-            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => 32,
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 => 32,
+            WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
     }
 
@@ -81,6 +117,9 @@ impl WeightFormat {
             WeightFormat::Q8_0 => 34,
             WeightFormat::Q4_0 => 18,
             WeightFormat::Q4_1 => 20,
+            WeightFormat::Mxfp4 => 17,
+            WeightFormat::A4 { group } => 8 + group as usize / 2,
+            WeightFormat::A8 { group } => 8 + group as usize,
         }
     }
 
@@ -97,4 +136,49 @@ impl WeightFormat {
         }
         Ok(cols / block * self.block_bytes())
     }
+}
+
+/// Repacks MLX-quantized rows into Tessera's block layout (see the module docs).
+///
+/// `packed` holds `rows` rows of `cols` elements in MLX's packing: a little-endian
+/// bitstream per row, element i at bits `[i·b, (i+1)·b)`. `scales` (and `biases` for
+/// affine) hold `rows · cols / group` values, already converted to f32; for mxfp4
+/// `e8m0` holds the raw exponent bytes instead.
+pub fn repack_mlx(format: WeightFormat, rows: usize, cols: usize, packed: &[u8], scales: &[f32], biases: &[f32], e8m0: &[u8]) -> Vec<u8> {
+    let g = format.block_elems();
+    let groups = cols / g;
+    let bits = match format {
+        WeightFormat::A4 { .. } | WeightFormat::Mxfp4 => 4,
+        WeightFormat::A8 { .. } => 8,
+        _ => panic!("repack_mlx: {format} is not an MLX format"),
+    };
+    let row_in = cols * bits / 8;
+    assert_eq!(packed.len(), rows * row_in, "repack_mlx: packed size");
+    let mut out = Vec::with_capacity(rows * groups * format.block_bytes());
+    for r in 0..rows {
+        let src = &packed[r * row_in..(r + 1) * row_in];
+        for gi in 0..groups {
+            let at = r * groups + gi;
+            match format {
+                WeightFormat::Mxfp4 => out.push(e8m0[at]),
+                _ => {
+                    out.extend(scales[at].to_le_bytes());
+                    out.extend(biases[at].to_le_bytes());
+                }
+            }
+            if bits == 8 {
+                out.extend_from_slice(&src[gi * g..(gi + 1) * g]);
+                continue;
+            }
+            // 4-bit: element i is the low nibble of byte i/2 when i is even.
+            let q = |i: usize| (src[i / 2] >> (4 * (i % 2))) & 0x0F;
+            for sub in 0..g / 32 {
+                let base = gi * g + sub * 32;
+                for j in 0..16 {
+                    out.push(q(base + j) | (q(base + j + 16) << 4));
+                }
+            }
+        }
+    }
+    out
 }

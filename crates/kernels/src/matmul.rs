@@ -75,7 +75,7 @@ pub fn matmul(
     // ~8 chunks per thread: small enough to rebalance around a descheduled thread,
     // large enough (≥ 8 rows) that the shared counter is not contended.
     let grain = pool.grain(rows, 8, 8);
-    if w.format.is_quantized() {
+    if w.format.int8_activations() {
         let blocks = cols / QK;
         let need = n_tokens * blocks;
         assert!(need <= scratch.q8.len(), "matmul scratch sized for fewer tokens/cols than this step uses");

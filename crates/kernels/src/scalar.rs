@@ -10,6 +10,33 @@ pub fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
 }
 
+#[inline]
+fn f32_at(bytes: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+}
+
+/// E2M1 code → value (bit 3 is the sign).
+pub const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+
+/// E8M0 scale byte → 2^(e−127) (e = 0 is 2^−127, a subnormal; 255 reads as +inf as in MLX).
+#[inline]
+pub fn e8m0(e: u8) -> f32 {
+    match e {
+        0 => f32::from_bits(0x0040_0000),
+        255 => f32::INFINITY,
+        e => f32::from_bits((e as u32) << 23),
+    }
+}
+
+/// 32 values from 16 bytes in Q4_0 nibble order: `out[j]` low, `out[j+16]` high nibble.
+#[inline]
+fn nibbles(qs: &[u8], out: &mut [u8; 32]) {
+    for j in 0..16 {
+        out[j] = qs[j] & 0x0F;
+        out[j + 16] = qs[j] >> 4;
+    }
+}
+
 /// Dequantize one row (`out.len()` elements) from its bytes.
 pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
     let n = out.len();
@@ -59,15 +86,69 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        WeightFormat::Mxfp4 => {
+            let mut q = [0u8; 32];
+            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(17)) {
+                let d = e8m0(b[0]);
+                nibbles(&b[1..17], &mut q);
+                for j in 0..32 {
+                    o[j] = E2M1[q[j] as usize] * d;
+                }
+            }
+        }
+        WeightFormat::A4 { group } => {
+            let g = group as usize;
+            let mut q = [0u8; 32];
+            for (o, b) in out.chunks_exact_mut(g).zip(row.chunks_exact(format.block_bytes())) {
+                let (sc, bias) = (f32_at(b, 0), f32_at(b, 4));
+                for (sub, qs) in o.chunks_exact_mut(32).zip(b[8..].chunks_exact(16)) {
+                    nibbles(qs, &mut q);
+                    for j in 0..32 {
+                        sub[j] = sc * q[j] as f32 + bias;
+                    }
+                }
+            }
+        }
+        WeightFormat::A8 { group } => {
+            let g = group as usize;
+            for (o, b) in out.chunks_exact_mut(g).zip(row.chunks_exact(format.block_bytes())) {
+                let (sc, bias) = (f32_at(b, 0), f32_at(b, 4));
+                for (w, &q) in o.iter_mut().zip(&b[8..]) {
+                    *w = sc * q as f32 + bias;
+                }
+            }
+        }
     }
 }
 
-/// Exact dot product of a weight row with f32 activations (dequantize, then f64-free
-/// f32 accumulation in order). The accuracy reference for every other path.
+/// Exact dot product of a weight row with f32 activations: dequantize block by block
+/// into a stack buffer, accumulate in order. The accuracy reference for every other
+/// path, and the portable path itself (no allocation).
 pub fn dot_f32(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
-    let mut w = vec![0.0f32; x.len()];
-    dequantize_row(format, row, &mut w);
-    w.iter().zip(x).map(|(a, b)| a * b).sum()
+    // Plain floats: 32 at a time (a "block" of 1 would be needlessly slow).
+    let (elems, bytes) = if format.is_quantized() {
+        (format.block_elems(), format.block_bytes())
+    } else {
+        (32, 32 * format.block_bytes())
+    };
+    let mut w = [0.0f32; WeightFormat::BLOCK_ELEMS_MAX];
+    let mut acc = 0.0f32;
+    let full = x.len() / elems;
+    for (xb, rb) in x.chunks_exact(elems).zip(row.chunks_exact(bytes)) {
+        dequantize_row(format, rb, &mut w[..elems]);
+        for (a, b) in w[..elems].iter().zip(xb) {
+            acc += a * b;
+        }
+    }
+    let rest = x.len() - full * elems;
+    if rest > 0 {
+        let eb = format.block_bytes();
+        dequantize_row(format, &row[full * bytes..full * bytes + rest * eb], &mut w[..rest]);
+        for (a, b) in w[..rest].iter().zip(&x[full * elems..]) {
+            acc += a * b;
+        }
+    }
+    acc
 }
 
 /// Dot product of a quantized weight row with q8 activations, integer inner sums:
@@ -106,9 +187,7 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                 acc += f16_at(b, 0) * xb.d * isum as f32 + f16_at(b, 2) * xb.sum;
             }
         }
-        WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => {
-            unreachable!("float formats take f32 activations (dot_f32)")
-        }
+        _ => unreachable!("{format} takes f32 activations (dot_f32)"),
     }
     acc
 }

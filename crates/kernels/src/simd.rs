@@ -44,7 +44,7 @@ impl Isa {
     /// Dot product of one float-format weight row with f32 activations.
     #[inline]
     pub fn dot_f32(self, format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
-        debug_assert!(!format.is_quantized());
+        debug_assert!(!format.int8_activations());
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: Avx2 is only constructed when the CPU supports avx2, fma and f16c.
@@ -56,7 +56,7 @@ impl Isa {
     /// Dot product of one quantized weight row with q8 activations.
     #[inline]
     pub fn dot_q8(self, format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
-        debug_assert!(format.is_quantized());
+        debug_assert!(format.int8_activations());
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
@@ -117,6 +117,9 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_float(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+        if format.is_quantized() {
+            return dot_block_f32(format, row, x);
+        }
         let n = x.len();
         let esize = format.block_bytes();
         assert!(row.len() >= n * esize);
@@ -140,6 +143,70 @@ mod x86 {
             total += scalar::dot_f32(format, &row[i * esize..n * esize], &x[i..]);
         }
         total
+    }
+
+    /// The 4 groups of 8 of 32 bytes in `v`, each widened to 8 f32 (signed or not).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen32(v: __m256i, signed: bool) -> [__m256; 4] {
+        let lo = _mm256_castsi256_si128(v);
+        let hi = _mm256_extracti128_si256(v, 1);
+        let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+        parts.map(|p| {
+            if signed {
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p))
+            } else {
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p))
+            }
+        })
+    }
+
+    /// Dot product of a row in a block format (MXFP4, MLX affine) with f32 activations:
+    /// weights are dequantized in registers, never written out.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_block_f32(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+        let (g, bb) = (format.block_elems(), format.block_bytes());
+        assert!(x.len() % g == 0 && row.len() >= x.len() / g * bb, "{format}: row is not whole blocks");
+        let xp = x.as_ptr();
+        let mut acc = _mm256_setzero_ps();
+        match format {
+            WeightFormat::Mxfp4 => {
+                // Doubled E2M1 values as i8 (llama.cpp's trick): value = lut[q] / 2.
+                let lut = _mm256_setr_epi8(
+                    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                );
+                for bi in 0..x.len() / 32 {
+                    let b = row.as_ptr().add(bi * bb);
+                    let d = _mm256_set1_ps(scalar::e8m0(*b) * 0.5);
+                    let v = _mm256_shuffle_epi8(lut, nibbles32(b.add(1)));
+                    for (k, w) in widen32(v, true).into_iter().enumerate() {
+                        let xv = _mm256_loadu_ps(xp.add(bi * 32 + 8 * k));
+                        acc = _mm256_fmadd_ps(_mm256_mul_ps(w, d), xv, acc);
+                    }
+                }
+            }
+            WeightFormat::A4 { .. } | WeightFormat::A8 { .. } => {
+                let four = matches!(format, WeightFormat::A4 { .. });
+                for gi in 0..x.len() / g {
+                    let b = row.as_ptr().add(gi * bb);
+                    let sc = _mm256_set1_ps(std::ptr::read_unaligned(b as *const f32));
+                    let bias = _mm256_set1_ps(std::ptr::read_unaligned(b.add(4) as *const f32));
+                    for sub in 0..g / 32 {
+                        let q = if four {
+                            nibbles32(b.add(8 + sub * 16))
+                        } else {
+                            _mm256_loadu_si256(b.add(8 + sub * 32) as *const __m256i)
+                        };
+                        for (k, qf) in widen32(q, false).into_iter().enumerate() {
+                            let xv = _mm256_loadu_ps(xp.add(gi * g + sub * 32 + 8 * k));
+                            acc = _mm256_fmadd_ps(_mm256_fmadd_ps(qf, sc, bias), xv, acc);
+                        }
+                    }
+                }
+            }
+            _ => unreachable!("{format} is not a block format with f32 activations"),
+        }
+        hsum(acc)
     }
 
     /// Σ x_i·y_i over 32 signed bytes, as 8 i32 lanes converted to f32.

@@ -30,6 +30,21 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
         WeightFormat::F32 => (0..cols).for_each(|_| out.extend(rng.f32().to_le_bytes())),
         WeightFormat::F16 => (0..cols).for_each(|_| out.extend(f16::from_f32(rng.f32()).to_le_bytes())),
         WeightFormat::Bf16 => (0..cols).for_each(|_| out.extend(bf16::from_f32(rng.f32()).to_le_bytes())),
+        WeightFormat::Mxfp4 => {
+            for _ in 0..cols / 32 {
+                // Scales 2^-2..2^2: values of a sane size, so sums keep f32 precision.
+                out.push(125 + (rng.byte() % 5));
+                (0..16).for_each(|_| out.push(rng.byte()));
+            }
+        }
+        WeightFormat::A4 { group } | WeightFormat::A8 { group } => {
+            let per = if matches!(format, WeightFormat::A4 { .. }) { group as usize / 2 } else { group as usize };
+            for _ in 0..cols / group as usize {
+                out.extend((rng.f32() * 0.05).to_le_bytes());
+                out.extend((rng.f32() * 0.5).to_le_bytes());
+                (0..per).for_each(|_| out.push(rng.byte()));
+            }
+        }
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -121,6 +136,47 @@ fn float_dot_simd_matches_scalar_on_odd_sizes() {
 }
 
 #[test]
+fn block_formats_with_f32_activations_simd_matches_scalar() {
+    let isa = Isa::detect();
+    let mut rng = Rng(5);
+    for format in WeightFormat::ALL.into_iter().filter(|f| f.is_quantized() && !f.int8_activations()) {
+        for blocks in [1usize, 2, 3, 7] {
+            let cols = blocks * format.block_elems();
+            let row = random_row(&mut rng, format, cols);
+            let x = random_vec(&mut rng, cols);
+            let want = scalar::dot_f32(format, &row, &x);
+            let got = isa.dot_f32(format, &row, &x);
+            assert!(close(got, want, 1e-5), "{format} blocks={blocks}: simd {got} vs scalar {want}");
+        }
+    }
+}
+
+#[test]
+fn mxfp4_and_affine_known_blocks() {
+    // MXFP4: e = 128 → scale 2; codes 0..16 in order (low nibbles j, high nibbles j+16).
+    let mut b = vec![128u8];
+    b.extend((0..16u8).map(|j| (15 - j) << 4 | j));
+    let mut out = [0.0f32; 32];
+    scalar::dequantize_row(WeightFormat::Mxfp4, &b, &mut out);
+    for j in 0..16 {
+        assert_eq!(out[j], 2.0 * scalar::E2M1[j]);
+        assert_eq!(out[j + 16], 2.0 * scalar::E2M1[15 - j]);
+    }
+    assert_eq!(scalar::E2M1[7], 6.0);
+    assert_eq!(scalar::E2M1[13], -3.0);
+    assert_eq!(scalar::e8m0(127), 1.0);
+    assert_eq!(scalar::e8m0(0), 2f32.powi(-127));
+    // A8, group 32: s = 0.5, b = -3, q_j = j.
+    let mut a8 = 0.5f32.to_le_bytes().to_vec();
+    a8.extend((-3.0f32).to_le_bytes());
+    a8.extend(0..32u8);
+    scalar::dequantize_row(WeightFormat::A8 { group: 32 }, &a8, &mut out);
+    for j in 0..32 {
+        assert_eq!(out[j], 0.5 * j as f32 - 3.0);
+    }
+}
+
+#[test]
 fn q8_quantize_simd_matches_scalar() {
     let isa = Isa::detect();
     let mut rng = Rng(2);
@@ -175,17 +231,17 @@ fn matmul_matches_naive_loops_for_every_format_and_thread_count() {
     for threads in [1, 2, 3] {
         let pool = ThreadPool::new(threads);
         for format in WeightFormat::ALL {
-            for (rows, cols, tokens) in [(1, 32, 1), (7, 64, 3), (33, 96, 5), (130, 160, 2)] {
+            for (rows, cols, tokens) in [(1, 128, 1), (7, 256, 3), (33, 384, 5), (130, 128, 2)] {
                 let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
                 let w = WeightRows::new(format, rows, cols, &data).unwrap();
                 let x = random_vec(&mut rng, tokens * cols);
                 let mut y = vec![0.0; tokens * rows];
-                let mut scratch = MatmulScratch::new(8, 256);
+                let mut scratch = MatmulScratch::new(8, 384);
                 matmul(&pool, isa, w, &x, tokens, &mut y, &mut scratch);
                 for t in 0..tokens {
                     for r in 0..rows {
                         let xs = &x[t * cols..(t + 1) * cols];
-                        let want = if format.is_quantized() {
+                        let want = if format.int8_activations() {
                             let mut xq = vec![BlockQ8::default(); cols / 32];
                             quantize_row_scalar(xs, &mut xq);
                             scalar::dot_q8(format, w.row(r), &xq)
@@ -193,7 +249,11 @@ fn matmul_matches_naive_loops_for_every_format_and_thread_count() {
                             scalar::dot_f32(format, w.row(r), xs)
                         };
                         let got = y[t * rows + r];
-                        assert!(close(got, want, 1e-5), "{format} {rows}x{cols} t={t} r={r}: {got} vs {want}");
+                        // Sum order differs (SIMD lanes, blocks): bound by Σ|w·x|.
+                        let mut wr = vec![0.0; cols];
+                        scalar::dequantize_row(format, w.row(r), &mut wr);
+                        let mag: f32 = wr.iter().zip(xs).map(|(a, b)| (a * b).abs()).sum();
+                        assert!((got - want).abs() <= 1e-5 * mag + 1e-6, "{format} {rows}x{cols} t={t} r={r}: {got} vs {want}");
                     }
                 }
             }

@@ -177,12 +177,18 @@ impl Checkpoint {
             files.sort();
             (files, Some(weight_map))
         } else {
-            let mut files: Vec<String> = std::fs::read_dir(dir)
+            let all: Vec<String> = std::fs::read_dir(dir)
                 .map_err(|source| LoadError::Io { path: dir.into(), source })?
                 .filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .filter(|n| n.ends_with(".safetensors"))
                 .collect();
+            // As mlx and transformers do: `model*.safetensors` when present, so other
+            // safetensors files beside the model (consolidated copies, adapters) are ignored.
+            let mut files: Vec<String> = all.iter().filter(|n| n.starts_with("model")).cloned().collect();
+            if files.is_empty() {
+                files = all;
+            }
             files.sort();
             if files.is_empty() {
                 return Err(LoadError::format(dir, "no *.safetensors files and no model.safetensors.index.json"));

@@ -29,8 +29,9 @@ use tessera_kernels::{matmul, ops, scalar, Isa, MatmulScratch, ThreadPool, Weigh
 enum Storage {
     /// In the checkpoint's memory map.
     Mapped { file: usize, range: Range<usize> },
-    /// Built at load (e.g. MLA's per-head matrices split from `kv_b_proj`).
-    Owned(Arc<Vec<u8>>),
+    /// Built at load (MLX-quantized weights repacked, MLA's per-head matrices split
+    /// from `kv_b_proj`): a byte range of a shared buffer.
+    Owned(Arc<Vec<u8>>, Range<usize>),
 }
 
 /// A weight matrix `[rows, cols]`.
@@ -48,7 +49,7 @@ impl Linear {
     pub fn weights<'a>(&'a self, ckpt: &'a Checkpoint) -> WeightRows<'a> {
         let data: &[u8] = match &self.storage {
             Storage::Mapped { file, range } => &ckpt.files[*file].map[range.clone()],
-            Storage::Owned(v) => v,
+            Storage::Owned(v, range) => &v[range.clone()],
         };
         WeightRows::new(self.format, self.rows, self.cols, data).expect("shape checked at load")
     }
@@ -57,8 +58,21 @@ impl Linear {
     }
     fn owned_f32(name: String, rows: usize, cols: usize, data: &[f32]) -> Linear {
         assert_eq!(data.len(), rows * cols);
-        let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Linear { name, format: WeightFormat::F32, rows, cols, storage: Storage::Owned(Arc::new(bytes)), bias: None }
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let len = bytes.len();
+        Linear { name, format: WeightFormat::F32, rows, cols, storage: Storage::Owned(Arc::new(bytes), 0..len), bias: None }
+    }
+
+    /// Rows `range` as their own matrix (one expert of a stack, one head).
+    fn sub_rows(&self, range: Range<usize>, name: String) -> Linear {
+        assert!(range.end <= self.rows);
+        let rb = self.format.row_bytes(self.cols).expect("checked at load");
+        let sub = |r: &Range<usize>| r.start + range.start * rb..r.start + range.end * rb;
+        let storage = match &self.storage {
+            Storage::Mapped { file, range: r } => Storage::Mapped { file: *file, range: sub(r) },
+            Storage::Owned(v, r) => Storage::Owned(Arc::clone(v), sub(r)),
+        };
+        Linear { name, format: self.format, rows: range.len(), cols: self.cols, storage, bias: None }
     }
 }
 
@@ -262,57 +276,106 @@ impl<'a> Loader<'a> {
     }
 
     fn linear(&self, hf: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear> {
-        let t = self.require(hf)?;
-        let file = self.c.file_of(t);
-        if t.shape != [rows, cols] {
-            return Err(LoadError::tensor(
-                file,
-                &t.name,
-                format!("shape {} does not match the config's [{rows}, {cols}]", shape_str(&t.shape)),
-            ));
-        }
-        let format = self.format_of(t)?;
-        format.row_bytes(cols).map_err(|e| LoadError::tensor(file, &t.name, e.to_string()))?;
-        let bias = if bias {
+        let mut l = self.matrix(hf, None, rows, cols)?;
+        if bias {
             let name = hf.strip_suffix(".weight").unwrap_or(hf).to_string() + ".bias";
-            Some(self.vector(&name, rows)?)
-        } else {
-            None
-        };
-        Ok(Linear {
-            name: t.name.clone(),
-            format,
-            rows,
-            cols,
-            storage: Storage::Mapped { file: t.file, range: t.range.clone() },
-            bias,
-        })
+            l.bias = Some(self.vector(&name, rows)?);
+        }
+        Ok(l)
     }
 
     /// `n` matrices `[rows, cols]` stacked in one tensor `[n, rows, cols]`, as views.
     fn stacked(&self, hf: &str, n: usize, rows: usize, cols: usize) -> Result<Vec<Linear>> {
+        let all = self.matrix(hf, Some(n), rows, cols)?;
+        Ok((0..n).map(|e| all.sub_rows(e * rows..(e + 1) * rows, format!("{}[{e}]", all.name))).collect())
+    }
+
+    /// A matrix `[rows, cols]`, or with `stack = Some(n)` a stack `[n, rows, cols]`
+    /// returned as one `[n·rows, cols]` matrix. Plain and GGUF block formats stay in the
+    /// memory map; MLX-quantized modules (`<name>.scales` present) are repacked.
+    fn matrix(&self, hf: &str, stack: Option<usize>, rows: usize, cols: usize) -> Result<Linear> {
         let t = self.require(hf)?;
         let file = self.c.file_of(t);
-        if t.shape != [n, rows, cols] {
+        let lead: Vec<usize> = stack.into_iter().collect();
+        let want = [lead.as_slice(), &[rows, cols]].concat();
+        let n = stack.unwrap_or(1);
+        let base = hf.strip_suffix(".weight").unwrap_or(hf);
+        if let Some(scales) = self.find(&format!("{base}.scales")) {
+            return self.mlx_quantized(t, scales, self.find(&format!("{base}.biases")), &lead, rows, cols);
+        }
+        if t.shape != want {
             return Err(LoadError::tensor(
                 file,
                 &t.name,
-                format!("shape {} does not match the config's [{n}, {rows}, {cols}]", shape_str(&t.shape)),
+                format!("shape {} does not match the config's {}", shape_str(&t.shape), shape_str(&want)),
             ));
         }
         let format = self.format_of(t)?;
-        let row_bytes = format.row_bytes(cols).map_err(|e| LoadError::tensor(file, &t.name, e.to_string()))?;
-        let per = rows * row_bytes;
-        Ok((0..n)
-            .map(|e| Linear {
-                name: format!("{}[{e}]", t.name),
-                format,
-                rows,
-                cols,
-                storage: Storage::Mapped { file: t.file, range: t.range.start + e * per..t.range.start + (e + 1) * per },
-                bias: None,
-            })
-            .collect())
+        format.row_bytes(cols).map_err(|e| LoadError::tensor(file, &t.name, e.to_string()))?;
+        Ok(Linear {
+            name: t.name.clone(),
+            format,
+            rows: n * rows,
+            cols,
+            storage: Storage::Mapped { file: t.file, range: t.range.clone() },
+            bias: None,
+        })
+    }
+
+    /// An MLX-quantized module (spec §3–4.1): U32-packed `weight`, `scales` and (affine)
+    /// `biases`; bits and group size inferred from the shapes, as mlx does.
+    fn mlx_quantized(&self, w: &TensorInfo, scales: &TensorInfo, biases: Option<&TensorInfo>, lead: &[usize], rows: usize, cols: usize) -> Result<Linear> {
+        let file = self.c.file_of(w);
+        let err = |t: &TensorInfo, reason: String| LoadError::tensor(self.c.file_of(t), &t.name, reason);
+        let n: usize = lead.iter().product();
+        if w.dtype != crate::checkpoint::TensorDtype::U32 || w.shape.len() != lead.len() + 2 || w.shape[..lead.len() + 1] != [lead, &[rows]].concat()[..] {
+            return Err(err(w, format!("quantized weight must be U32 {:?} + [packed]; found {:?} {}", [lead, &[rows]].concat(), w.dtype, shape_str(&w.shape))));
+        }
+        let packed_cols = w.shape[lead.len() + 1];
+        let groups = *scales.shape.last().unwrap_or(&0);
+        if scales.shape.len() != w.shape.len() || scales.shape[..lead.len() + 1] != w.shape[..lead.len() + 1] || groups == 0 || cols % groups != 0 {
+            return Err(err(scales, format!("scales shape {} does not fit a [{rows}, {cols}] weight", shape_str(&scales.shape))));
+        }
+        let group = cols / groups;
+        let bits = packed_cols * 32 / cols;
+        if packed_cols * 32 != bits * cols {
+            return Err(err(w, format!("{packed_cols} packed words do not hold {cols} columns at a whole number of bits")));
+        }
+        let format = if scales.dtype == crate::checkpoint::TensorDtype::U8 {
+            if (bits, group) != (4, 32) || biases.is_some() {
+                return Err(err(scales, format!("U8 scales mean a microscaling mode; only mxfp4 (4 bits, group 32) is supported, found {bits} bits, group {group}")));
+            }
+            WeightFormat::Mxfp4
+        } else {
+            let g = match group {
+                32 | 64 | 128 => group as u16,
+                _ => return Err(err(scales, format!("group size {group} is not supported (32, 64, 128)"))),
+            };
+            match bits {
+                4 => WeightFormat::A4 { group: g },
+                8 => WeightFormat::A8 { group: g },
+                b => return Err(err(w, format!("{b}-bit MLX affine quantization is not supported yet (4 and 8 are)"))),
+            }
+        };
+        let floats = |t: &TensorInfo| -> Result<Vec<f32>> {
+            let f = t.dtype.weight_format().filter(|f| !f.is_quantized()).ok_or_else(|| err(t, format!("dtype {:?} is not a float type", t.dtype)))?;
+            let mut out = vec![0.0; t.elements()];
+            scalar::dequantize_row(f, self.c.bytes(t), &mut out);
+            Ok(out)
+        };
+        let packed = self.c.bytes(w);
+        let data = if format == WeightFormat::Mxfp4 {
+            tessera_kernels::repack_mlx(format, n * rows, cols, packed, &[], &[], self.c.bytes(scales))
+        } else {
+            let b = biases.ok_or_else(|| err(w, "affine quantization needs a `.biases` tensor beside `.scales`".into()))?;
+            if b.shape != scales.shape {
+                return Err(err(b, format!("biases shape {} differs from scales {}", shape_str(&b.shape), shape_str(&scales.shape))));
+            }
+            tessera_kernels::repack_mlx(format, n * rows, cols, packed, &floats(scales)?, &floats(b)?, &[])
+        };
+        let _ = file;
+        let len = data.len();
+        Ok(Linear { name: w.name.clone(), format, rows: n * rows, cols, storage: Storage::Owned(Arc::new(data), 0..len), bias: None })
     }
 
     fn vector(&self, hf: &str, n: usize) -> Result<Vec<f32>> {
@@ -722,9 +785,7 @@ fn load_mla(ld: &Loader, cfg: &ModelConfig, m: &MlaConfig, i: usize) -> Result<M
         None => (None, ld.linear(&p("q_proj.weight"), nh * dq, h, false)?),
     };
     let (embed_q, unembed_out) = if ld.find(&p("embed_q.weight")).is_some() {
-        let eq = ld.stacked(&p("embed_q.weight"), nh, r, m.nope_dim)?;
-        let uo = ld.stacked(&p("unembed_out.weight"), nh, m.v_dim, r)?;
-        (merge_stacked(eq), merge_stacked(uo))
+        (ld.matrix(&p("embed_q.weight"), Some(nh), r, m.nope_dim)?, ld.matrix(&p("unembed_out.weight"), Some(nh), m.v_dim, r)?)
     } else {
         let per = m.nope_dim + m.v_dim;
         let kv_b = ld.dense_f32(&p("kv_b_proj.weight"), nh * per, r)?;
@@ -755,22 +816,6 @@ fn load_mla(ld: &Loader, cfg: &ModelConfig, m: &MlaConfig, i: usize) -> Result<M
         unembed_out,
         o: ld.linear(&p("o_proj.weight"), h, nh * m.v_dim, cfg.o_bias)?,
     })
-}
-
-/// One `[n·rows, cols]` matrix from `n` contiguous stacked views.
-fn merge_stacked(parts: Vec<Linear>) -> Linear {
-    let first = &parts[0];
-    let (Storage::Mapped { file, range: a }, Storage::Mapped { range: b, .. }) = (&first.storage, &parts[parts.len() - 1].storage) else {
-        unreachable!("stacked views are mapped")
-    };
-    Linear {
-        name: first.name.trim_end_matches("[0]").to_string(),
-        format: first.format,
-        rows: first.rows * parts.len(),
-        cols: first.cols,
-        storage: Storage::Mapped { file: *file, range: a.start..b.end },
-        bias: None,
-    }
 }
 
 /// The fixed context of one forward step.
