@@ -23,6 +23,11 @@ pub enum WeightFormat {
     Q4_0,
     Q4_1,
     Mxfp4,
+    /// GGUF k-quants: super-blocks of 256 with 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K)
+    /// sub-block scales (spec §4.3).
+    Q4K,
+    Q5K,
+    Q6K,
     /// MLX affine 4-bit with `group` elements per scale/bias (32, 64 or 128).
     A4 { group: u16 },
     /// MLX affine 8-bit.
@@ -56,7 +61,7 @@ impl fmt::Display for WeightFormat {
 
 impl WeightFormat {
     /// One of each kind (affine formats with each supported group), for tests.
-    pub const ALL: [WeightFormat; 13] = [
+    pub const ALL: [WeightFormat; 16] = [
         WeightFormat::F32,
         WeightFormat::F16,
         WeightFormat::Bf16,
@@ -64,6 +69,9 @@ impl WeightFormat {
         WeightFormat::Q4_0,
         WeightFormat::Q4_1,
         WeightFormat::Mxfp4,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
         WeightFormat::A4 { group: 32 },
         WeightFormat::A4 { group: 64 },
         WeightFormat::A4 { group: 128 },
@@ -73,7 +81,7 @@ impl WeightFormat {
     ];
 
     /// Largest block in elements (sizes stack buffers of the scalar path).
-    pub const BLOCK_ELEMS_MAX: usize = 128;
+    pub const BLOCK_ELEMS_MAX: usize = 256;
 
     pub fn name(self) -> &'static str {
         match self {
@@ -84,6 +92,9 @@ impl WeightFormat {
             WeightFormat::Q4_0 => "Q4_0",
             WeightFormat::Q4_1 => "Q4_1",
             WeightFormat::Mxfp4 => "MXFP4",
+            WeightFormat::Q4K => "Q4_K",
+            WeightFormat::Q5K => "Q5_K",
+            WeightFormat::Q6K => "Q6_K",
             WeightFormat::A4 { group: 32 } => "MLX-A4/g32",
             WeightFormat::A4 { group: 64 } => "MLX-A4/g64",
             WeightFormat::A4 { .. } => "MLX-A4/g128",
@@ -105,6 +116,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 => 32,
+            WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
     }
@@ -118,6 +130,9 @@ impl WeightFormat {
             WeightFormat::Q4_0 => 18,
             WeightFormat::Q4_1 => 20,
             WeightFormat::Mxfp4 => 17,
+            WeightFormat::Q4K => 144,
+            WeightFormat::Q5K => 176,
+            WeightFormat::Q6K => 210,
             WeightFormat::A4 { group } => 8 + group as usize / 2,
             WeightFormat::A8 { group } => 8 + group as usize,
         }

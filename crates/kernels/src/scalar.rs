@@ -96,6 +96,41 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        WeightFormat::Q4K | WeightFormat::Q5K => {
+            let five = format == WeightFormat::Q5K;
+            let bb = format.block_bytes();
+            for (o, b) in out.chunks_exact_mut(256).zip(row.chunks_exact(bb)) {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let sc = &b[4..16];
+                let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+                for s in 0..8 {
+                    let (scale, min) = scale_min_k4(sc, s);
+                    let (dl, ml) = (d * scale as f32, dmin * min as f32);
+                    for l in 0..32 {
+                        let byte = qs[32 * (s / 2) + l];
+                        let mut q = if s % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                        if five {
+                            q |= ((qh[l] >> s) & 1) << 4;
+                        }
+                        o[s * 32 + l] = dl * q as f32 - ml;
+                    }
+                }
+            }
+        }
+        WeightFormat::Q6K => {
+            for (o, b) in out.chunks_exact_mut(256).zip(row.chunks_exact(210)) {
+                let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+                let d = f16_at(b, 208);
+                for (n, w) in o.iter_mut().enumerate() {
+                    let (h, j, l) = (n / 128, (n % 128) / 32, n % 32);
+                    let byte = ql[64 * h + l + 32 * (j % 2)];
+                    let nib = if j < 2 { byte & 0x0F } else { byte >> 4 };
+                    let hi = (qh[32 * h + l] >> (2 * j)) & 3;
+                    let q = (nib | (hi << 4)) as i32 - 32;
+                    *w = d * (sc[n / 16] as i8) as f32 * q as f32;
+                }
+            }
+        }
         WeightFormat::A4 { group } => {
             let g = group as usize;
             let mut q = [0u8; 32];
@@ -118,6 +153,16 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+    }
+}
+
+/// The 6-bit scale and min of sub-block `s` (0..8) of a Q4_K/Q5_K super-block.
+#[inline]
+fn scale_min_k4(b: &[u8], s: usize) -> (u8, u8) {
+    if s < 4 {
+        (b[s] & 63, b[s + 4] & 63)
+    } else {
+        ((b[s + 4] & 15) | ((b[s - 4] >> 6) << 4), (b[s + 4] >> 4) | ((b[s] >> 6) << 4))
     }
 }
 

@@ -204,7 +204,17 @@ mod x86 {
                     }
                 }
             }
-            _ => unreachable!("{format} is not a block format with f32 activations"),
+            _ => {
+                // K-quants: dequantize one super-block to the stack, then FMA.
+                let mut w = [0.0f32; WeightFormat::BLOCK_ELEMS_MAX];
+                for bi in 0..x.len() / g {
+                    scalar::dequantize_row(format, &row[bi * bb..(bi + 1) * bb], &mut w[..g]);
+                    for k in 0..g / 8 {
+                        let xv = _mm256_loadu_ps(xp.add(bi * g + 8 * k));
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr().add(8 * k)), xv, acc);
+                    }
+                }
+            }
         }
         hsum(acc)
     }

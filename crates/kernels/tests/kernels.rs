@@ -30,6 +30,19 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
         WeightFormat::F32 => (0..cols).for_each(|_| out.extend(rng.f32().to_le_bytes())),
         WeightFormat::F16 => (0..cols).for_each(|_| out.extend(f16::from_f32(rng.f32()).to_le_bytes())),
         WeightFormat::Bf16 => (0..cols).for_each(|_| out.extend(bf16::from_f32(rng.f32()).to_le_bytes())),
+        WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => {
+            for _ in 0..cols / 256 {
+                let bb = format.block_bytes();
+                let start = out.len();
+                (0..bb).for_each(|_| out.push(rng.byte()));
+                // Sane f16 super-block scales (random bytes could be NaN/inf).
+                let at = if format == WeightFormat::Q6K { 208 } else { 0 };
+                out[start + at..start + at + 2].copy_from_slice(&f16::from_f32(rng.f32() * 0.01).to_le_bytes());
+                if format != WeightFormat::Q6K {
+                    out[start + 2..start + 4].copy_from_slice(&f16::from_f32(rng.f32() * 0.01).to_le_bytes());
+                }
+            }
+        }
         WeightFormat::Mxfp4 => {
             for _ in 0..cols / 32 {
                 // Scales 2^-2..2^2: values of a sane size, so sums keep f32 precision.
@@ -231,12 +244,12 @@ fn matmul_matches_naive_loops_for_every_format_and_thread_count() {
     for threads in [1, 2, 3] {
         let pool = ThreadPool::new(threads);
         for format in WeightFormat::ALL {
-            for (rows, cols, tokens) in [(1, 128, 1), (7, 256, 3), (33, 384, 5), (130, 128, 2)] {
+            for (rows, cols, tokens) in [(1, 256, 1), (7, 512, 3), (33, 768, 5), (130, 256, 2)] {
                 let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
                 let w = WeightRows::new(format, rows, cols, &data).unwrap();
                 let x = random_vec(&mut rng, tokens * cols);
                 let mut y = vec![0.0; tokens * rows];
-                let mut scratch = MatmulScratch::new(8, 384);
+                let mut scratch = MatmulScratch::new(8, 768);
                 matmul(&pool, isa, w, &x, tokens, &mut y, &mut scratch);
                 for t in 0..tokens {
                     for r in 0..rows {

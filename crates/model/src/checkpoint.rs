@@ -20,6 +20,10 @@ pub enum TensorDtype {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q4K,
+    Q5K,
+    Q6K,
+    Mxfp4,
     I8,
     I16,
     I32,
@@ -44,6 +48,10 @@ impl TensorDtype {
             TensorDtype::Q8_0 => W::Q8_0,
             TensorDtype::Q4_0 => W::Q4_0,
             TensorDtype::Q4_1 => W::Q4_1,
+            TensorDtype::Q4K => W::Q4K,
+            TensorDtype::Q5K => W::Q5K,
+            TensorDtype::Q6K => W::Q6K,
+            TensorDtype::Mxfp4 => W::Mxfp4,
             _ => return None,
         })
     }

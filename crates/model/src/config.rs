@@ -484,15 +484,19 @@ impl ModelConfig {
             .as_str()
             .ok_or_else(|| LoadError::key(path, "general.architecture", "expected a string"))?
             .to_string();
+        let has_experts = md.get(&format!("{arch_name}.expert_count")).and_then(|v| v.as_u64()).is_some_and(|n| n > 0);
         let arch = match arch_name.as_str() {
+            // llama.cpp writes Mixtral as `llama` with experts.
+            "llama" if has_experts => Arch::Mixtral,
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3moe" => Arch::Qwen3Moe,
             other => {
                 return Err(LoadError::key(
                     path,
                     "general.architecture",
-                    format!("`{other}` is not supported (supported: llama, qwen2, qwen3)"),
+                    format!("`{other}` is not supported (supported: llama, qwen2, qwen3, qwen3moe)"),
                 ))
             }
         };
@@ -538,6 +542,28 @@ impl ModelConfig {
             }
         };
         let layers = uint("block_count")?;
+        // Which layers are MoE: llama.cpp has no mlp_only_layers key, so ask the tensors.
+        let layer_ffn: Vec<FfnKind> = (0..layers)
+            .map(|i| if ckpt.get(&format!("blk.{i}.ffn_gate_inp.weight")).is_some() { FfnKind::Moe } else { FfnKind::Dense })
+            .collect();
+        let moe = match arch {
+            Arch::Qwen3Moe | Arch::Mixtral => Some(MoeConfig {
+                experts: uint("expert_count")?,
+                top_k: uint("expert_used_count")?,
+                expert_width: if arch == Arch::Mixtral { uint("feed_forward_length")? } else { uint("expert_feed_forward_length")? },
+                routing: if arch == Arch::Mixtral { Routing::TopKSoftmax } else { Routing::SoftmaxTopK },
+                // llama.cpp's qwen3moe always renormalises the chosen weights.
+                norm_topk: arch == Arch::Qwen3Moe
+                    && md.get(&key("expert_weights_norm")).map_or(Ok(true), |v| {
+                        v.as_bool().ok_or_else(|| LoadError::key(path, key("expert_weights_norm"), "expected a bool"))
+                    })?,
+                shared_width: 0,
+                routed_scaling: 1.0,
+                n_group: 1,
+                topk_group: 1,
+            }),
+            _ => None,
+        };
         let cfg = ModelConfig {
             arch,
             hidden,
@@ -553,16 +579,16 @@ impl ModelConfig {
                 dim: uint_or("rope.dimension_count", head_dim)?,
                 scaling,
                 // llama.cpp's converter permutes llama Q/K rows for interleaved pairs.
-                interleaved: arch == Arch::Llama,
+                interleaved: matches!(arch, Arch::Llama | Arch::Mixtral),
             },
             tie_embeddings: None,
             qkv_bias: arch == Arch::Qwen2,
             o_bias: false,
             mlp_bias: false,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             context_max: uint_or("context_length", 4096)?,
-            layer_ffn: vec![FfnKind::Dense; layers],
-            moe: None,
+            layer_ffn,
+            moe,
             mla: None,
         };
         cfg.validate().map_err(|(k, reason)| LoadError::key(path, key(gguf_key(k)), reason))?;

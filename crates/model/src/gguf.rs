@@ -213,6 +213,10 @@ fn ggml_type(id: u32) -> Option<(TensorDtype, u64, u64)> {
         2 => (TensorDtype::Q4_0, 32, 18),
         3 => (TensorDtype::Q4_1, 32, 20),
         8 => (TensorDtype::Q8_0, 32, 34),
+        12 => (TensorDtype::Q4K, 256, 144),
+        13 => (TensorDtype::Q5K, 256, 176),
+        14 => (TensorDtype::Q6K, 256, 210),
+        39 => (TensorDtype::Mxfp4, 32, 17),
         24 => (TensorDtype::I8, 1, 1),
         25 => (TensorDtype::I16, 1, 2),
         26 => (TensorDtype::I32, 1, 4),
@@ -230,12 +234,8 @@ fn ggml_type_name(id: u32) -> &'static str {
         9 => "Q8_1",
         10 => "Q2_K",
         11 => "Q3_K",
-        12 => "Q4_K",
-        13 => "Q5_K",
-        14 => "Q6_K",
         15 => "Q8_K",
         16..=23 | 29 => "an IQ type",
-        39 => "MXFP4",
         _ => "an unknown type",
     }
 }
