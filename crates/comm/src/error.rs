@@ -129,12 +129,19 @@ pub enum CommError {
     Protocol { rank: usize, peer: usize, why: String },
     #[error("{report}")]
     Timeout { rank: usize, report: Box<ClusterReport> },
-    #[error("rank {rank}: cluster aborted by rank {} ({}): {}{}", .diagnosis.origin, .diagnosis.kind, .diagnosis.text, in_op(.op))]
+    #[error("rank {rank}: cluster aborted by rank {} ({}): {}{}", .diagnosis.origin, .diagnosis.kind, .diagnosis.text, here(*.rank, .op))]
     Aborted { rank: usize, diagnosis: Diagnosis, op: Option<Box<OpDesc>> },
     #[error("rank {rank}: the communicator is closed")]
     Closed { rank: usize },
     #[error("rank {rank}: {what}: {source}")]
     Io { rank: usize, what: String, source: std::io::Error },
+}
+
+fn here(rank: usize, op: &Option<Box<OpDesc>>) -> String {
+    match op {
+        Some(d) => format!(" [rank {rank} stopped in {d}]"),
+        None => String::new(),
+    }
 }
 
 fn in_op(op: &Option<Box<OpDesc>>) -> String {

@@ -146,6 +146,7 @@ impl Cluster {
             assert!(text.contains(n), "rank {r}: error lacks {n:?}: {text}\n{}", self.dump());
         }
         assert_eq!(self.code(r), Some(3), "rank {r} exit code\n{}", self.dump());
+        eprintln!("rank {r}: {line}\n  {}", text.replace('\n', "\n  "));
         t
     }
 

@@ -279,6 +279,10 @@ fn read_safetensors_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec
             Some((name, reason)) => LoadError::tensor(path, name, reason),
             None => LoadError::format(path, describe_safetensors_error(&e)),
         },
+        safetensors::SafeTensorError::MetadataIncompleteBuffer => match find_truncated_tensor(bytes) {
+            Some((name, reason)) => LoadError::tensor(path, name, reason),
+            None => LoadError::format(path, describe_safetensors_error(&e)),
+        },
         e => LoadError::format(path, describe_safetensors_error(&e)),
     })?;
     let header_len = 8 + u64::from_le_bytes(bytes[..8].try_into().expect("deserialize checked the length")) as usize;
@@ -326,6 +330,32 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError) -> String {
         E::InvalidHeaderStart => "header does not start with '{' (not a safetensors file?)".into(),
         other => format!("{other}"),
     }
+}
+
+/// The first tensor whose data runs past the end of a truncated file.
+fn find_truncated_tensor(bytes: &[u8]) -> Option<(String, String)> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value = serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
+    let data_len = bytes.len().checked_sub(8 + n)?;
+    let mut cut: Vec<(usize, usize, &String)> = header
+        .as_object()?
+        .iter()
+        .filter(|(name, _)| *name != "__metadata__")
+        .filter_map(|(name, info)| {
+            let o = info.get("data_offsets")?.as_array()?;
+            Some((o.first()?.as_u64()? as usize, o.get(1)?.as_u64()? as usize, name))
+        })
+        .filter(|(_, end, _)| *end > data_len)
+        .collect();
+    cut.sort();
+    let (start, end, name) = cut.first()?;
+    Some((
+        (*name).clone(),
+        format!(
+            "data [{start}, {end}) runs past the end of the file's {data_len} data bytes ({} tensors affected): truncated download?",
+            cut.len()
+        ),
+    ))
 }
 
 /// Which tensor's dtype × shape disagrees with its byte range (the safetensors crate

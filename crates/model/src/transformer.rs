@@ -420,6 +420,18 @@ impl<'a> Loader<'a> {
             return Ok(out);
         }
         let stacked = ["gate_proj", "up_proj", "down_proj"];
+        let stacked_name = format!("{prefix}.switch_mlp.{}.weight", stacked[0]);
+        if self.find(&stacked_name).is_none() {
+            return Err(LoadError::MissingTensor {
+                path: self.c.path.clone(),
+                tensor: stored_name(self.c.kind, &format!("{prefix}.experts.0.{}.weight", names[0])),
+                hint: format!(
+                    " (the {} config makes this layer MoE, but it has neither per-expert tensors nor stacked `{}`)",
+                    self.arch,
+                    stored_name(self.c.kind, &stacked_name)
+                ),
+            });
+        }
         let mut out: [Vec<Linear>; 3] = Default::default();
         for (k, (rows, cols)) in shapes.iter().enumerate() {
             out[k] = self.stacked(&format!("{prefix}.switch_mlp.{}.weight", stacked[k]), e, *rows, *cols)?;

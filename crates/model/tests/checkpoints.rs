@@ -372,3 +372,59 @@ fn readers_list_tensors_with_dtype_shape_and_range() {
     let m = DenseTransformer::load(Arc::new(gg), cfg).unwrap();
     assert!(!m.is_tied());
 }
+
+/// A copy of a MoE fixture, edited, must fail with a message naming what is wrong.
+fn moe_case(name: &str, edit: impl FnOnce(&Path), needles: &[&str]) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+    let dir = scratch(&format!("moe-{name}"));
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    edit(&dir);
+    expect_error(&dir, needles);
+}
+
+fn edit_config(dir: &Path, key: &str, value: serde_json::Value) {
+    let p = dir.join("config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    c[key] = value;
+    std::fs::write(p, c.to_string()).unwrap();
+}
+
+#[test]
+fn moe_checkpoints_that_disagree_with_their_config_are_clear_errors() {
+    moe_case(
+        "truncated-expert",
+        |d| {
+            let p = d.join("model.safetensors");
+            let b = std::fs::read(&p).unwrap();
+            std::fs::write(&p, &b[..b.len() - 1000]).unwrap();
+        },
+        &["model.safetensors", "model.layers.2.mlp.experts", "runs past the end", "truncated download"],
+    );
+    moe_case(
+        "more-experts-in-config",
+        |d| edit_config(d, "num_experts", serde_json::json!(9)),
+        &["model.layers.0.mlp.experts.8.gate_proj.weight", "missing"],
+    );
+    moe_case(
+        "fewer-experts-in-config",
+        |d| edit_config(d, "num_experts", serde_json::json!(7)),
+        &["model.layers.0.mlp.experts.7.gate_proj.weight", "more experts than the config's 7"],
+    );
+    moe_case(
+        "expert-width",
+        |d| edit_config(d, "moe_intermediate_size", serde_json::json!(48)),
+        &["model.layers.0.mlp.experts.0.gate_proj.weight", "[32, 64]", "[48, 64]"],
+    );
+    moe_case(
+        "top-k-too-large",
+        |d| edit_config(d, "num_experts_per_tok", serde_json::json!(9)),
+        &["num_experts_per_tok", "9 experts per token of 8 experts"],
+    );
+    moe_case(
+        "dense-layer-says-moe",
+        |d| edit_config(d, "mlp_only_layers", serde_json::json!([])),
+        &["model.layers.1.mlp.experts.0.gate_proj.weight", "missing", "makes this layer MoE", "switch_mlp"],
+    );
+}
