@@ -174,3 +174,29 @@ fn mlx_mxfp4() {
 fn mlx_quantized_mla_embed_q_unembed_out() {
     check("deepseek_v3_mlx_q4g32");
 }
+
+/// MoE GGUF files (stacked `ffn_*_exps`, `ffn_gate_inp`, a dense layer recognised by
+/// its tensors): the same mlx-lm logits as the safetensors originals.
+#[test]
+fn gguf_moe_matches_mlx() {
+    check_file("qwen3_moe", &fixtures().join("gguf_moe/qwen3_moe.f32.gguf"));
+    check_file("qwen3_moe_all_moe", &fixtures().join("gguf_moe/qwen3_moe_all_moe.f32.gguf"));
+}
+
+/// The same MoE with Q8_0 matrices against llama.cpp's own logits for that file
+/// (both quantize activations to 8 bits, so the match is close, not exact).
+#[test]
+fn gguf_moe_q8_0_matches_llama_cpp() {
+    let exp = expected("qwen3_moe_all_moe");
+    let model = load_model(&fixtures().join("gguf_moe/qwen3_moe_all_moe.q8_0.gguf")).unwrap();
+    let bytes = std::fs::read(fixtures().join("gguf_moe/qwen3_moe_all_moe.q8_0.llama_cpp.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let want: Vec<f32> =
+        st.tensor("prompt_logits").unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    let cfg = EngineConfig { threads: 2, prefill_chunk: 64, context_max: 64 };
+    let got = Generator::new(&model, cfg).unwrap().logits_all(&exp.prompt).unwrap();
+    let d = max_abs_diff(&got, &want);
+    let mag = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    eprintln!("Q8_0 MoE vs llama.cpp: max |Δlogit| {d} (largest logit {mag})");
+    assert!(d < 0.05 * mag, "Q8_0 MoE logits differ from llama.cpp's by {d}");
+}
