@@ -261,6 +261,17 @@ fn balanced(len: usize, n: usize, c: usize) -> Range<usize> {
 
 /// `acc[i] = T(src[i])` or `acc[i] += T(src[i])` where `src` holds `T` bytes.
 fn acc_from_t<T: Elem>(acc: &mut [T::Acc], src: &[u8], add: bool) {
+    // SAFETY: T is a sealed plain type; align_to only yields a typed middle when aligned.
+    let (pre, typed, post) = unsafe { src.align_to::<T>() };
+    if pre.is_empty() && post.is_empty() && typed.len() == acc.len() {
+        // The usual case (allocations are 16-byte aligned): a loop the compiler vectorises.
+        if add {
+            acc.iter_mut().zip(typed).for_each(|(a, x)| *a = a.add(x.to_acc()));
+        } else {
+            acc.iter_mut().zip(typed).for_each(|(a, x)| *a = x.to_acc());
+        }
+        return;
+    }
     let sz = T::DTYPE.size_bytes();
     debug_assert_eq!(acc.len() * sz, src.len());
     if add {

@@ -460,6 +460,21 @@ impl Inner {
                 prog.poll_peers.push(l.peer);
             }
         }
+        if spin {
+            // Busy phase: a non-blocking read per link is one syscall; poll + read is two.
+            for i in 0..prog.poll_peers.len() {
+                let p = prog.poll_peers[i];
+                if prog.pollfds[i].events & libc::POLLIN != 0 {
+                    self.pump(prog, p)?;
+                }
+            }
+            if write_peers.is_empty() {
+                // If the peer rank (or anything else) is runnable on this core, let it run:
+                // spinning over it is how two ranks on one core turn 15 µs into a time slice.
+                std::thread::yield_now();
+                return Ok(());
+            }
+        }
         let timeout_ms = if spin {
             0
         } else {

@@ -28,6 +28,10 @@ pub enum WeightFormat {
     Q4K,
     Q5K,
     Q6K,
+    /// FP8 E4M3 with a per-block scale (DeepSeek-V3/Kimi-K2 "fp8" checkpoints, whose
+    /// 128×128 `weight_scale_inv` blocks are repacked per 32 columns): f32 scale, then
+    /// 32 E4M3 bytes; w = e4m3(q)·scale.
+    Fp8,
     /// MLX affine 4-bit with `group` elements per scale/bias (32, 64 or 128).
     A4 { group: u16 },
     /// MLX affine 8-bit.
@@ -61,7 +65,7 @@ impl fmt::Display for WeightFormat {
 
 impl WeightFormat {
     /// One of each kind (affine formats with each supported group), for tests.
-    pub const ALL: [WeightFormat; 16] = [
+    pub const ALL: [WeightFormat; 17] = [
         WeightFormat::F32,
         WeightFormat::F16,
         WeightFormat::Bf16,
@@ -72,6 +76,7 @@ impl WeightFormat {
         WeightFormat::Q4K,
         WeightFormat::Q5K,
         WeightFormat::Q6K,
+        WeightFormat::Fp8,
         WeightFormat::A4 { group: 32 },
         WeightFormat::A4 { group: 64 },
         WeightFormat::A4 { group: 128 },
@@ -95,6 +100,7 @@ impl WeightFormat {
             WeightFormat::Q4K => "Q4_K",
             WeightFormat::Q5K => "Q5_K",
             WeightFormat::Q6K => "Q6_K",
+            WeightFormat::Fp8 => "FP8-E4M3",
             WeightFormat::A4 { group: 32 } => "MLX-A4/g32",
             WeightFormat::A4 { group: 64 } => "MLX-A4/g64",
             WeightFormat::A4 { .. } => "MLX-A4/g128",
@@ -115,7 +121,7 @@ impl WeightFormat {
     pub fn block_elems(self) -> usize {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
-            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 => 32,
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
@@ -133,6 +139,7 @@ impl WeightFormat {
             WeightFormat::Q4K => 144,
             WeightFormat::Q5K => 176,
             WeightFormat::Q6K => 210,
+            WeightFormat::Fp8 => 36,
             WeightFormat::A4 { group } => 8 + group as usize / 2,
             WeightFormat::A8 { group } => 8 + group as usize,
         }
@@ -193,6 +200,23 @@ pub fn repack_mlx(format: WeightFormat, rows: usize, cols: usize, packed: &[u8],
                     out.push(q(base + j) | (q(base + j + 16) << 4));
                 }
             }
+        }
+    }
+    out
+}
+
+/// Repacks FP8 E4M3 rows `[rows, cols]` with block scales `scales[⌈rows/br⌉, ⌈cols/bc⌉]`
+/// (DeepSeek's `weight_scale_inv`, which despite its name multiplies) into [`WeightFormat::Fp8`].
+/// `bc` must be a multiple of 32 so no 32-block straddles two scales.
+pub fn repack_fp8(rows: usize, cols: usize, w: &[u8], scales: &[f32], (br, bc): (usize, usize)) -> Vec<u8> {
+    assert!(cols % 32 == 0 && bc % 32 == 0 && w.len() == rows * cols);
+    let scale_cols = cols.div_ceil(bc);
+    assert_eq!(scales.len(), rows.div_ceil(br) * scale_cols, "repack_fp8: scale grid");
+    let mut out = Vec::with_capacity(rows * cols / 32 * 36);
+    for r in 0..rows {
+        for c0 in (0..cols).step_by(32) {
+            out.extend(scales[(r / br) * scale_cols + c0 / bc].to_le_bytes());
+            out.extend_from_slice(&w[r * cols + c0..r * cols + c0 + 32]);
         }
     }
     out

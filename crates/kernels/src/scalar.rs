@@ -28,6 +28,20 @@ pub fn e8m0(e: u8) -> f32 {
     }
 }
 
+/// FP8 E4M3 (OCP "fn": bias 7, subnormals, no infinities, S.1111.111 = NaN) → f32.
+#[inline]
+pub fn e4m3(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 0x0F, b & 0x07);
+    if e == 0x0F && m == 0x07 {
+        return f32::NAN;
+    }
+    if e == 0 {
+        return sign * m as f32 * (1.0 / 512.0);
+    }
+    sign * f32::from_bits(((e as u32 + 120) << 23) | ((m as u32) << 20))
+}
+
 /// 32 values from 16 bytes in Q4_0 nibble order: `out[j]` low, `out[j+16]` high nibble.
 #[inline]
 fn nibbles(qs: &[u8], out: &mut [u8; 32]) {
@@ -128,6 +142,14 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                     let hi = (qh[32 * h + l] >> (2 * j)) & 3;
                     let q = (nib | (hi << 4)) as i32 - 32;
                     *w = d * (sc[n / 16] as i8) as f32 * q as f32;
+                }
+            }
+        }
+        WeightFormat::Fp8 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(row.chunks_exact(36)) {
+                let sc = f32_at(b, 0);
+                for (w, &q) in o.iter_mut().zip(&b[4..36]) {
+                    *w = e4m3(q) * sc;
                 }
             }
         }

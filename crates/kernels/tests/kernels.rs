@@ -43,6 +43,13 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 }
             }
         }
+        WeightFormat::Fp8 => {
+            for _ in 0..cols / 32 {
+                out.extend((rng.f32() * 0.1).to_le_bytes());
+                // Any byte but the two NaN codes.
+                (0..32).for_each(|_| out.push(rng.byte() & 0xF7));
+            }
+        }
         WeightFormat::Mxfp4 => {
             for _ in 0..cols / 32 {
                 // Scales 2^-2..2^2: values of a sane size, so sums keep f32 precision.
@@ -179,6 +186,13 @@ fn mxfp4_and_affine_known_blocks() {
     assert_eq!(scalar::E2M1[13], -3.0);
     assert_eq!(scalar::e8m0(127), 1.0);
     assert_eq!(scalar::e8m0(0), 2f32.powi(-127));
+    // E4M3: 1.0 = 0_0111_000; max 448 = 0_1111_110; smallest subnormal 2^-9; NaN.
+    assert_eq!(scalar::e4m3(0x38), 1.0);
+    assert_eq!(scalar::e4m3(0x7E), 448.0);
+    assert_eq!(scalar::e4m3(0xFE), -448.0);
+    assert_eq!(scalar::e4m3(0x01), 2f32.powi(-9));
+    assert_eq!(scalar::e4m3(0x3C), 1.5);
+    assert!(scalar::e4m3(0x7F).is_nan());
     // A8, group 32: s = 0.5, b = -3, q_j = j.
     let mut a8 = 0.5f32.to_le_bytes().to_vec();
     a8.extend((-3.0f32).to_le_bytes());

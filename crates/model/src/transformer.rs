@@ -310,6 +310,9 @@ impl<'a> Loader<'a> {
                 format!("shape {} does not match the config's {}", shape_str(&t.shape), shape_str(&want)),
             ));
         }
+        if t.dtype == crate::checkpoint::TensorDtype::F8E4M3 {
+            return self.fp8(t, &format!("{base}.weight_scale_inv"), n * rows, cols);
+        }
         let format = self.format_of(t)?;
         format.row_bytes(cols).map_err(|e| LoadError::tensor(file, &t.name, e.to_string()))?;
         Ok(Linear {
@@ -320,6 +323,26 @@ impl<'a> Loader<'a> {
             storage: Storage::Mapped { file: t.file, range: t.range.clone() },
             bias: None,
         })
+    }
+
+    /// A DeepSeek/Kimi FP8 matrix: E4M3 weights with 128×128 block scales
+    /// (`weight_scale_inv`, spec §2.5), repacked for the kernels; never dequantized.
+    fn fp8(&self, w: &TensorInfo, scale_name: &str, rows: usize, cols: usize) -> Result<Linear> {
+        const BLOCK: usize = 128;
+        let err = |t: &TensorInfo, reason: String| LoadError::tensor(self.c.file_of(t), &t.name, reason);
+        let s = self.find(scale_name).ok_or_else(|| err(w, format!("FP8 weights need their block scales `{scale_name}`, which are missing")))?;
+        let grid = [rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)];
+        if s.shape != grid || s.dtype != crate::checkpoint::TensorDtype::F32 {
+            return Err(err(s, format!("expected F32 {grid:?} block scales for a [{rows}, {cols}] FP8 weight, found {:?} {}", s.dtype, shape_str(&s.shape))));
+        }
+        if cols % 32 != 0 {
+            return Err(err(w, format!("FP8 rows of {cols} columns are not a multiple of 32")));
+        }
+        let mut scales = vec![0.0; s.elements()];
+        scalar::dequantize_row(WeightFormat::F32, self.c.bytes(s), &mut scales);
+        let data = tessera_kernels::repack_fp8(rows, cols, self.c.bytes(w), &scales, (BLOCK, BLOCK));
+        let len = data.len();
+        Ok(Linear { name: w.name.clone(), format: WeightFormat::Fp8, rows, cols, storage: Storage::Owned(Arc::new(data), 0..len), bias: None })
     }
 
     /// An MLX-quantized module (spec §3–4.1): U32-packed `weight`, `scales` and (affine)
