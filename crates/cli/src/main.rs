@@ -1,6 +1,7 @@
 //! `tessera`: a thin command line over the engine. It parses arguments, wires the
 //! crates together and prints; the work happens in the libraries.
 
+mod doctor;
 mod npy;
 
 use anyhow::{bail, Context, Result};
@@ -38,6 +39,8 @@ enum Command {
         /// A GGUF file or a Hugging Face directory.
         path: PathBuf,
     },
+    /// Start or join a cluster; print link latency/bandwidth and all_reduce latency.
+    Doctor(doctor::DoctorArgs),
 }
 
 #[derive(Args)]
@@ -111,6 +114,7 @@ fn main() {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),
         Command::Inspect { path } => inspect(&path),
+        Command::Doctor(a) => doctor::run(a),
         Command::Tokenize { model, text, chat } => tokenize(&model, &text, chat),
     };
     if let Err(e) = result {

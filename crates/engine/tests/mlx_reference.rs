@@ -25,16 +25,27 @@ struct Expected {
 }
 
 fn expected(name: &str) -> Expected {
+    expected_from(name, &fixtures().join(name).join("expected.safetensors"), "")
+}
+
+/// Ids from fixture `name`'s expected.json; logits `{prefix}prompt_logits` and
+/// `{prefix}decode_logits` from `logits_file`.
+fn expected_from(name: &str, logits_file: &Path, prefix: &str) -> Expected {
     let dir = fixtures().join(name);
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let ids = |k: &str| -> Vec<u32> { json[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
-    let bytes = std::fs::read(dir.join("expected.safetensors")).unwrap();
+    let bytes = std::fs::read(logits_file).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let f32s = |k: &str| -> Vec<f32> {
         st.tensor(k).unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
     };
-    Expected { prompt: ids("prompt_ids"), greedy: ids("greedy_ids"), prompt_logits: f32s("prompt_logits"), decode_logits: f32s("decode_logits") }
+    Expected {
+        prompt: ids("prompt_ids"),
+        greedy: ids("greedy_ids"),
+        prompt_logits: f32s(&format!("{prefix}prompt_logits")),
+        decode_logits: f32s(&format!("{prefix}decode_logits")),
+    }
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -48,7 +59,10 @@ fn check(name: &str) {
 
 /// Compares the checkpoint at `path` with fixture `name`'s mlx-lm reference.
 fn check_file(name: &str, path: &Path) {
-    let exp = expected(name);
+    check_with(name, path, expected(name));
+}
+
+fn check_with(name: &str, path: &Path, exp: Expected) {
     let mut model = load_model(path).unwrap_or_else(|e| panic!("{name}: {e}"));
     let vocab = model.cfg.vocab;
     for isa in [Isa::detect(), Isa::Scalar] {
@@ -199,4 +213,30 @@ fn gguf_moe_q8_0_matches_llama_cpp() {
     let mag = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     eprintln!("Q8_0 MoE vs llama.cpp: max |Δlogit| {d} (largest logit {mag})");
     assert!(d < 0.05 * mag, "Q8_0 MoE logits differ from llama.cpp's by {d}");
+}
+
+/// DeepSeek-V3 as llama.cpp's deepseek2 GGUF (split `attn_k_b`/`attn_v_b`, yarn as one
+/// log multiplier): mlx-lm's logits for the same model with GGUF's yarn semantics
+/// (mscale = mscale_all_dim; the format cannot express them apart).
+#[test]
+fn gguf_deepseek2_matches_mlx_with_gguf_yarn_semantics() {
+    let dir = fixtures().join("gguf_moe");
+    let exp = expected_from("deepseek_v3", &dir.join("deepseek_v3.gguf_semantics.safetensors"), "");
+    // Greedy ids differ from the fixture's (different yarn magnitude): take them from the logits.
+    let vocab = 256;
+    let greedy: Vec<u32> = exp.decode_logits.chunks(vocab).map(|r| argmax(r)).collect();
+    check_with("deepseek_v3", &dir.join("deepseek_v3.f32.gguf"), Expected { greedy, ..exp });
+}
+
+/// DeepSeek-V3 official-FP8 layout (E4M3 + 128×128 `weight_scale_inv`): we compute
+/// fp8·scale exactly (mlx rounds it to bf16 at load; those logits differ by ~0.03).
+#[test]
+fn deepseek_v3_fp8_block_scaled() {
+    let dir = fixtures().join("fp8/deepseek_v3_fp8");
+    let exp = expected_from("fp8/deepseek_v3_fp8", &dir.join("expected.safetensors"), "f32_dequant_");
+    check_with("fp8/deepseek_v3_fp8", &dir, exp);
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b }) as u32
 }

@@ -492,11 +492,12 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "qwen3moe" => Arch::Qwen3Moe,
+            "deepseek2" => Arch::DeepseekV3,
             other => {
                 return Err(LoadError::key(
                     path,
                     "general.architecture",
-                    format!("`{other}` is not supported (supported: llama, qwen2, qwen3, qwen3moe)"),
+                    format!("`{other}` is not supported (supported: llama, qwen2, qwen3, qwen3moe, deepseek2)"),
                 ))
             }
         };
@@ -525,7 +526,10 @@ impl ModelConfig {
             return Err(LoadError::key(path, key("attention.head_count"), "must be > 0"));
         }
         let kv_heads = uint_or("attention.head_count_kv", heads)?;
-        let head_dim = uint_or("attention.key_length", hidden / heads)?;
+        let head_dim = match arch {
+            Arch::DeepseekV3 => 0, // set from the MLA dims below
+            _ => uint_or("attention.key_length", hidden / heads)?,
+        };
         let vocab = match md.get(&key("vocab_size")) {
             Some(_) => uint("vocab_size")?,
             None => md
@@ -537,9 +541,44 @@ impl ModelConfig {
         let scaling = match md.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             None | Some("none") => RopeScaling::None,
             Some("linear") => RopeScaling::Linear { factor: float_or("rope.scaling.factor", None)? },
-            Some(other) => {
-                return Err(LoadError::key(path, key("rope.scaling.type"), format!("`{other}` is not supported (none, linear)")))
+            Some("yarn") => {
+                // llama.cpp keeps one magnitude parameter, 0.1·mscale_all_dim, and its
+                // rope cancels the mscale ratio: the HF/mlx maths with mscale = mscale_all_dim.
+                let m = float_or("rope.scaling.yarn_log_multiplier", Some(0.0))? / 0.1;
+                RopeScaling::Yarn {
+                    factor: float_or("rope.scaling.factor", None)?,
+                    original_max_position: uint_or("rope.scaling.original_context_length", 4096)? as f32,
+                    beta_fast: float_or("rope.scaling.yarn_beta_fast", Some(32.0))?,
+                    beta_slow: float_or("rope.scaling.yarn_beta_slow", Some(1.0))?,
+                    mscale: m,
+                    mscale_all_dim: m,
+                }
             }
+            Some(other) => {
+                return Err(LoadError::key(path, key("rope.scaling.type"), format!("`{other}` is not supported (none, linear, yarn)")))
+            }
+        };
+        let mla = if arch == Arch::DeepseekV3 {
+            let rope_dim = uint("rope.dimension_count")?;
+            // Current converters write the MLA head sizes as key_length_mla / value_length_mla;
+            // older ones wrote them as key_length / value_length.
+            let (k_mla, v_mla) = if md.contains_key(&key("attention.key_length_mla")) {
+                (uint("attention.key_length_mla")?, uint("attention.value_length_mla")?)
+            } else {
+                (uint("attention.key_length")?, uint("attention.value_length")?)
+            };
+            if k_mla <= rope_dim {
+                return Err(LoadError::key(path, key("attention.key_length_mla"), format!("{k_mla} leaves no room beside rope dim {rope_dim}")));
+            }
+            Some(MlaConfig {
+                q_lora_rank: md.contains_key(&key("attention.q_lora_rank")).then(|| uint("attention.q_lora_rank")).transpose()?,
+                kv_lora_rank: uint("attention.kv_lora_rank")?,
+                nope_dim: k_mla - rope_dim,
+                rope_dim,
+                v_dim: v_mla,
+            })
+        } else {
+            None
         };
         let layers = uint("block_count")?;
         // Which layers are MoE: llama.cpp has no mlp_only_layers key, so ask the tensors.
@@ -562,8 +601,27 @@ impl ModelConfig {
                 n_group: 1,
                 topk_group: 1,
             }),
+            Arch::DeepseekV3 => {
+                let gating = uint_or("expert_gating_func", 2)?;
+                if gating != 2 {
+                    return Err(LoadError::key(path, key("expert_gating_func"), format!("{gating} (softmax) is not supported for deepseek2; 2 (sigmoid) is")));
+                }
+                let width = uint("expert_feed_forward_length")?;
+                Some(MoeConfig {
+                    experts: uint("expert_count")?,
+                    top_k: uint("expert_used_count")?,
+                    expert_width: width,
+                    routing: Routing::SigmoidGrouped,
+                    norm_topk: md.get(&key("expert_weights_norm")).and_then(|v| v.as_bool()).unwrap_or(true),
+                    shared_width: width * uint_or("expert_shared_count", 0)?,
+                    routed_scaling: float_or("expert_weights_scale", Some(1.0))?,
+                    n_group: uint_or("expert_group_count", 1)?.max(1),
+                    topk_group: uint_or("expert_group_used_count", 1)?.max(1),
+                })
+            }
             _ => None,
         };
+        let head_dim = mla.as_ref().map_or(head_dim, |m| m.nope_dim + m.rope_dim);
         let cfg = ModelConfig {
             arch,
             hidden,
@@ -578,8 +636,9 @@ impl ModelConfig {
                 theta: float_or("rope.freq_base", Some(10_000.0))?,
                 dim: uint_or("rope.dimension_count", head_dim)?,
                 scaling,
-                // llama.cpp's converter permutes llama Q/K rows for interleaved pairs.
-                interleaved: matches!(arch, Arch::Llama | Arch::Mixtral),
+                // llama.cpp's converter permutes llama Q/K rows for interleaved pairs;
+                // DeepSeek's pairs are interleaved to begin with.
+                interleaved: matches!(arch, Arch::Llama | Arch::Mixtral | Arch::DeepseekV3),
             },
             tie_embeddings: None,
             qkv_bias: arch == Arch::Qwen2,
@@ -589,7 +648,7 @@ impl ModelConfig {
             context_max: uint_or("context_length", 4096)?,
             layer_ffn,
             moe,
-            mla: None,
+            mla,
         };
         cfg.validate().map_err(|(k, reason)| LoadError::key(path, key(gguf_key(k)), reason))?;
         Ok(cfg)

@@ -1,0 +1,125 @@
+//! `tessera doctor`: start or join a cluster and print its link matrix and all_reduce
+//! latencies. `--local N` runs all N ranks on this machine (it spawns N-1 copies of itself).
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use tessera_comm::doctor::{self, DoctorOptions};
+use tessera_comm::{CommConfig, Communicator, Listening, Peers};
+
+/// Where the secret comes from when there is no --secret-file (used by --local children).
+const SECRET_ENV: &str = "TESSERA_CLUSTER_SECRET";
+
+#[derive(Args)]
+pub struct DoctorArgs {
+    /// This process's rank.
+    #[arg(long, conflicts_with = "local")]
+    rank: Option<usize>,
+    /// Number of ranks.
+    #[arg(long, conflicts_with = "local")]
+    world: Option<usize>,
+    /// Rank 0's address (host:port): rank 0 listens there, the others join through it.
+    #[arg(long, conflicts_with_all = ["hostfile", "local"])]
+    master: Option<String>,
+    /// One host:port per line, rank 0 first.
+    #[arg(long, conflicts_with = "local")]
+    hostfile: Option<PathBuf>,
+    /// File holding the shared cluster secret (at least 16 bytes; or set TESSERA_CLUSTER_SECRET).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Address to listen on (default: from the hostfile or master address).
+    #[arg(long)]
+    bind: Option<String>,
+    /// Run N ranks on this machine over loopback.
+    #[arg(long)]
+    local: Option<usize>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Kills and reaps local rank processes on every exit path.
+struct Children(Vec<Child>);
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in self.0.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn secret(args: &DoctorArgs) -> Result<Vec<u8>> {
+    if let Some(p) = &args.secret_file {
+        let s = std::fs::read(p).with_context(|| format!("reading the secret file {}", p.display()))?;
+        return Ok(s.trim_ascii().to_vec());
+    }
+    match std::env::var(SECRET_ENV) {
+        Ok(s) => Ok(s.into_bytes()),
+        Err(_) => bail!("no cluster secret: pass --secret-file FILE (the same file on every rank) or set {SECRET_ENV}"),
+    }
+}
+
+pub fn run(args: DoctorArgs) -> Result<()> {
+    if let Some(n) = args.local {
+        return run_local(n, args.json);
+    }
+    let (Some(rank), Some(world)) = (args.rank, args.world) else { bail!("give --rank and --world (or --local N)") };
+    let peers = match (&args.master, &args.hostfile) {
+        (Some(m), None) => Peers::Master(tessera_comm::config::resolve(m).map_err(anyhow::Error::msg)?),
+        (None, Some(h)) => Peers::Table(CommConfig::read_hostfile(h)?),
+        _ => bail!("give exactly one of --master ADDR and --hostfile FILE"),
+    };
+    let mut cfg = CommConfig::new(rank, world, peers, secret(&args)?);
+    if let Some(b) = &args.bind {
+        cfg.bind_addr = Some(tessera_comm::config::resolve(b).map_err(anyhow::Error::msg)?);
+    }
+    let comm = Communicator::connect(cfg)?;
+    report(&comm, args.json)
+}
+
+fn report(comm: &Communicator, json: bool) -> Result<()> {
+    let r = doctor::run(comm, &DoctorOptions::default())?;
+    if comm.rank() == 0 {
+        if json {
+            println!("{}", r.to_json());
+        } else {
+            print!("{r}");
+        }
+    }
+    Ok(())
+}
+
+fn run_local(n: usize, json: bool) -> Result<()> {
+    if !(1..=64).contains(&n) {
+        bail!("--local {n}: choose 1..=64 ranks");
+    }
+    let secret = doctor::random_secret_hex()?;
+    let mut cfg = CommConfig::new(0, n, Peers::Master("127.0.0.1:0".parse().unwrap()), secret.clone().into_bytes());
+    cfg.connect_timeout_ms = 20_000;
+    let l = Listening::bind(cfg)?;
+    let master = l.local_addr().to_string();
+    let exe = std::env::current_exe().context("finding the tessera binary to spawn local ranks")?;
+    let mut children = Children(Vec::new());
+    for r in 1..n {
+        let c = Command::new(&exe)
+            .args(["doctor", "--rank", &r.to_string(), "--world", &n.to_string(), "--master", &master])
+            .env(SECRET_ENV, &secret)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("spawning local rank {r}"))?;
+        children.0.push(c);
+    }
+    let comm = Communicator::from_listening(l)?;
+    let res = report(&comm, json);
+    drop(comm);
+    for (i, c) in children.0.iter_mut().enumerate() {
+        let st = c.wait()?;
+        if !st.success() && res.is_ok() {
+            bail!("local rank {} failed: {st}", i + 1);
+        }
+    }
+    res
+}
