@@ -85,7 +85,7 @@ impl<'m> Generator<'m> {
         if cfg.prefill_chunk == 0 || cfg.context_max == 0 || cfg.threads == 0 {
             return Err(EngineError::Config(format!("threads, prefill_chunk and context_max must be > 0: {cfg:?}")));
         }
-        let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk, context_max: cfg.context_max };
+        let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk, context_max: cfg.context_max, sequences_per_step_max: 1 };
         let pool = ThreadPool::new(cfg.threads);
         Ok(Generator {
             ws: model.new_workspace(limits, pool.n_threads()),

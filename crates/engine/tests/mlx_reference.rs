@@ -67,7 +67,7 @@ fn check_with(name: &str, path: &Path, exp: Expected) {
     let vocab = model.cfg.vocab;
     for isa in [Isa::detect(), Isa::Scalar] {
         model.set_isa(isa);
-        let limits = StepLimits { tokens_per_step_max: 32, context_max: 64 };
+        let limits = StepLimits { tokens_per_step_max: 32, context_max: 64, sequences_per_step_max: 1 };
         // Full prompt in one step, logits for every position.
         let pool = ThreadPool::new(2);
         let mut ws = model.new_workspace(limits, pool.n_threads());
@@ -239,4 +239,60 @@ fn deepseek_v3_fp8_block_scaled() {
 
 fn argmax(x: &[f32]) -> u32 {
     (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b }) as u32
+}
+
+/// Several sequences in one step (prefill chunks and decodes side by side) give each
+/// sequence exactly what it gets alone: same logits (to float rounding), same greedy ids.
+#[test]
+fn batched_sequences_match_running_alone() {
+    use tessera_model::SeqChunk;
+    for name in ["qwen3", "qwen3_moe", "deepseek_v3", "mixtral"] {
+        let exp = expected(name);
+        let model = load_model(&fixtures().join(name)).unwrap();
+        let vocab = model.cfg.vocab;
+        let prompts: Vec<Vec<u32>> = vec![exp.prompt.clone(), exp.prompt[..4].to_vec(), exp.prompt.iter().rev().copied().collect()];
+        let steps = 6;
+        let pool = ThreadPool::new(2);
+        // Alone.
+        let alone: Vec<(Vec<u32>, Vec<f32>)> = prompts
+            .iter()
+            .map(|p| {
+                let limits = StepLimits { tokens_per_step_max: 16, context_max: 32, sequences_per_step_max: 1 };
+                let mut ws = model.new_workspace(limits, pool.n_threads());
+                let mut cache = model.new_cache(limits);
+                let mut logits = vec![0.0; vocab];
+                let (mut ids, mut all) = (vec![], vec![]);
+                model.forward(&pool, &mut ws, &mut cache, p, LogitsFor::Last, &mut logits).unwrap();
+                for _ in 0..steps {
+                    all.extend_from_slice(&logits);
+                    let id = argmax(&logits);
+                    ids.push(id);
+                    model.forward(&pool, &mut ws, &mut cache, &[id], LogitsFor::Last, &mut logits).unwrap();
+                }
+                (ids, all)
+            })
+            .collect();
+        // Together: one step prefills all three, then each step decodes all three.
+        let limits = StepLimits { tokens_per_step_max: 32, context_max: 32, sequences_per_step_max: 3 };
+        let mut ws = model.new_workspace(limits, pool.n_threads());
+        let mut caches: Vec<_> = (0..3).map(|_| model.new_cache(limits)).collect();
+        let mut logits = vec![0.0; 3 * vocab];
+        let chunks: Vec<SeqChunk> = prompts.iter().enumerate().map(|(i, p)| SeqChunk { cache: i, tokens: p, logits: LogitsFor::Last }).collect();
+        model.forward_batch(&pool, &mut ws, &mut caches, &chunks, &mut logits).unwrap();
+        let mut got: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); 3];
+        for _ in 0..steps {
+            let next: Vec<[u32; 1]> = (0..3).map(|i| [argmax(&logits[i * vocab..(i + 1) * vocab])]).collect();
+            for i in 0..3 {
+                got[i].1.extend_from_slice(&logits[i * vocab..(i + 1) * vocab]);
+                got[i].0.push(next[i][0]);
+            }
+            let chunks: Vec<SeqChunk> = (0..3).map(|i| SeqChunk { cache: i, tokens: &next[i], logits: LogitsFor::Last }).collect();
+            model.forward_batch(&pool, &mut ws, &mut caches, &chunks, &mut logits).unwrap();
+        }
+        for i in 0..3 {
+            assert_eq!(got[i].0, alone[i].0, "{name}: sequence {i} greedy ids batched vs alone");
+            let d = max_abs_diff(&got[i].1, &alone[i].1);
+            assert!(d <= 1e-5, "{name}: sequence {i} logits batched vs alone differ by {d}");
+        }
+    }
 }

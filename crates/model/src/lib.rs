@@ -20,7 +20,7 @@ pub use checkpoint::{Checkpoint, CheckpointKind, TensorDtype, TensorInfo};
 pub use config::{Arch, ModelConfig};
 pub use error::LoadError;
 pub use tokenizer::{TextStream, Tokenizer};
-pub use transformer::{DenseTransformer, KvCache, LogitsFor, StepError, StepLimits, Workspace};
+pub use transformer::{DenseTransformer, KvCache, LogitsFor, SeqChunk, StepError, StepLimits, Workspace};
 
 use std::path::Path;
 use std::sync::Arc;

@@ -147,6 +147,8 @@ pub struct StepLimits {
     pub tokens_per_step_max: usize,
     /// Tokens a sequence may hold in its KV cache.
     pub context_max: usize,
+    /// Sequences one step may carry (the decode batch).
+    pub sequences_per_step_max: usize,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -161,6 +163,21 @@ pub enum StepError {
     BadToken { id: u32, index: usize, vocab: usize },
     #[error("logits buffer holds {got} floats, this step needs {need}")]
     LogitsBuffer { got: usize, need: usize },
+    #[error("step of {sequences} sequences exceeds the limit of {max} per step")]
+    TooManySequences { sequences: usize, max: usize },
+    #[error("chunk names cache {index}, but the step has only {caches} caches")]
+    NoSuchCache { index: usize, caches: usize },
+    #[error("cache {index} appears in two chunks of one step")]
+    CacheTwice { index: usize },
+}
+
+/// One sequence's part of a step: its cache (an index into the step's caches), the
+/// tokens it appends, and which of their logits it wants.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqChunk<'a> {
+    pub cache: usize,
+    pub tokens: &'a [u32],
+    pub logits: LogitsFor,
 }
 
 pub struct DenseTransformer {
@@ -243,6 +260,11 @@ pub struct Workspace {
     expert_slots: Vec<(u32, f32)>,
     moe_in: Vec<f32>,
     moe_out: Vec<f32>,
+    // Per token of the step: its chunk and absolute position; chunk boundaries.
+    tok_chunk: Vec<u32>,
+    tok_pos: Vec<u32>,
+    chunk_start: Vec<usize>,
+    chunks_max: usize,
 }
 
 fn shape_str(s: &[usize]) -> String {
@@ -706,6 +728,10 @@ impl DenseTransformer {
             expert_slots: vec![(0, 0.0); moe.map_or(0, |m| t * m.top_k)],
             moe_in: vec![0.0; moe_rows],
             moe_out: vec![0.0; moe_rows],
+            tok_chunk: vec![0; t],
+            tok_pos: vec![0; t],
+            chunk_start: vec![0; limits.sequences_per_step_max + 1],
+            chunks_max: limits.sequences_per_step_max,
         }
     }
 
@@ -720,56 +746,88 @@ impl DenseTransformer {
         want: LogitsFor,
         logits: &mut [f32],
     ) -> std::result::Result<(), StepError> {
+        let chunk = [SeqChunk { cache: 0, tokens, logits: want }];
+        self.forward_batch(pool, ws, std::slice::from_mut(cache), &chunk, logits)
+    }
+
+    /// One step over several sequences at once (batched decode, or a prefill chunk
+    /// beside decodes): every weight is read once for all their tokens. `chunks[i]`
+    /// appends its tokens to `caches[chunks[i].cache]` (each cache at most once per
+    /// step). Logits rows are written in chunk order: one per `Last` chunk, one per
+    /// token of an `All` chunk.
+    pub fn forward_batch(
+        &self,
+        pool: &ThreadPool,
+        ws: &mut Workspace,
+        caches: &mut [KvCache],
+        chunks: &[SeqChunk<'_>],
+        logits: &mut [f32],
+    ) -> std::result::Result<(), StepError> {
         let c = &self.cfg;
-        let n = tokens.len();
-        if n == 0 {
+        let n: usize = chunks.iter().map(|ch| ch.tokens.len()).sum();
+        if chunks.is_empty() || chunks.iter().any(|ch| ch.tokens.is_empty()) {
             return Err(StepError::Empty);
         }
         if n > ws.limits.tokens_per_step_max {
             return Err(StepError::TooManyTokens { tokens: n, max: ws.limits.tokens_per_step_max });
         }
-        if cache.len + n > cache.capacity {
-            return Err(StepError::ContextFull { used: cache.len, tokens: n, max: cache.capacity });
+        if chunks.len() > ws.chunks_max {
+            return Err(StepError::TooManySequences { sequences: chunks.len(), max: ws.chunks_max });
         }
-        if let Some((index, &id)) = tokens.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab) {
-            return Err(StepError::BadToken { id, index, vocab: c.vocab });
+        let mut logit_rows = 0;
+        for (i, ch) in chunks.iter().enumerate() {
+            let cache = caches.get(ch.cache).ok_or(StepError::NoSuchCache { index: ch.cache, caches: caches.len() })?;
+            if chunks[..i].iter().any(|o| o.cache == ch.cache) {
+                return Err(StepError::CacheTwice { index: ch.cache });
+            }
+            if cache.len + ch.tokens.len() > cache.capacity.min(ws.limits.context_max) {
+                return Err(StepError::ContextFull { used: cache.len, tokens: ch.tokens.len(), max: cache.capacity.min(ws.limits.context_max) });
+            }
+            if let Some((index, &id)) = ch.tokens.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab) {
+                return Err(StepError::BadToken { id, index, vocab: c.vocab });
+            }
+            logit_rows += match ch.logits {
+                LogitsFor::Last => 1,
+                LogitsFor::All => ch.tokens.len(),
+            };
         }
-        let logit_rows = match want {
-            LogitsFor::Last => 1,
-            LogitsFor::All => n,
-        };
         if logits.len() != logit_rows * c.vocab {
             return Err(StepError::LogitsBuffer { got: logits.len(), need: logit_rows * c.vocab });
         }
         assert!(ws.threads >= pool.n_threads(), "workspace sized for fewer threads than the pool has");
         let ckpt = &*self.ckpt;
         let h = c.hidden;
-        let pos0 = cache.len;
 
-        // Embeddings.
+        // Per token: its chunk and absolute position; embeddings; RoPE angles.
         let embed = self.embed.weights(ckpt);
-        for (t, &id) in tokens.iter().enumerate() {
-            scalar::dequantize_row(embed.format, embed.row(id as usize), &mut ws.x[t * h..(t + 1) * h]);
-        }
-        // RoPE angles for this step's positions.
         let half = c.rope.dim / 2;
-        for t in 0..n {
-            let p = (pos0 + t) as f32;
-            for (i, &f) in self.inv_freq.iter().enumerate() {
-                let a = p * f;
-                ws.cos[t * half + i] = a.cos();
-                ws.sin[t * half + i] = a.sin();
+        let mut t = 0;
+        for (ci, ch) in chunks.iter().enumerate() {
+            let pos0 = caches[ch.cache].len;
+            ws.chunk_start[ci] = t;
+            for (j, &id) in ch.tokens.iter().enumerate() {
+                ws.tok_chunk[t] = ci as u32;
+                ws.tok_pos[t] = (pos0 + j) as u32;
+                scalar::dequantize_row(embed.format, embed.row(id as usize), &mut ws.x[t * h..(t + 1) * h]);
+                let p = (pos0 + j) as f32;
+                for (i, &f) in self.inv_freq.iter().enumerate() {
+                    let a = p * f;
+                    ws.cos[t * half + i] = a.cos();
+                    ws.sin[t * half + i] = a.sin();
+                }
+                t += 1;
             }
         }
+        ws.chunk_start[chunks.len()] = n;
 
-        let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, pos0 };
+        let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, chunks };
         for (li, layer) in self.layers.iter().enumerate() {
             for t in 0..n {
                 ops::rms_norm(&ws.x[t * h..(t + 1) * h], &layer.attn_norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
             }
             match &layer.attn {
-                Attn::Gqa(g) => run.gqa(g, ws, cache, li),
-                Attn::Mla(m) => run.mla(m, c.mla.as_ref().expect("MLA config"), ws, cache, li),
+                Attn::Gqa(g) => run.gqa(g, ws, caches, li),
+                Attn::Mla(m) => run.mla(m, c.mla.as_ref().expect("MLA config"), ws, caches, li),
             }
             ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
             for t in 0..n {
@@ -781,13 +839,24 @@ impl DenseTransformer {
             }
             ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
         }
-        cache.len = pos0 + n;
-
-        let first = n - logit_rows;
-        for t in first..n {
-            ops::rms_norm(&ws.x[t * h..(t + 1) * h], &self.norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
+        for ch in chunks {
+            caches[ch.cache].len += ch.tokens.len();
         }
-        linear_fwd(pool, self.isa, ckpt, self.head(), &ws.xn[first * h..n * h], logit_rows, logits, &mut ws.mm);
+
+        // Final norm of the rows that give logits, gathered contiguously into `xn`.
+        let mut row = 0;
+        for (ci, ch) in chunks.iter().enumerate() {
+            let (a, b) = (ws.chunk_start[ci], ws.chunk_start[ci + 1]);
+            let first = match ch.logits {
+                LogitsFor::Last => b - 1,
+                LogitsFor::All => a,
+            };
+            for t in first..b {
+                ops::rms_norm(&ws.x[t * h..(t + 1) * h], &self.norm, c.rms_eps, &mut ws.xn[row * h..(row + 1) * h]);
+                row += 1;
+            }
+        }
+        linear_fwd(pool, self.isa, ckpt, self.head(), &ws.xn[..logit_rows * h], logit_rows, logits, &mut ws.mm);
         Ok(())
     }
 }
@@ -860,7 +929,7 @@ struct Run<'a> {
     ckpt: &'a Checkpoint,
     cfg: &'a ModelConfig,
     n: usize,
-    pos0: usize,
+    chunks: &'a [SeqChunk<'a>],
 }
 
 impl Run<'_> {
@@ -869,8 +938,8 @@ impl Run<'_> {
     }
 
     /// Grouped-query attention over `ws.xn`; output projection into `ws.proj`.
-    fn gqa(&self, g: &Gqa, ws: &mut Workspace, cache: &mut KvCache, li: usize) {
-        let (c, n, pos0) = (self.cfg, self.n, self.pos0);
+    fn gqa(&self, g: &Gqa, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
+        let (c, n) = (self.cfg, self.n);
         let (h, hd) = (c.hidden, c.head_dim);
         let q_dim = c.heads * hd;
         let kv_dim = c.kv_heads * hd;
@@ -892,15 +961,21 @@ impl Run<'_> {
                 ops::rope_head(head, cos, sin, c.rope.interleaved);
             }
         }
-        cache.k[li][pos0 * kv_dim..(pos0 + n) * kv_dim].copy_from_slice(&ws.k[..n * kv_dim]);
-        cache.v[li][pos0 * kv_dim..(pos0 + n) * kv_dim].copy_from_slice(&ws.v[..n * kv_dim]);
-        attention(self.pool, c, &ws.q[..n * q_dim], &cache.k[li], &cache.v[li], pos0, n, &mut ws.scores, &mut ws.attn[..n * q_dim]);
+        for (ci, ch) in self.chunks.iter().enumerate() {
+            let (a, b) = (ws.chunk_start[ci], ws.chunk_start[ci + 1]);
+            let cache = &mut caches[ch.cache];
+            let pos0 = cache.len;
+            cache.k[li][pos0 * kv_dim..(pos0 + b - a) * kv_dim].copy_from_slice(&ws.k[a * kv_dim..b * kv_dim]);
+            cache.v[li][pos0 * kv_dim..(pos0 + b - a) * kv_dim].copy_from_slice(&ws.v[a * kv_dim..b * kv_dim]);
+        }
+        let at = TokenCaches { caches, chunks: self.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
+        attention(self.pool, c, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim]);
         self.linear(&g.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
     }
 
     /// Multi-head latent attention, absorbed form (spec §2.5), into `ws.proj`.
-    fn mla(&self, a: &Mla, m: &MlaConfig, ws: &mut Workspace, cache: &mut KvCache, li: usize) {
-        let (c, n, pos0) = (self.cfg, self.n, self.pos0);
+    fn mla(&self, a: &Mla, m: &MlaConfig, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
+        let (c, n) = (self.cfg, self.n);
         let (h, nh, r) = (c.hidden, c.heads, m.kv_lora_rank);
         let (nope, rope, dv) = (m.nope_dim, m.rope_dim, m.v_dim);
         let dq = nope + rope;
@@ -929,8 +1004,10 @@ impl Run<'_> {
             ops::rms_norm_heads(c_raw, &a.kv_a_norm, MLA_NORM_EPS);
             k_pe.iter_mut().for_each(|v| *v *= rot_scale);
             ops::rope_head(k_pe, cos, sin, c.rope.interleaved);
-            cache.k[li][(pos0 + t) * r..(pos0 + t + 1) * r].copy_from_slice(c_raw);
-            cache.v[li][(pos0 + t) * rope..(pos0 + t + 1) * rope].copy_from_slice(k_pe);
+            let cache = &mut caches[self.chunks[ws.tok_chunk[t] as usize].cache];
+            let pos = ws.tok_pos[t] as usize;
+            cache.k[li][pos * r..(pos + 1) * r].copy_from_slice(c_raw);
+            cache.v[li][pos * rope..(pos + 1) * rope].copy_from_slice(k_pe);
             for head in 0..nh {
                 let q_pe = &mut ws.q[(t * nh + head) * dq + nope..(t * nh + head + 1) * dq];
                 q_pe.iter_mut().for_each(|v| *v *= rot_scale);
@@ -951,14 +1028,14 @@ impl Run<'_> {
             }
         }
         let scale = c.rope.softmax_scale_factor() / (dq as f32).sqrt();
+        let at = TokenCaches { caches, chunks: self.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
         mla_attention(
             self.pool,
             nh,
             (r, rope, dq, nope),
             &ws.q_lat[..n * nh * r],
             &ws.q[..n * nh * dq],
-            (&cache.k[li], &cache.v[li]),
-            pos0,
+            &at,
             n,
             scale,
             &mut ws.scores,
@@ -1076,20 +1153,28 @@ fn linear_fwd(
     }
 }
 
-/// Causal attention of `n` new queries at positions `pos0..pos0+n` over the cache.
+/// Which cache and position each token of a step attends with (its own sequence's
+/// cache, up to and including its own position: the causal mask).
+struct TokenCaches<'a> {
+    caches: &'a [KvCache],
+    chunks: &'a [SeqChunk<'a>],
+    tok_chunk: &'a [u32],
+    tok_pos: &'a [u32],
+    layer: usize,
+}
+
+impl TokenCaches<'_> {
+    /// (keys, values, visible length) for token `t`.
+    #[inline]
+    fn of(&self, t: usize) -> (&[f32], &[f32], usize) {
+        let cache = &self.caches[self.chunks[self.tok_chunk[t] as usize].cache];
+        (&cache.k[self.layer], &cache.v[self.layer], self.tok_pos[t] as usize + 1)
+    }
+}
+
+/// Causal attention of the step's `n` queries, each over its own sequence's cache.
 /// Threads split the (token, head) pairs; each uses its own score row.
-#[allow(clippy::too_many_arguments)]
-fn attention(
-    pool: &ThreadPool,
-    c: &ModelConfig,
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    pos0: usize,
-    n: usize,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
+fn attention(pool: &ThreadPool, c: &ModelConfig, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32]) {
     let hd = c.head_dim;
     let group = c.heads / c.kv_heads;
     let kv_row = c.kv_heads * hd;
@@ -1105,7 +1190,7 @@ fn attention(
             let (t, head) = (item / c.heads, item % c.heads);
             let kvh = head / group;
             let qv = &q[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
-            let len = pos0 + t + 1;
+            let (k_cache, v_cache, len) = at.of(t);
             let s = &mut sc[..len];
             for (j, sj) in s.iter_mut().enumerate() {
                 let kj = &k_cache[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
@@ -1130,8 +1215,7 @@ fn mla_attention(
     (r, rope, dq, nope): (usize, usize, usize, usize),
     q_lat: &[f32],
     q: &[f32],
-    (c_cache, pe_cache): (&[f32], &[f32]),
-    pos0: usize,
+    at: &TokenCaches,
     n: usize,
     scale: f32,
     scores: &mut [f32],
@@ -1147,7 +1231,7 @@ fn mla_attention(
             let t = item / nh;
             let ql = &q_lat[item * r..(item + 1) * r];
             let qp = &q[item * dq + nope..(item + 1) * dq];
-            let len = pos0 + t + 1;
+            let (c_cache, pe_cache, len) = at.of(t);
             let s = &mut sc[..len];
             for (j, sj) in s.iter_mut().enumerate() {
                 let lat = ops::dot(ql, &c_cache[j * r..(j + 1) * r]);

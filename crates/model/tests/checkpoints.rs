@@ -11,7 +11,7 @@ use tessera_kernels::ThreadPool;
 use tessera_model::{load_model, Checkpoint, DenseTransformer, LogitsFor, ModelConfig, StepLimits};
 
 fn logits(model: &DenseTransformer, tokens: &[u32]) -> Vec<f32> {
-    let limits = StepLimits { tokens_per_step_max: 16, context_max: 32 };
+    let limits = StepLimits { tokens_per_step_max: 16, context_max: 32, sequences_per_step_max: 1 };
     let pool = ThreadPool::new(2);
     let mut ws = model.new_workspace(limits, pool.n_threads());
     let mut cache = model.new_cache(limits);
