@@ -2,7 +2,7 @@
 
 use crate::config::CommConfig;
 use crate::elem::{add_bytes_into, as_bytes, Acc, DType, Elem};
-use crate::engine::{lock, GroupState, In, Inner, OpKey, OpState, Out, Progress};
+use crate::engine::{lock, Consume, GroupState, In, Inner, OpKey, OpState, Out, Progress};
 use crate::error::CommError;
 use crate::frame::{fnv1a, OpKind, Tag};
 use crate::mesh::Listening;
@@ -178,7 +178,7 @@ impl Ctx<'_> {
     fn key(&self, step: u32, bytes: usize) -> OpKey {
         OpKey { step, message_bytes: bytes as u64, ..self.key }
     }
-    fn exchange(&mut self, outs: &mut [Out], ins: &mut [In], consume: &mut dyn FnMut(usize, usize, &[u8]) -> Result<(), CommError>) -> Result<(), CommError> {
+    fn exchange(&mut self, outs: &mut [Out], ins: &mut [In], consume: &mut Consume) -> Result<(), CommError> {
         self.inner.exchange(self.prog, self.deadline, outs, ins, consume)
     }
 

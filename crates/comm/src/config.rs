@@ -172,7 +172,7 @@ impl CommConfig {
                 ),
             );
         }
-        if self.segment_bytes < 4096 || self.segment_bytes % 8 != 0 || self.segment_bytes > (1 << 30) {
+        if self.segment_bytes < 4096 || !self.segment_bytes.is_multiple_of(8) || self.segment_bytes > (1 << 30) {
             return bad("segment_bytes", format!("{} must be a multiple of 8 in 4096..=1 GiB", self.segment_bytes));
         }
         if self.message_bytes_max == 0 || self.message_bytes_max > (1 << 40) {
@@ -234,7 +234,8 @@ mod tests {
     fn validate_names_the_field() {
         let base = CommConfig::new(0, 2, Peers::Master("127.0.0.1:1".parse().unwrap()), vec![7; 32]);
         assert!(base.validate().is_ok());
-        let cases: Vec<(&str, Box<dyn Fn(&mut CommConfig)>)> = vec![
+        type Edit = Box<dyn Fn(&mut CommConfig)>;
+        let cases: Vec<(&str, Edit)> = vec![
             ("rank", Box::new(|c| c.rank = 2)),
             ("world_size", Box::new(|c| c.world_size = 0)),
             ("secret", Box::new(|c| c.secret = vec![1; 3])),

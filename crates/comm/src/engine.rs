@@ -171,6 +171,9 @@ pub(crate) struct Inner {
     monitor_cv: Condvar,
 }
 
+/// Receives each segment of an incoming message: (index into `ins`, byte offset, bytes).
+pub(crate) type Consume<'a> = dyn FnMut(usize, usize, &[u8]) -> Result<(), CommError> + 'a;
+
 /// An outgoing message of an exchange: sent in segments, never blocking.
 pub(crate) struct Out<'a> {
     pub peer: usize,
@@ -324,6 +327,9 @@ impl Inner {
                 Ok(0) => return self.on_eof(prog, peer),
                 Ok(n) => n,
                 Err(e) if would_block(&e) => return Ok(()),
+                // A killed process's kernel resets connections that still held unread
+                // data: that is the same event as an EOF without goodbye.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return self.on_eof(prog, peer),
                 Err(e) => return self.on_eof_err(prog, peer, format!("connection error: {e}")),
             };
             link.last_rx_ms.store(self.now_ms(), Relaxed);
@@ -695,7 +701,7 @@ impl Inner {
         deadline: Instant,
         outs: &mut [Out],
         ins: &mut [In],
-        consume: &mut dyn FnMut(usize, usize, &[u8]) -> Result<(), CommError>,
+        consume: &mut Consume,
     ) -> Result<(), CommError> {
         let r = self.exchange_inner(prog, deadline, outs, ins, consume);
         if r.is_err() {
@@ -713,7 +719,7 @@ impl Inner {
         deadline: Instant,
         outs: &mut [Out],
         ins: &mut [In],
-        consume: &mut dyn FnMut(usize, usize, &[u8]) -> Result<(), CommError>,
+        consume: &mut Consume,
     ) -> Result<(), CommError> {
         let spin_until = Instant::now() + Duration::from_micros(self.cfg.spin_us);
         let mut write_peers: [usize; 8] = [usize::MAX; 8];

@@ -7,6 +7,8 @@
 //! reference), `big` (64 MiB), `loop` (small all_reduces until told otherwise; the victim
 //! may `exit`, `mismatch` or `stall` at iteration --at).
 
+#![allow(clippy::needless_range_loop)] // index loops mirror the reference formulas
+
 use half::{bf16, f16};
 use std::collections::HashMap;
 use std::io::Write;
@@ -206,7 +208,7 @@ fn all_ops<T: TestElem>(g: &Group, len: usize, salt: usize) -> Result<(), CommEr
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         let mine: Vec<T> = (0..len).map(|i| T::gen(me, i, salt + 5)).collect();
         let mut got = vec![T::default(); len];
-        if r % 2 == 0 {
+        if r.is_multiple_of(2) {
             g.send(&mine, next, &tag)?;
             g.recv(&mut got, prev, &tag)?;
         } else {
@@ -263,7 +265,7 @@ fn big(comm: &Communicator) -> Result<(), CommError> {
     let mut recv = vec![0f32; per * n];
     let t = Instant::now();
     comm.all_gather(&send, &mut recv, "big all_gather f32")?;
-    eprintln!("rank {me}: all_gather to {} MiB on {n} ranks: {} ms", per * n * 4 >> 20, t.elapsed().as_millis());
+    eprintln!("rank {me}: all_gather to {} MiB on {n} ranks: {} ms", (per * n * 4) >> 20, t.elapsed().as_millis());
     check("all_gather 64 MiB f32", &recv, |k| f32::gen(k / per, k % per, 2))?;
     drop(recv);
     let len = 32 << 20; // 64 MiB of bf16, summed in f32
