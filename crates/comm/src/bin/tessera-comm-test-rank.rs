@@ -274,6 +274,47 @@ fn big(comm: &Communicator) -> Result<(), CommError> {
     comm.all_reduce_sum(&mut buf, "big all_reduce bf16")?;
     eprintln!("rank {me}: all_reduce 64 MiB bf16 on {n} ranks: {} ms", t.elapsed().as_millis());
     check("all_reduce 64 MiB bf16", &buf, |i| reduced::<bf16>(&ranks, i, 3))?;
+    drop(buf);
+    // The rest of the operations at 64 MiB too: reduce_scatter of 64 MiB inputs,
+    // all_to_all_v moving 64 MiB per rank (uneven, one pair empty), a 64 MiB broadcast
+    // and a 64 MiB send/recv ring.
+    let len = 16 << 20;
+    let per = len / n;
+    let send: Vec<f32> = (0..per * n).map(|i| f32::gen(me, i, 4)).collect();
+    let mut recv = vec![0f32; per];
+    comm.reduce_scatter(&send, &mut recv, "big reduce_scatter f32")?;
+    check("reduce_scatter 64 MiB f32", &recv, |i| reduced::<f32>(&ranks, me * per + i, 4))?;
+    drop((send, recv));
+    let count = |from: usize, to: usize| if (from + to) % n == 1 { 0 } else { per + (from * 7 + to) % 13 };
+    let send_counts: Vec<usize> = (0..n).map(|j| count(me, j)).collect();
+    let recv_counts: Vec<usize> = (0..n).map(|j| count(j, me)).collect();
+    let mut send = Vec::with_capacity(send_counts.iter().sum());
+    for (j, &c) in send_counts.iter().enumerate() {
+        send.extend((0..c).map(|i| f32::gen(me, i + 3 * j, 5)));
+    }
+    let mut recv = vec![0f32; recv_counts.iter().sum()];
+    comm.all_to_all_v(&send, &send_counts, &mut recv, &recv_counts, "big all_to_all_v f32")?;
+    let mut at = 0;
+    for (j, &c) in recv_counts.iter().enumerate() {
+        check("all_to_all_v 64 MiB f32", &recv[at..at + c], |i| f32::gen(j, i + 3 * me, 5))?;
+        at += c;
+    }
+    drop((send, recv));
+    let mut buf: Vec<f32> = (0..len).map(|i| if me == n - 1 { f32::gen(me, i, 6) } else { 0.0 }).collect();
+    comm.broadcast(&mut buf, n - 1, "big broadcast f32")?;
+    check("broadcast 64 MiB f32", &buf, |i| f32::gen(n - 1, i, 6))?;
+    if n > 1 {
+        let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+        let mine: Vec<f32> = (0..len).map(|i| f32::gen(me, i, 7)).collect();
+        if me % 2 == 0 {
+            comm.send(&mine, next, "big send")?;
+            comm.recv(&mut buf, prev, "big send")?;
+        } else {
+            comm.recv(&mut buf, prev, "big send")?;
+            comm.send(&mine, next, "big send")?;
+        }
+        check("send/recv 64 MiB f32", &buf, |i| f32::gen(prev, i, 7))?;
+    }
     comm.barrier("big done")
 }
 
