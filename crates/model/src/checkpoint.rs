@@ -86,6 +86,8 @@ pub enum CheckpointKind {
 pub struct MappedFile {
     pub path: PathBuf,
     pub map: Mmap,
+    /// The open file, for explicit reads of exactly the bytes a shard needs.
+    pub file: File,
 }
 
 /// An opened checkpoint. Cheap to keep: the files are memory-mapped, so only pages a
@@ -103,11 +105,12 @@ pub struct Checkpoint {
     pub config: Option<serde_json::Value>,
 }
 
-fn map_file(path: &Path) -> Result<Mmap> {
+fn map_file(path: &Path) -> Result<(Mmap, File)> {
     let file = File::open(path).map_err(|source| LoadError::Io { path: path.into(), source })?;
     // SAFETY: the mapping is read-only; a checkpoint rewritten under a running engine
     // is outside what we can defend against (as for every mmap-based loader).
-    unsafe { Mmap::map(&file) }.map_err(|source| LoadError::Io { path: path.into(), source })
+    let map = unsafe { Mmap::map(&file) }.map_err(|source| LoadError::Io { path: path.into(), source })?;
+    Ok((map, file))
 }
 
 impl Checkpoint {
@@ -117,9 +120,9 @@ impl Checkpoint {
         if meta.is_dir() {
             Self::open_hf_dir(path)
         } else {
-            let map = map_file(path)?;
+            let (map, file) = map_file(path)?;
             if map.len() >= 4 && &map[..4] == b"GGUF" {
-                Self::open_gguf(path, map)
+                Self::open_gguf(path, map, file)
             } else if path.extension().is_some_and(|e| e == "safetensors") {
                 Err(LoadError::format(
                     path,
@@ -134,14 +137,14 @@ impl Checkpoint {
         }
     }
 
-    fn open_gguf(path: &Path, map: Mmap) -> Result<Checkpoint> {
+    fn open_gguf(path: &Path, map: Mmap, file: File) -> Result<Checkpoint> {
         let mut gguf = GgufFile::parse(path, &map)?;
         let tensors = std::mem::take(&mut gguf.tensors);
         let by_name = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(Checkpoint {
             path: path.into(),
             kind: CheckpointKind::Gguf,
-            files: vec![MappedFile { path: path.into(), map }],
+            files: vec![MappedFile { path: path.into(), map, file }],
             tensors,
             by_name,
             gguf: Some(gguf),
@@ -209,7 +212,7 @@ impl Checkpoint {
         let mut by_name: HashMap<String, usize> = HashMap::new();
         for (file_idx, name) in file_names.iter().enumerate() {
             let path = dir.join(name);
-            let map = map_file(&path)?;
+            let (map, file) = map_file(&path)?;
             for t in read_safetensors_header(&path, &map, file_idx)? {
                 if let Some(&prev) = by_name.get(&t.name) {
                     return Err(LoadError::tensor(
@@ -230,7 +233,7 @@ impl Checkpoint {
                 by_name.insert(t.name.clone(), tensors.len());
                 tensors.push(t);
             }
-            files.push(MappedFile { path, map });
+            files.push(MappedFile { path, map, file });
         }
         if let Some(wm) = &weight_map {
             let mut missing: Vec<&String> = wm.keys().filter(|n| !by_name.contains_key(*n)).collect();
@@ -257,6 +260,14 @@ impl Checkpoint {
     /// The bytes of a tensor, straight from the memory map.
     pub fn bytes(&self, t: &TensorInfo) -> &[u8] {
         &self.files[t.file].map[t.range.clone()]
+    }
+
+    /// Reads `buf.len()` bytes at `offset` of file `file` with a positioned read
+    /// (no page of the memory map is touched): how shards load only their own bytes.
+    pub fn read_at(&self, file: usize, offset: usize, buf: &mut [u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let f = &self.files[file];
+        f.file.read_exact_at(buf, offset as u64).map_err(|source| LoadError::Io { path: f.path.clone(), source })
     }
 
     /// The file a tensor lives in, for error messages.

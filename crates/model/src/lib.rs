@@ -12,6 +12,7 @@ pub mod error;
 pub mod gguf;
 pub mod moe;
 pub mod names;
+pub mod shard;
 pub mod tokenizer;
 pub mod transformer;
 
@@ -20,6 +21,7 @@ pub use checkpoint::{Checkpoint, CheckpointKind, TensorDtype, TensorInfo};
 pub use config::{Arch, ModelConfig};
 pub use error::LoadError;
 pub use tokenizer::{TextStream, Tokenizer};
+pub use shard::{Alone, CollGroup, Collectives, ExpertSplit, ShardSpec};
 pub use transformer::{DenseTransformer, KvCache, LogitsFor, SeqChunk, StepError, StepLimits, Workspace};
 
 use std::path::Path;

@@ -19,6 +19,7 @@ use crate::config::{FfnKind, MlaConfig, ModelConfig, MoeConfig};
 use crate::error::{LoadError, Result};
 use crate::moe::{route, RouteScratch};
 use crate::names::stored_name;
+use crate::shard::{attention_heads, split, split_units, CollGroup, Collectives, ExpertSplit, ShardSpec};
 use std::ops::Range;
 use std::sync::Arc;
 use tessera_kernels::pool::SharedMut;
@@ -85,6 +86,9 @@ struct Mlp {
 struct Moe {
     router: Linear,
     correction_bias: Option<Vec<f32>>,
+    /// The experts this rank holds (all, width-sliced, under TP; a range under EP);
+    /// `gate[i]` is expert `experts.start + i`.
+    experts: Range<usize>,
     gate: Vec<Linear>,
     up: Vec<Linear>,
     down: Vec<Linear>,
@@ -97,6 +101,9 @@ enum Ffn {
 }
 
 struct Gqa {
+    /// This rank's query heads and the kv heads they read (all of them on one rank).
+    q_heads: Range<usize>,
+    kv_heads: Range<usize>,
     q: Linear,
     k: Linear,
     v: Linear,
@@ -106,6 +113,8 @@ struct Gqa {
 }
 
 struct Mla {
+    /// This rank's heads.
+    heads: Range<usize>,
     /// `q_a_proj` and `q_a_layernorm` when `q_lora_rank` is set.
     q_a: Option<(Linear, Vec<f32>)>,
     /// `q_b_proj` (after q_a) or `q_proj`.
@@ -169,6 +178,12 @@ pub enum StepError {
     NoSuchCache { index: usize, caches: usize },
     #[error("cache {index} appears in two chunks of one step")]
     CacheTwice { index: usize },
+    #[error("stage input: the first stage embeds tokens, later stages take {need} hidden floats (first stage: {first_stage})")]
+    StageInput { first_stage: bool, need: usize },
+    #[error("stage output: the last stage writes logits, earlier stages {need} hidden floats (last stage: {last_stage})")]
+    StageOutput { last_stage: bool, need: usize },
+    #[error("collective failed: {0}")]
+    Collective(String),
 }
 
 /// One sequence's part of a step: its cache (an index into the step's caches), the
@@ -182,14 +197,23 @@ pub struct SeqChunk<'a> {
 
 pub struct DenseTransformer {
     pub cfg: ModelConfig,
+    /// What this rank holds (everything on one rank).
+    pub spec: ShardSpec,
     ckpt: Arc<Checkpoint>,
-    embed: Linear,
-    /// `None`: tied to `embed`.
+    /// Embedding rows `vocab` (first stage; and last stage when tied).
+    embed: Option<Linear>,
+    /// LM head rows `vocab` (last stage); the embedding itself when tied.
     head: Option<Linear>,
-    norm: Vec<f32>,
+    tied: bool,
+    /// This rank's slice of the vocabulary (vocabulary-parallel embedding and head).
+    vocab: Range<usize>,
+    /// Final norm (last stage).
+    norm: Option<Vec<f32>>,
+    /// Layers `spec.layers`.
     layers: Vec<Layer>,
     inv_freq: Vec<f32>,
     isa: Isa,
+    bytes_loaded: usize,
 }
 
 /// Per-sequence cache, `[layer][position][row]`. GQA: keys (after RoPE and k-norm)
@@ -265,6 +289,10 @@ pub struct Workspace {
     tok_pos: Vec<u32>,
     chunk_start: Vec<usize>,
     chunks_max: usize,
+    // Vocabulary-parallel head: this rank's logits, padded rows, all ranks' rows.
+    logits_local: Vec<f32>,
+    logits_part: Vec<f32>,
+    logits_gather: Vec<f32>,
 }
 
 fn shape_str(s: &[usize]) -> String {
@@ -276,9 +304,130 @@ fn shape_str(s: &[usize]) -> String {
 struct Loader<'a> {
     c: &'a Checkpoint,
     arch: &'static str,
+    /// Read shards with positioned reads of exactly their bytes (counted), instead of
+    /// viewing whole tensors in the memory map.
+    sharded: bool,
+    bytes_read: std::cell::Cell<usize>,
+}
+
+/// A selection of a matrix (of each element of a stack): stack elements, rows, columns.
+#[derive(Clone, Debug)]
+struct Sel {
+    stack: Option<Range<usize>>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+}
+
+impl Sel {
+    fn rows(rows: Range<usize>, cols: usize) -> Sel {
+        Sel { stack: None, rows, cols: 0..cols }
+    }
+    fn cols(rows: usize, cols: Range<usize>) -> Sel {
+        Sel { stack: None, rows: 0..rows, cols }
+    }
+    fn all(rows: usize, cols: usize) -> Sel {
+        Sel { stack: None, rows: 0..rows, cols: 0..cols }
+    }
 }
 
 impl<'a> Loader<'a> {
+    /// Part `sel` of matrix `hf` (`[rows, cols]`, or `[n, rows, cols]` with `stack`),
+    /// as one matrix of the selected rows of the selected stack elements. Sharded
+    /// loads read exactly those bytes; column splits must fall on quant-block bounds.
+    fn part(&self, hf: &str, stack: Option<usize>, rows: usize, cols: usize, sel: &Sel) -> Result<Linear> {
+        let n = stack.unwrap_or(1);
+        let elems = sel.stack.clone().unwrap_or(0..1);
+        let whole = sel.rows == (0..rows) && sel.cols == (0..cols) && elems == (0..n);
+        if !self.sharded {
+            assert!(whole, "a whole-model load selects whole tensors");
+            return self.matrix(hf, stack, rows, cols);
+        }
+        let t = self.require(hf)?;
+        let file = self.c.file_of(t);
+        let base = hf.strip_suffix(".weight").unwrap_or(hf);
+        let repacked = self.find(&format!("{base}.scales")).is_some() || t.dtype == crate::checkpoint::TensorDtype::F8E4M3;
+        let (format, src): (WeightFormat, Option<Linear>) = if repacked {
+            // MLX and FP8 tensors are repacked at load: read whole (counted), then select.
+            let full = self.matrix(hf, stack, rows, cols)?;
+            let mut extra = 0;
+            for suffix in ["scales", "biases", "weight_scale_inv"] {
+                extra += self.find(&format!("{base}.{suffix}")).map_or(0, |s| s.range.len());
+            }
+            self.bytes_read.set(self.bytes_read.get() + t.range.len() + extra);
+            (full.format, Some(full))
+        } else {
+            let lead: Vec<usize> = stack.into_iter().collect();
+            let want = [lead.as_slice(), &[rows, cols]].concat();
+            if t.shape != want {
+                return Err(LoadError::tensor(file, &t.name, format!("shape {} does not match the config's {}", shape_str(&t.shape), shape_str(&want))));
+            }
+            (self.format_of(t)?, None)
+        };
+        let (be, bb) = (format.block_elems(), format.block_bytes());
+        if sel.cols.start % be != 0 || (sel.cols.end % be != 0 && sel.cols.end != cols) {
+            return Err(LoadError::tensor(
+                file,
+                &t.name,
+                format!(
+                    "this placement splits its {cols} columns at {}..{}, inside {format} blocks of {be}: choose a placement whose splits fall on multiples of {be}",
+                    sel.cols.start, sel.cols.end
+                ),
+            ));
+        }
+        let rb = format.row_bytes(cols).map_err(|e| LoadError::tensor(file, &t.name, e.to_string()))?;
+        let (cb0, cb1) = (sel.cols.start / be * bb, sel.cols.end.div_ceil(be) * bb);
+        let piece = cb1 - cb0;
+        let mut data = vec![0u8; elems.len() * sel.rows.len() * piece];
+        let mut at = 0;
+        for e in elems.clone() {
+            let elem_off = e * rows * rb;
+            if piece == rb {
+                let len = sel.rows.len() * rb;
+                let off = elem_off + sel.rows.start * rb;
+                match &src {
+                    Some(full) => data[at..at + len].copy_from_slice(&full.weights(self.c).data[off..off + len]),
+                    None => self.c.read_at(t.file, t.range.start + off, &mut data[at..at + len])?,
+                }
+                at += len;
+                continue;
+            }
+            for r in sel.rows.clone() {
+                let off = elem_off + r * rb + cb0;
+                match &src {
+                    Some(full) => data[at..at + piece].copy_from_slice(&full.weights(self.c).data[off..off + piece]),
+                    None => self.c.read_at(t.file, t.range.start + off, &mut data[at..at + piece])?,
+                }
+                at += piece;
+            }
+        }
+        if src.is_none() {
+            self.bytes_read.set(self.bytes_read.get() + data.len());
+        }
+        let len = data.len();
+        Ok(Linear {
+            name: t.name.clone(),
+            format,
+            rows: elems.len() * sel.rows.len(),
+            cols: sel.cols.len(),
+            storage: Storage::Owned(Arc::new(data), 0..len),
+            bias: None,
+        })
+    }
+
+    /// Block size (elements) of matrix `hf` with `cols` columns, so width splits keep
+    /// quant blocks whole (1 for plain floats).
+    fn block_of(&self, hf: &str, cols: usize) -> usize {
+        let base = hf.strip_suffix(".weight").unwrap_or(hf);
+        if let Some(&groups) = self.find(&format!("{base}.scales")).and_then(|s| s.shape.last()) {
+            return cols / groups.max(1);
+        }
+        match self.find(hf).map(|t| t.dtype) {
+            Some(crate::checkpoint::TensorDtype::F8E4M3) => 32,
+            Some(d) => d.weight_format().map_or(1, |f| f.block_elems()),
+            None => 1,
+        }
+    }
+
     fn find(&self, hf: &str) -> Option<&'a TensorInfo> {
         self.c.get(&stored_name(self.c.kind, hf))
     }
@@ -298,7 +447,7 @@ impl<'a> Loader<'a> {
     }
 
     fn linear(&self, hf: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear> {
-        let mut l = self.matrix(hf, None, rows, cols)?;
+        let mut l = self.part(hf, None, rows, cols, &Sel::all(rows, cols))?;
         if bias {
             let name = hf.strip_suffix(".weight").unwrap_or(hf).to_string() + ".bias";
             l.bias = Some(self.vector(&name, rows)?);
@@ -424,7 +573,9 @@ impl<'a> Loader<'a> {
     }
 
     fn vector(&self, hf: &str, n: usize) -> Result<Vec<f32>> {
-        vector(self.c, self.require(hf)?, n)
+        let t = self.require(hf)?;
+        self.bytes_read.set(self.bytes_read.get() + t.range.len());
+        vector(self.c, t, n)
     }
 
     /// A whole matrix dequantized to f32 (small matrices only: MLA's kv_b).
@@ -438,19 +589,53 @@ impl<'a> Loader<'a> {
         Ok(out)
     }
 
-    fn mlp(&self, prefix: &str, width: usize, hidden: usize, bias: bool) -> Result<Mlp> {
-        Ok(Mlp {
-            gate: self.linear(&format!("{prefix}.gate_proj.weight"), width, hidden, bias)?,
-            up: self.linear(&format!("{prefix}.up_proj.weight"), width, hidden, bias)?,
-            down: self.linear(&format!("{prefix}.down_proj.weight"), hidden, width, bias)?,
-        })
+    /// A SwiGLU MLP of `width`, this rank's columns `part` of it (rows of gate/up,
+    /// columns of down). The down bias is kept by the first part only, so a sum over
+    /// the parts adds it once.
+    fn mlp(&self, prefix: &str, width: usize, hidden: usize, bias: bool, part: Range<usize>) -> Result<Mlp> {
+        let name = |m: &str| format!("{prefix}.{m}.weight");
+        let first = part.start == 0;
+        let mut gate = self.part(&name("gate_proj"), None, width, hidden, &Sel::rows(part.clone(), hidden))?;
+        let mut up = self.part(&name("up_proj"), None, width, hidden, &Sel::rows(part.clone(), hidden))?;
+        let mut down = self.part(&name("down_proj"), None, hidden, width, &Sel::cols(hidden, part.clone()))?;
+        if bias {
+            gate.bias = Some(self.vector(&format!("{prefix}.gate_proj.bias"), width)?[part.clone()].to_vec());
+            up.bias = Some(self.vector(&format!("{prefix}.up_proj.bias"), width)?[part.clone()].to_vec());
+            down.bias = first.then(|| self.vector(&format!("{prefix}.down_proj.bias"), hidden)).transpose()?;
+        }
+        Ok(Mlp { gate, up, down })
+    }
+
+    /// This rank's part of an MLP of `width` split over `parts` ranks, on whole blocks
+    /// of the down projection's format.
+    fn mlp_split(&self, prefix: &str, width: usize, hidden: usize, bias: bool, rank: usize, parts: usize) -> Result<Mlp> {
+        let unit = self.block_of(&format!("{prefix}.down_proj.weight"), width);
+        self.mlp(prefix, width, hidden, bias, split_units(width, unit, rank, parts))
     }
 
     /// Routed experts: per-expert HF tensors, or stacked (MLX `switch_mlp`, GGUF `_exps`).
-    fn experts(&self, prefix: &str, names: [&str; 3], m: &MoeConfig, hidden: usize) -> Result<[Vec<Linear>; 3]> {
+    /// Routed experts `owned`, each sliced to columns `width` of its width.
+    fn experts(&self, prefix: &str, names: [&str; 3], m: &MoeConfig, hidden: usize, owned: Range<usize>, width: Range<usize>) -> Result<[Vec<Linear>; 3]> {
         let (e, w) = (m.experts, m.expert_width);
         let shapes = [(w, hidden), (w, hidden), (hidden, w)];
-        if self.find(&format!("{prefix}.experts.0.{}.weight", names[0])).is_some() {
+        let per_expert = self.find(&format!("{prefix}.experts.0.{}.weight", names[0])).is_some();
+        if self.sharded {
+            let sels = [Sel::rows(width.clone(), hidden), Sel::rows(width.clone(), hidden), Sel::cols(hidden, width.clone())];
+            let stacked = ["gate_proj", "up_proj", "down_proj"];
+            let mut out: [Vec<Linear>; 3] = Default::default();
+            for (k, (rows, cols)) in shapes.iter().enumerate() {
+                for i in owned.clone() {
+                    out[k].push(if per_expert {
+                        self.part(&format!("{prefix}.experts.{i}.{}.weight", names[k]), None, *rows, *cols, &sels[k])?
+                    } else {
+                        let sel = Sel { stack: Some(i..i + 1), ..sels[k].clone() };
+                        self.part(&format!("{prefix}.switch_mlp.{}.weight", stacked[k]), Some(e), *rows, *cols, &sel)?
+                    });
+                }
+            }
+            return Ok(out);
+        }
+        if per_expert {
             let mut out: [Vec<Linear>; 3] = Default::default();
             for (k, (rows, cols)) in shapes.iter().enumerate() {
                 for i in 0..e {
@@ -490,51 +675,108 @@ impl DenseTransformer {
     /// dtype and shape against the config, reads the small ones (norms, biases) into
     /// memory and leaves the matrices in the memory map.
     pub fn load(ckpt: Arc<Checkpoint>, cfg: ModelConfig) -> Result<DenseTransformer> {
-        let ld = Loader { c: &ckpt, arch: cfg.arch.name() };
+        let spec = ShardSpec::whole(cfg.layers);
+        Self::load_shard(ckpt, cfg, spec)
+    }
+
+    /// Builds this rank's shard: its layers, its heads, its slice of every MLP and of
+    /// the vocabulary, its experts. A sharded load reads exactly those bytes (see
+    /// [`Self::bytes_loaded`]) with positioned reads.
+    pub fn load_shard(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<DenseTransformer> {
+        let bad = |why: String| LoadError::format(&ckpt.path, format!("placement does not fit this model: {why}"));
+        if spec.layers_total != cfg.layers || spec.layers.end > cfg.layers || spec.layers.is_empty() {
+            return Err(bad(format!("stage layers {:?} of a {}-layer model", spec.layers, cfg.layers)));
+        }
+        let heads_total = cfg.heads;
+        if spec.tp_size == 0 || spec.tp_rank >= spec.tp_size || spec.tp_size > heads_total {
+            return Err(bad(format!("tensor-parallel rank {} of {} for {heads_total} attention heads", spec.tp_rank, spec.tp_size)));
+        }
+        if let ExpertSplit::Experts { owned } = &spec.experts {
+            let e = cfg.moe.as_ref().map_or(0, |m| m.experts);
+            if owned.end > e || (owned.is_empty() && e > 0) {
+                return Err(bad(format!("experts {owned:?} of {e}")));
+            }
+        }
+        let ld = Loader { c: &ckpt, arch: cfg.arch.name(), sharded: !spec.is_whole(), bytes_read: std::cell::Cell::new(0) };
         let (h, v) = (cfg.hidden, cfg.vocab);
-        let embed = ld.linear("model.embed_tokens.weight", v, h, false)?;
+        let (tp, tpr) = (spec.tp_size, spec.tp_rank);
+        let vocab = split(v, tpr, tp);
         let head_present = ld.find("lm_head.weight").is_some();
         let tied = cfg.tie_embeddings.unwrap_or(!head_present);
-        let head = if tied { None } else { Some(ld.linear("lm_head.weight", v, h, false)?) };
-        let mut layers = Vec::with_capacity(cfg.layers);
-        for i in 0..cfg.layers {
+        let need_embed = spec.first_stage() || (tied && spec.last_stage());
+        let embed = need_embed
+            .then(|| ld.part("model.embed_tokens.weight", None, v, h, &Sel::rows(vocab.clone(), h)))
+            .transpose()?;
+        let head = match (spec.last_stage(), tied) {
+            (false, _) => None,
+            (true, true) => embed.clone(),
+            (true, false) => Some(ld.part("lm_head.weight", None, v, h, &Sel::rows(vocab.clone(), h))?),
+        };
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for i in spec.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let attn = match &cfg.mla {
                 None => {
-                    let q_dim = cfg.heads * cfg.head_dim;
-                    let kv_dim = cfg.kv_heads * cfg.head_dim;
+                    let hd = cfg.head_dim;
+                    let (qh, kvh) = attention_heads(cfg.heads, cfg.kv_heads, tpr, tp);
+                    let (q_rows, kv_rows) = (qh.start * hd..qh.end * hd, kvh.start * hd..kvh.end * hd);
+                    let proj = |name: &str, rows: usize, sel: Range<usize>| -> Result<Linear> {
+                        let mut l = ld.part(&p(&format!("self_attn.{name}.weight")), None, rows, h, &Sel::rows(sel.clone(), h))?;
+                        if cfg.qkv_bias {
+                            l.bias = Some(ld.vector(&p(&format!("self_attn.{name}.bias")), rows)?[sel].to_vec());
+                        }
+                        Ok(l)
+                    };
+                    let q_dim = cfg.heads * hd;
+                    let kv_dim = cfg.kv_heads * hd;
+                    let mut o = ld.part(&p("self_attn.o_proj.weight"), None, h, q_dim, &Sel::cols(h, q_rows.clone()))?;
+                    if cfg.o_bias && tpr == 0 {
+                        o.bias = Some(ld.vector(&p("self_attn.o_proj.bias"), h)?);
+                    }
                     Attn::Gqa(Gqa {
-                        q: ld.linear(&p("self_attn.q_proj.weight"), q_dim, h, cfg.qkv_bias)?,
-                        k: ld.linear(&p("self_attn.k_proj.weight"), kv_dim, h, cfg.qkv_bias)?,
-                        v: ld.linear(&p("self_attn.v_proj.weight"), kv_dim, h, cfg.qkv_bias)?,
-                        o: ld.linear(&p("self_attn.o_proj.weight"), h, q_dim, cfg.o_bias)?,
-                        q_norm: cfg.qk_norm.then(|| ld.vector(&p("self_attn.q_norm.weight"), cfg.head_dim)).transpose()?,
-                        k_norm: cfg.qk_norm.then(|| ld.vector(&p("self_attn.k_norm.weight"), cfg.head_dim)).transpose()?,
+                        q: proj("q_proj", q_dim, q_rows)?,
+                        k: proj("k_proj", kv_dim, kv_rows.clone())?,
+                        v: proj("v_proj", kv_dim, kv_rows)?,
+                        o,
+                        q_heads: qh,
+                        kv_heads: kvh,
+                        q_norm: cfg.qk_norm.then(|| ld.vector(&p("self_attn.q_norm.weight"), hd)).transpose()?,
+                        k_norm: cfg.qk_norm.then(|| ld.vector(&p("self_attn.k_norm.weight"), hd)).transpose()?,
                     })
                 }
-                Some(m) => Attn::Mla(load_mla(&ld, &cfg, m, i)?),
+                Some(m) => Attn::Mla(load_mla(&ld, &cfg, m, i, split(cfg.heads, tpr, tp), tpr == 0)?),
             };
             let ffn = match cfg.layer_ffn[i] {
-                FfnKind::Dense => Ffn::Dense(ld.mlp(&p("mlp"), cfg.intermediate, h, cfg.mlp_bias)?),
+                FfnKind::Dense => Ffn::Dense(ld.mlp_split(&p("mlp"), cfg.intermediate, h, cfg.mlp_bias, tpr, tp)?),
                 FfnKind::Moe => {
                     let m = cfg.moe.as_ref().expect("MoE layers have a MoE config");
                     let (prefix, names) = match cfg.arch {
                         crate::config::Arch::Mixtral => (p("block_sparse_moe"), ["w1", "w3", "w2"]),
                         _ => (p("mlp"), ["gate_proj", "up_proj", "down_proj"]),
                     };
-                    let [gate, up, down] = ld.experts(&prefix, names, m, h)?;
+                    let (owned, width) = match &spec.experts {
+                        ExpertSplit::Width => {
+                            let unit = ld.block_of(&format!("{prefix}.experts.0.{}.weight", names[2]), m.expert_width)
+                                .max(ld.block_of(&format!("{prefix}.switch_mlp.down_proj.weight"), m.expert_width));
+                            (0..m.experts, split_units(m.expert_width, unit, spec.moe_rank, spec.moe_size))
+                        }
+                        ExpertSplit::Experts { owned } => (owned.clone(), 0..m.expert_width),
+                    };
+                    let [gate, up, down] = ld.experts(&prefix, names, m, h, owned.clone(), width)?;
                     let correction_bias = match cfg.arch {
                         crate::config::Arch::DeepseekV3 => Some(ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.experts)?),
                         _ => None,
                     };
+                    let router = ld.part(&format!("{prefix}.gate.weight"), None, m.experts, h, &Sel::all(m.experts, h))?;
                     Ffn::Moe(Moe {
-                        router: ld.linear(&format!("{prefix}.gate.weight"), m.experts, h, false)?,
+                        router,
                         correction_bias,
+                        experts: owned,
                         gate,
                         up,
                         down,
                         shared: (m.shared_width > 0)
-                            .then(|| ld.mlp(&format!("{prefix}.shared_experts"), m.shared_width, h, false))
+                            .then(|| ld.mlp_split(&format!("{prefix}.shared_experts"), m.shared_width, h, false, spec.moe_rank, spec.moe_size))
                             .transpose()?,
                     })
                 }
@@ -567,8 +809,15 @@ impl DenseTransformer {
                 *f /= d;
             }
         }
-        let norm = ld.vector("model.norm.weight", h)?;
-        Ok(DenseTransformer { norm, cfg, embed, head, layers, inv_freq, isa: Isa::detect(), ckpt })
+        let norm = spec.last_stage().then(|| ld.vector("model.norm.weight", h)).transpose()?;
+        let bytes_loaded = ld.bytes_read.get();
+        Ok(DenseTransformer { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa: Isa::detect(), bytes_loaded, ckpt })
+    }
+
+    /// Bytes this shard read from the checkpoint files while loading (0 for a whole
+    /// model viewed in its memory map).
+    pub fn bytes_loaded(&self) -> usize {
+        self.bytes_loaded
     }
 
     pub fn checkpoint(&self) -> &Checkpoint {
@@ -585,17 +834,14 @@ impl DenseTransformer {
     }
 
     pub fn is_tied(&self) -> bool {
-        self.head.is_none()
+        self.tied
     }
 
-    fn head(&self) -> &Linear {
-        self.head.as_ref().unwrap_or(&self.embed)
-    }
-
-    /// Every weight matrix (experts included), for inspection and load-time prefetch.
+    /// Every weight matrix this rank holds (experts included), for inspection and
+    /// load-time prefetch.
     pub fn linears(&self) -> Vec<&Linear> {
-        let mut out = vec![&self.embed];
-        if let Some(h) = &self.head {
+        let mut out: Vec<&Linear> = self.embed.iter().collect();
+        if let Some(h) = self.head.as_ref().filter(|_| !self.tied || self.embed.is_none()) {
             out.push(h);
         }
         for l in &self.layers {
@@ -633,7 +879,8 @@ impl DenseTransformer {
                 Ffn::Dense(m) => [&m.gate, &m.up, &m.down].into_iter().for_each(|x| add(x, 1.0)),
                 Ffn::Moe(m) => {
                     add(&m.router, 1.0);
-                    let k = self.cfg.moe.as_ref().map_or(0, |c| c.top_k) as f64 / m.gate.len() as f64;
+                    // On average top_k of all experts are chosen; this rank holds `gate.len()`.
+                    let k = self.cfg.moe.as_ref().map_or(0.0, |c| c.top_k as f64 / c.experts as f64);
                     m.gate.iter().chain(&m.up).chain(&m.down).for_each(|x| add(x, k));
                     if let Some(s) = &m.shared {
                         [&s.gate, &s.up, &s.down].into_iter().for_each(|x| add(x, 1.0));
@@ -641,8 +888,12 @@ impl DenseTransformer {
                 }
             }
         }
-        add(self.head(), 1.0);
-        add(&self.embed, 1.0 / self.embed.rows as f64);
+        if let Some(head) = &self.head {
+            add(head, 1.0);
+        }
+        if let Some(e) = &self.embed {
+            add(e, 1.0 / e.rows.max(1) as f64);
+        }
         (bytes, params)
     }
 
@@ -651,27 +902,32 @@ impl DenseTransformer {
         self.per_token_reads().0
     }
 
-    /// Floats the KV cache holds per token of context, all layers together.
+    /// Floats this rank's KV cache holds per token of context, its layers together.
     pub fn kv_floats_per_token(&self) -> usize {
         let (k, v) = self.kv_rows();
-        self.cfg.layers * (k + v)
+        self.layers.len() * (k + v)
     }
 
+    /// Cache row widths: this rank's kv heads (GQA), or the latent and rope key (MLA,
+    /// shared by all heads, so every TP rank caches it whole).
     fn kv_rows(&self) -> (usize, usize) {
-        match &self.cfg.mla {
-            Some(m) => (m.kv_lora_rank, m.rope_dim),
-            None => {
-                let row = self.cfg.kv_heads * self.cfg.head_dim;
+        match (&self.cfg.mla, self.layers.first().map(|l| &l.attn)) {
+            (Some(m), _) => (m.kv_lora_rank, m.rope_dim),
+            (None, Some(Attn::Gqa(g))) => {
+                let row = g.kv_heads.len() * self.cfg.head_dim;
                 (row, row)
             }
+            _ => (0, 0),
         }
     }
 
     pub fn new_cache(&self, limits: StepLimits) -> KvCache {
         let (k_row, v_row) = self.kv_rows();
+        // Layers of other pipeline stages get no storage.
+        let owned = |l: usize| self.spec.layers.contains(&l);
         KvCache {
-            k: (0..self.cfg.layers).map(|_| vec![0.0; limits.context_max * k_row]).collect(),
-            v: (0..self.cfg.layers).map(|_| vec![0.0; limits.context_max * v_row]).collect(),
+            k: (0..self.cfg.layers).map(|l| if owned(l) { vec![0.0; limits.context_max * k_row] } else { vec![] }).collect(),
+            v: (0..self.cfg.layers).map(|l| if owned(l) { vec![0.0; limits.context_max * v_row] } else { vec![] }).collect(),
             len: 0,
             capacity: limits.context_max,
             k_row,
@@ -700,6 +956,9 @@ impl DenseTransformer {
         let ffn_width = c.intermediate.max(moe.map_or(0, |m| m.expert_width.max(m.shared_width)));
         let widest = [c.hidden, q_dim, attn_dim, ffn_width, head_in, head_out].into_iter().max().unwrap_or(1);
         let moe_rows = if moe.is_some() { t * c.hidden } else { 0 };
+        // Decode-batch rows of vocabulary-parallel logits (TP > 1 only).
+        let tp_gather = self.spec.tp_size;
+        let (head_rows, vmax) = if tp_gather > 1 { (limits.sequences_per_step_max, split(c.vocab, 0, tp_gather).len()) } else { (0, 0) };
         Workspace {
             limits,
             x: vec![0.0; t * c.hidden],
@@ -732,6 +991,9 @@ impl DenseTransformer {
             tok_pos: vec![0; t],
             chunk_start: vec![0; limits.sequences_per_step_max + 1],
             chunks_max: limits.sequences_per_step_max,
+            logits_local: vec![0.0; head_rows * vmax],
+            logits_part: vec![0.0; head_rows * vmax],
+            logits_gather: vec![0.0; head_rows * vmax * tp_gather],
         }
     }
 
@@ -754,7 +1016,7 @@ impl DenseTransformer {
     /// beside decodes): every weight is read once for all their tokens. `chunks[i]`
     /// appends its tokens to `caches[chunks[i].cache]` (each cache at most once per
     /// step). Logits rows are written in chunk order: one per `Last` chunk, one per
-    /// token of an `All` chunk.
+    /// token of an `All` chunk. Whole model on one rank.
     pub fn forward_batch(
         &self,
         pool: &ThreadPool,
@@ -762,6 +1024,24 @@ impl DenseTransformer {
         caches: &mut [KvCache],
         chunks: &[SeqChunk<'_>],
         logits: &mut [f32],
+    ) -> std::result::Result<(), StepError> {
+        self.forward_stage(pool, ws, caches, chunks, StageIo { input: None, output: StageOutput::Logits(logits) }, &crate::shard::Alone)
+    }
+
+    /// This rank's part of one step: its pipeline stage's layers, its heads, its
+    /// slice of every MLP, its experts. The first stage embeds `chunks`' tokens
+    /// (`io.input` is `None`); later stages take the previous stage's hidden states
+    /// `[n, hidden]`. The last stage writes logits (gathered over the TP group);
+    /// others write hidden states for the next stage. Collective calls happen in the
+    /// same order on every rank of a group.
+    pub fn forward_stage(
+        &self,
+        pool: &ThreadPool,
+        ws: &mut Workspace,
+        caches: &mut [KvCache],
+        chunks: &[SeqChunk<'_>],
+        io: StageIo<'_>,
+        coll: &dyn Collectives,
     ) -> std::result::Result<(), StepError> {
         let c = &self.cfg;
         let n: usize = chunks.iter().map(|ch| ch.tokens.len()).sum();
@@ -780,8 +1060,9 @@ impl DenseTransformer {
             if chunks[..i].iter().any(|o| o.cache == ch.cache) {
                 return Err(StepError::CacheTwice { index: ch.cache });
             }
-            if cache.len + ch.tokens.len() > cache.capacity.min(ws.limits.context_max) {
-                return Err(StepError::ContextFull { used: cache.len, tokens: ch.tokens.len(), max: cache.capacity.min(ws.limits.context_max) });
+            let max = cache.capacity.min(ws.limits.context_max);
+            if cache.len + ch.tokens.len() > max {
+                return Err(StepError::ContextFull { used: cache.len, tokens: ch.tokens.len(), max });
             }
             if let Some((index, &id)) = ch.tokens.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab) {
                 return Err(StepError::BadToken { id, index, vocab: c.vocab });
@@ -791,24 +1072,34 @@ impl DenseTransformer {
                 LogitsFor::All => ch.tokens.len(),
             };
         }
-        if logits.len() != logit_rows * c.vocab {
-            return Err(StepError::LogitsBuffer { got: logits.len(), need: logit_rows * c.vocab });
+        let h = c.hidden;
+        match (&io.input, self.spec.first_stage()) {
+            (None, true) => {}
+            (Some(x), false) if x.len() == n * h => {}
+            _ => return Err(StepError::StageInput { first_stage: self.spec.first_stage(), need: n * h }),
+        }
+        match &io.output {
+            StageOutput::Logits(l) if self.spec.last_stage() && l.len() == logit_rows * c.vocab => {}
+            StageOutput::Logits(l) if self.spec.last_stage() => {
+                return Err(StepError::LogitsBuffer { got: l.len(), need: logit_rows * c.vocab })
+            }
+            StageOutput::Hidden(o) if !self.spec.last_stage() && o.len() == n * h => {}
+            _ => return Err(StepError::StageOutput { last_stage: self.spec.last_stage(), need: n * h }),
         }
         assert!(ws.threads >= pool.n_threads(), "workspace sized for fewer threads than the pool has");
         let ckpt = &*self.ckpt;
-        let h = c.hidden;
+        let tp = self.spec.tp_size;
+        let fail = |e: String| StepError::Collective(e);
 
-        // Per token: its chunk and absolute position; embeddings; RoPE angles.
-        let embed = self.embed.weights(ckpt);
+        // Per token: its chunk and absolute position; RoPE angles; the input rows.
         let half = c.rope.dim / 2;
         let mut t = 0;
         for (ci, ch) in chunks.iter().enumerate() {
             let pos0 = caches[ch.cache].len;
             ws.chunk_start[ci] = t;
-            for (j, &id) in ch.tokens.iter().enumerate() {
+            for j in 0..ch.tokens.len() {
                 ws.tok_chunk[t] = ci as u32;
                 ws.tok_pos[t] = (pos0 + j) as u32;
-                scalar::dequantize_row(embed.format, embed.row(id as usize), &mut ws.x[t * h..(t + 1) * h]);
                 let p = (pos0 + j) as f32;
                 for (i, &f) in self.inv_freq.iter().enumerate() {
                     let a = p * f;
@@ -819,9 +1110,32 @@ impl DenseTransformer {
             }
         }
         ws.chunk_start[chunks.len()] = n;
+        match io.input {
+            Some(x) => ws.x[..n * h].copy_from_slice(x),
+            None => {
+                // Vocabulary-parallel embedding: rows outside this rank's slice are zero,
+                // and the TP sum assembles them.
+                let embed = self.embed.as_ref().expect("first stage holds the embedding").weights(ckpt);
+                let mut t = 0;
+                for ch in chunks {
+                    for &id in ch.tokens {
+                        let row = &mut ws.x[t * h..(t + 1) * h];
+                        if self.vocab.contains(&(id as usize)) {
+                            scalar::dequantize_row(embed.format, embed.row(id as usize - self.vocab.start), row);
+                        } else {
+                            row.fill(0.0);
+                        }
+                        t += 1;
+                    }
+                }
+                if tp > 1 {
+                    coll.all_reduce_sum(CollGroup::Tp, &mut ws.x[..n * h], 0, "embed").map_err(fail)?;
+                }
+            }
+        }
 
         let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, chunks };
-        for (li, layer) in self.layers.iter().enumerate() {
+        for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()) {
             for t in 0..n {
                 ops::rms_norm(&ws.x[t * h..(t + 1) * h], &layer.attn_norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
             }
@@ -829,13 +1143,26 @@ impl DenseTransformer {
                 Attn::Gqa(g) => run.gqa(g, ws, caches, li),
                 Attn::Mla(m) => run.mla(m, c.mla.as_ref().expect("MLA config"), ws, caches, li),
             }
+            if tp > 1 {
+                coll.all_reduce_sum(CollGroup::Tp, &mut ws.proj[..n * h], li, "attn out").map_err(fail)?;
+            }
             ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
             for t in 0..n {
                 ops::rms_norm(&ws.x[t * h..(t + 1) * h], &layer.ffn_norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
             }
             match &layer.ffn {
-                Ffn::Dense(m) => run.mlp(m, ws),
-                Ffn::Moe(m) => run.moe(m, c.moe.as_ref().expect("MoE config"), ws),
+                Ffn::Dense(m) => {
+                    run.mlp(m, ws);
+                    if tp > 1 {
+                        coll.all_reduce_sum(CollGroup::Tp, &mut ws.proj[..n * h], li, "mlp out").map_err(fail)?;
+                    }
+                }
+                Ffn::Moe(m) => {
+                    run.moe(m, c.moe.as_ref().expect("MoE config"), ws);
+                    if self.spec.moe_size > 1 {
+                        coll.all_reduce_sum(CollGroup::Moe, &mut ws.proj[..n * h], li, "moe out").map_err(fail)?;
+                    }
+                }
             }
             ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
         }
@@ -843,7 +1170,15 @@ impl DenseTransformer {
             caches[ch.cache].len += ch.tokens.len();
         }
 
+        let logits = match io.output {
+            StageOutput::Hidden(out) => {
+                out.copy_from_slice(&ws.x[..n * h]);
+                return Ok(());
+            }
+            StageOutput::Logits(l) => l,
+        };
         // Final norm of the rows that give logits, gathered contiguously into `xn`.
+        let norm = self.norm.as_ref().expect("last stage holds the final norm");
         let mut row = 0;
         for (ci, ch) in chunks.iter().enumerate() {
             let (a, b) = (ws.chunk_start[ci], ws.chunk_start[ci + 1]);
@@ -852,13 +1187,56 @@ impl DenseTransformer {
                 LogitsFor::All => a,
             };
             for t in first..b {
-                ops::rms_norm(&ws.x[t * h..(t + 1) * h], &self.norm, c.rms_eps, &mut ws.xn[row * h..(row + 1) * h]);
+                ops::rms_norm(&ws.x[t * h..(t + 1) * h], norm, c.rms_eps, &mut ws.xn[row * h..(row + 1) * h]);
                 row += 1;
             }
         }
-        linear_fwd(pool, self.isa, ckpt, self.head(), &ws.xn[..logit_rows * h], logit_rows, logits, &mut ws.mm);
+        let head = self.head.as_ref().expect("last stage holds the head");
+        if tp == 1 {
+            linear_fwd(pool, self.isa, ckpt, head, &ws.xn[..logit_rows * h], logit_rows, logits, &mut ws.mm);
+            return Ok(());
+        }
+        // Vocabulary-parallel head: each rank computes its slice of every row, padded to
+        // the largest slice, and an all-gather assembles full rows. Buffers grow only
+        // for `All` logits wider than the decode batch (not the decode hot path).
+        let vmax = split(c.vocab, 0, tp).len();
+        let part_len = logit_rows * vmax;
+        let mine = self.vocab.len();
+        if ws.logits_part.len() < part_len {
+            ws.logits_local.resize(logit_rows * vmax, 0.0);
+            ws.logits_part.resize(part_len, 0.0);
+            ws.logits_gather.resize(part_len * tp, 0.0);
+        }
+        linear_fwd(pool, self.isa, ckpt, head, &ws.xn[..logit_rows * h], logit_rows, &mut ws.logits_local[..logit_rows * mine], &mut ws.mm);
+        for r in 0..logit_rows {
+            ws.logits_part[r * vmax..r * vmax + mine].copy_from_slice(&ws.logits_local[r * mine..(r + 1) * mine]);
+            ws.logits_part[r * vmax + mine..(r + 1) * vmax].fill(0.0);
+        }
+        coll.all_gather(CollGroup::Tp, &ws.logits_part[..part_len], &mut ws.logits_gather[..part_len * tp], usize::MAX, "logits")
+            .map_err(fail)?;
+        for k in 0..tp {
+            let vr = split(c.vocab, k, tp);
+            for r in 0..logit_rows {
+                let src = &ws.logits_gather[k * part_len + r * vmax..k * part_len + r * vmax + vr.len()];
+                logits[r * c.vocab + vr.start..r * c.vocab + vr.end].copy_from_slice(src);
+            }
+        }
         Ok(())
     }
+}
+
+/// A pipeline stage's input and output for one step.
+pub struct StageIo<'a> {
+    /// Hidden states `[n, hidden]` from the previous stage; `None` on the first stage.
+    pub input: Option<&'a [f32]>,
+    pub output: StageOutput<'a>,
+}
+
+pub enum StageOutput<'a> {
+    /// Last stage: logits rows × vocab.
+    Logits(&'a mut [f32]),
+    /// Other stages: hidden states `[n, hidden]` for the next stage.
+    Hidden(&'a mut [f32]),
 }
 
 fn attn_linears(a: &Attn) -> Vec<&Linear> {
@@ -876,49 +1254,64 @@ fn attn_linears(a: &Attn) -> Vec<&Linear> {
 
 /// MLA weights of layer `i`: HF (`kv_b_proj`, split per head at load) or MLX
 /// (`embed_q` / `unembed_out`) layout.
-fn load_mla(ld: &Loader, cfg: &ModelConfig, m: &MlaConfig, i: usize) -> Result<Mla> {
+fn load_mla(ld: &Loader, cfg: &ModelConfig, m: &MlaConfig, i: usize, heads: Range<usize>, first: bool) -> Result<Mla> {
     let p = |s: &str| format!("model.layers.{i}.self_attn.{s}");
     let (h, nh, r) = (cfg.hidden, cfg.heads, m.kv_lora_rank);
     let dq = m.nope_dim + m.rope_dim;
     let bias = cfg.qkv_bias;
+    let q_rows = heads.start * dq..heads.end * dq;
     let (q_a, q) = match m.q_lora_rank {
         Some(ql) => (
             Some((ld.linear(&p("q_a_proj.weight"), ql, h, bias)?, ld.vector(&p("q_a_layernorm.weight"), ql)?)),
-            ld.linear(&p("q_b_proj.weight"), nh * dq, ql, false)?,
+            ld.part(&p("q_b_proj.weight"), None, nh * dq, ql, &Sel::rows(q_rows, ql))?,
         ),
-        None => (None, ld.linear(&p("q_proj.weight"), nh * dq, h, false)?),
+        None => (None, ld.part(&p("q_proj.weight"), None, nh * dq, h, &Sel::rows(q_rows, h))?),
     };
     let (embed_q, unembed_out) = if ld.find(&p("embed_q.weight")).is_some() {
-        (ld.matrix(&p("embed_q.weight"), Some(nh), r, m.nope_dim)?, ld.matrix(&p("unembed_out.weight"), Some(nh), m.v_dim, r)?)
+        let per_head = |name: &str, rows: usize, cols: usize| -> Result<Linear> {
+            let sel = Sel { stack: Some(heads.clone()), rows: 0..rows, cols: 0..cols };
+            if ld.sharded {
+                ld.part(&p(name), Some(nh), rows, cols, &sel)
+            } else {
+                ld.matrix(&p(name), Some(nh), rows, cols)
+            }
+        };
+        (per_head("embed_q.weight", r, m.nope_dim)?, per_head("unembed_out.weight", m.v_dim, r)?)
     } else {
         let per = m.nope_dim + m.v_dim;
         let kv_b = ld.dense_f32(&p("kv_b_proj.weight"), nh * per, r)?;
-        let mut eq = vec![0.0; nh * r * m.nope_dim];
-        let mut uo = vec![0.0; nh * m.v_dim * r];
-        for head in 0..nh {
+        let mine = heads.len();
+        let mut eq = vec![0.0; mine * r * m.nope_dim];
+        let mut uo = vec![0.0; mine * m.v_dim * r];
+        for (local, head) in heads.clone().enumerate() {
             for j in 0..m.nope_dim {
                 let row = &kv_b[(head * per + j) * r..(head * per + j + 1) * r];
                 for (ri, &val) in row.iter().enumerate() {
-                    eq[(head * r + ri) * m.nope_dim + j] = val;
+                    eq[(local * r + ri) * m.nope_dim + j] = val;
                 }
             }
             let src = &kv_b[(head * per + m.nope_dim) * r..(head + 1) * per * r];
-            uo[head * m.v_dim * r..(head + 1) * m.v_dim * r].copy_from_slice(src);
+            uo[local * m.v_dim * r..(local + 1) * m.v_dim * r].copy_from_slice(src);
         }
         let name = stored_name(ld.c.kind, &p("kv_b_proj.weight"));
         (
-            Linear::owned_f32(format!("{name} (W_UKᵀ per head)"), nh * r, m.nope_dim, &eq),
-            Linear::owned_f32(format!("{name} (W_UV per head)"), nh * m.v_dim, r, &uo),
+            Linear::owned_f32(format!("{name} (W_UKᵀ per head)"), mine * r, m.nope_dim, &eq),
+            Linear::owned_f32(format!("{name} (W_UV per head)"), mine * m.v_dim, r, &uo),
         )
     };
+    let mut o = ld.part(&p("o_proj.weight"), None, h, nh * m.v_dim, &Sel::cols(h, heads.start * m.v_dim..heads.end * m.v_dim))?;
+    if cfg.o_bias && first {
+        o.bias = Some(ld.vector(&p("o_proj.bias"), h)?);
+    }
     Ok(Mla {
+        heads,
         q_a,
         q,
         kv_a: ld.linear(&p("kv_a_proj_with_mqa.weight"), r + m.rope_dim, h, bias)?,
         kv_a_norm: ld.vector(&p("kv_a_layernorm.weight"), r)?,
         embed_q,
         unembed_out,
-        o: ld.linear(&p("o_proj.weight"), h, nh * m.v_dim, cfg.o_bias)?,
+        o,
     })
 }
 
@@ -941,8 +1334,8 @@ impl Run<'_> {
     fn gqa(&self, g: &Gqa, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
         let (c, n) = (self.cfg, self.n);
         let (h, hd) = (c.hidden, c.head_dim);
-        let q_dim = c.heads * hd;
-        let kv_dim = c.kv_heads * hd;
+        let q_dim = g.q_heads.len() * hd;
+        let kv_dim = g.kv_heads.len() * hd;
         let xn = &ws.xn[..n * h];
         self.linear(&g.q, xn, n, &mut ws.q[..n * q_dim], &mut ws.mm);
         self.linear(&g.k, xn, n, &mut ws.k[..n * kv_dim], &mut ws.mm);
@@ -969,14 +1362,15 @@ impl Run<'_> {
             cache.v[li][pos0 * kv_dim..(pos0 + b - a) * kv_dim].copy_from_slice(&ws.v[a * kv_dim..b * kv_dim]);
         }
         let at = TokenCaches { caches, chunks: self.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
-        attention(self.pool, c, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim]);
+        let shape = HeadShape { q_heads: g.q_heads.clone(), kv_heads: g.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
+        attention(self.pool, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim]);
         self.linear(&g.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
     }
 
     /// Multi-head latent attention, absorbed form (spec §2.5), into `ws.proj`.
     fn mla(&self, a: &Mla, m: &MlaConfig, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
         let (c, n) = (self.cfg, self.n);
-        let (h, nh, r) = (c.hidden, c.heads, m.kv_lora_rank);
+        let (h, nh, r) = (c.hidden, a.heads.len(), m.kv_lora_rank);
         let (nope, rope, dv) = (m.nope_dim, m.rope_dim, m.v_dim);
         let dq = nope + rope;
         // mlx hard-codes 1e-6 for the MLA norms.
@@ -1109,7 +1503,9 @@ impl Run<'_> {
         }
         starts[0] = 0;
         ws.moe_out[..n * h].fill(0.0);
-        for ex in 0..e {
+        // Experts this rank does not hold contribute on their owners' ranks (summed by
+        // the MoE group's all-reduce).
+        for ex in m.experts.clone() {
             let (a, b) = (ws.expert_count[ex], ws.expert_count[ex + 1]);
             if a == b {
                 continue;
@@ -1119,7 +1515,8 @@ impl Run<'_> {
                 let t = t as usize;
                 ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&ws.xn[t * h..(t + 1) * h]);
             }
-            let (gate, up, down) = (&m.gate[ex], &m.up[ex], &m.down[ex]);
+            let local = ex - m.experts.start;
+            let (gate, up, down) = (&m.gate[local], &m.up[local], &m.down[local]);
             self.swiglu([gate, up, down], &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.proj[..cnt * h], &mut ws.mm);
             for (j, &(t, wt)) in ws.expert_slots[a..b].iter().enumerate() {
                 let t = t as usize;
@@ -1174,21 +1571,30 @@ impl TokenCaches<'_> {
 
 /// Causal attention of the step's `n` queries, each over its own sequence's cache.
 /// Threads split the (token, head) pairs; each uses its own score row.
-fn attention(pool: &ThreadPool, c: &ModelConfig, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32]) {
-    let hd = c.head_dim;
-    let group = c.heads / c.kv_heads;
-    let kv_row = c.kv_heads * hd;
-    let q_dim = c.heads * hd;
+/// A rank's attention heads: query heads `q_heads` (global indices) read kv heads
+/// `global / group`, of which this rank caches `kv_heads`.
+struct HeadShape {
+    q_heads: Range<usize>,
+    kv_heads: Range<usize>,
+    group: usize,
+    head_dim: usize,
+}
+
+fn attention(pool: &ThreadPool, shape: &HeadShape, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32]) {
+    let hd = shape.head_dim;
+    let heads = shape.q_heads.len();
+    let kv_row = shape.kv_heads.len() * hd;
+    let q_dim = heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let ctx = scores.len() / pool.n_threads();
     let out_ptr = SharedMut(out.as_mut_ptr());
     let scores_ptr = SharedMut(scores.as_mut_ptr());
-    pool.parallel_for(n * c.heads, 1, &|tid, items| {
+    pool.parallel_for(n * heads, 1, &|tid, items| {
         // SAFETY: thread `tid` owns score row `tid` and the output heads it is given.
         let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
         for item in items {
-            let (t, head) = (item / c.heads, item % c.heads);
-            let kvh = head / group;
+            let (t, head) = (item / heads, item % heads);
+            let kvh = (shape.q_heads.start + head) / shape.group - shape.kv_heads.start;
             let qv = &q[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
             let (k_cache, v_cache, len) = at.of(t);
             let s = &mut sc[..len];
