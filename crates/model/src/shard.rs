@@ -136,7 +136,7 @@ mod tests {
         assert_eq!(split(9, 0, 2), 0..5);
         assert_eq!(split(64, 4, 5), 52..64);
         assert_eq!(split_units(1536, 256, 1, 4), 512..1024); // 6 blocks: 2, 2, 1, 1
-        assert_eq!(split_units(1000, 32, 4, 4), 768..1000);
+        assert_eq!(split_units(1000, 32, 3, 4), 768..1000);
     }
 
     #[test]
