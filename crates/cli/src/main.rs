@@ -1,6 +1,8 @@
 //! `tessera`: a thin command line over the engine. It parses arguments, wires the
 //! crates together and prints; the work happens in the libraries.
 
+mod bench;
+mod cluster;
 mod doctor;
 mod npy;
 
@@ -9,8 +11,10 @@ use clap::{Args, Parser, Subcommand};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use tessera_engine::{EngineConfig, Generator, SamplingParams, StopReason};
-use tessera_model::{ChatTemplate, DenseTransformer, Message, Tokenizer};
+use std::sync::Arc;
+use tessera_comm::{CommConfig, Communicator, Peers};
+use tessera_engine::{EngineConfig, Generator, Placement, Rank, SamplingParams, StopReason};
+use tessera_model::{ChatTemplate, Checkpoint, DenseTransformer, Message, ModelConfig, Tokenizer};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Run large language models on one machine or many.")]
@@ -34,17 +38,62 @@ enum Command {
         #[arg(long)]
         chat: bool,
     },
-    /// Describe a checkpoint: architecture, parameters, formats, bytes per token.
+    /// Describe a checkpoint: architecture, parameters, formats, bytes per token; with
+    /// placement flags, each rank's share.
     Inspect {
         /// A GGUF file or a Hugging Face directory.
         path: PathBuf,
+        #[command(flatten)]
+        placement: PlacementArgs,
+    },
+    /// Start N ranks of a tessera command (locally, or over ssh on a hostfile's hosts),
+    /// wired together; stops them all when one fails.
+    Launch {
+        /// Number of ranks.
+        #[arg(short = 'n', long)]
+        n: usize,
+        /// One host per rank, one per line (ssh; same binary path and directory there).
+        #[arg(long)]
+        hostfile: Option<PathBuf>,
+        /// The tessera subcommand and its flags, after `--`.
+        #[arg(last = true, required = true)]
+        args: Vec<String>,
     },
     /// Start or join a cluster; print link latency/bandwidth and all_reduce latency.
     Doctor(doctor::DoctorArgs),
+    /// Measure prompt, decode and batched-decode speed on random tokens, and read bandwidth.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args, Clone)]
+struct PlacementArgs {
+    /// Tensor-parallel ranks per pipeline stage (attention heads, MLP width, vocabulary).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Pipeline stages (contiguous layer ranges).
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// Layers per pipeline stage, e.g. 10,14 (default: even).
+    #[arg(long, value_delimiter = ',')]
+    pp_split: Option<Vec<usize>>,
+    /// Expert-parallel ranks per stage (whole experts per rank).
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
+}
+
+impl PlacementArgs {
+    fn is_single(&self) -> bool {
+        self.tp == 1 && self.pp == 1 && self.ep == 1 && self.pp_split.is_none()
+    }
 }
 
 #[derive(Args)]
 struct RuntimeArgs {
+    #[command(flatten)]
+    placement: PlacementArgs,
+    /// File holding the cluster secret (else TESSERA_CLUSTER_SECRET).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -52,7 +101,7 @@ struct RuntimeArgs {
     #[arg(long)]
     ctx: Option<usize>,
     /// Prompt tokens per prefill step.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 2048)]
     prefill_chunk: usize,
 }
 
@@ -62,8 +111,14 @@ struct GenerateArgs {
     #[arg(long)]
     model: PathBuf,
     /// Raw prompt text (no chat template).
-    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+    #[arg(long, conflicts_with_all = ["chat", "prompt_ids"], required_unless_present_any = ["chat", "prompt_ids"])]
     prompt: Option<String>,
+    /// Prompt as comma-separated token ids (no tokenizer needed).
+    #[arg(long, value_delimiter = ',', conflicts_with = "chat")]
+    prompt_ids: Option<Vec<u32>>,
+    /// Also print the generated token ids, as a last line `ids: 1,2,3`.
+    #[arg(long)]
+    print_ids: bool,
     /// A user message, wrapped in the model's chat template.
     #[arg(long)]
     chat: Option<String>,
@@ -113,8 +168,10 @@ fn main() {
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),
-        Command::Inspect { path } => inspect(&path),
+        Command::Inspect { path, placement } => inspect(&path, &placement),
+        Command::Launch { n, hostfile, args } => cluster::launch(n, hostfile, args),
         Command::Doctor(a) => doctor::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Tokenize { model, text, chat } => tokenize(&model, &text, chat),
     };
     if let Err(e) = result {
@@ -171,10 +228,72 @@ fn engine_config(model: &DenseTransformer, rt: &RuntimeArgs) -> EngineConfig {
     cfg
 }
 
+/// A model loaded for this process: the whole of it, or this rank's shard with the
+/// cluster it belongs to.
+struct Loaded {
+    model: DenseTransformer,
+    cluster: Option<(Communicator, Placement)>,
+}
+
+fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
+    let p = &rt.placement;
+    let Some(env) = cluster::ClusterEnv::from_env(rt.secret_file.as_ref())? else {
+        if !p.is_single() {
+            let world = p.tp.max(p.ep) * p.pp;
+            bail!("this placement needs {world} ranks: run it under `tessera launch -n {world} -- ...` (or another launcher)");
+        }
+        return Ok(Loaded { model: load(path)?, cluster: None });
+    };
+    let ckpt = Arc::new(Checkpoint::open(path).with_context(|| format!("loading {}", path.display()))?);
+    let cfg = ModelConfig::from_checkpoint(&ckpt)?;
+    let placement = Placement::new(env.world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg)
+        .map_err(|e| anyhow::anyhow!("placement refused before loading {}: {e}", path.display()))?;
+    let comm = Communicator::connect(CommConfig::new(env.rank, env.world, Peers::Master(env.master), env.secret))
+        .with_context(|| format!("rank {} joining the cluster", env.rank))?;
+    comm.set_loading(true);
+    let spec = placement.spec(env.rank, &cfg);
+    let model = DenseTransformer::load_shard(ckpt, cfg, spec).with_context(|| format!("rank {} loading {}", env.rank, path.display()))?;
+    comm.set_loading(false);
+    Ok(Loaded { model, cluster: Some((comm, placement)) })
+}
+
+enum Engine<'m> {
+    /// This process drives generation (alone, or as the cluster's leader).
+    Drive(Generator<'m>),
+    /// A follower rank: runs the leader's plans.
+    Follow(Rank<'m>),
+}
+
+fn engine_for<'m>(model: &'m DenseTransformer, cluster: Option<(Communicator, Placement)>, rt: &RuntimeArgs, min_ctx: usize) -> Result<Engine<'m>> {
+    let mut cfg = engine_config(model, rt);
+    cfg.context_max = cfg.context_max.max(min_ctx);
+    Ok(match cluster {
+        None => Engine::Drive(Generator::new(model, cfg)?),
+        Some((comm, placement)) => {
+            let rank = Rank::new(model, comm, placement, cfg.clone())?;
+            if rank.rank() == 0 {
+                Engine::Drive(Generator::with_stepper(Box::new(rank.leader()), cfg))
+            } else {
+                Engine::Follow(rank)
+            }
+        }
+    })
+}
+
 fn generate(a: GenerateArgs) -> Result<()> {
     let t0 = Instant::now();
-    let model = load(&a.model)?;
-    let tok = Tokenizer::from_checkpoint(model.checkpoint())?;
+    let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
+    let leads = cluster.as_ref().is_none_or(|(c, _)| c.rank() == 0);
+    let tok = if leads && a.prompt_ids.is_none() { Some(Tokenizer::from_checkpoint(model.checkpoint())?) } else { None };
+    let min_ctx = a.prompt_ids.as_ref().map_or(0, |p| p.len() + a.max_tokens + 1);
+    let mut gen = match engine_for(&model, cluster, &a.runtime, min_ctx)? {
+        Engine::Follow(rank) => return Ok(rank.follow()?),
+        Engine::Drive(g) => g,
+    };
+    if let Some(ids) = &a.prompt_ids {
+        return generate_ids(&mut gen, ids, &a);
+    }
+    let tok = tok.expect("the leader has the tokenizer");
     let prompt_ids = match (&a.prompt, &a.chat) {
         (Some(p), _) => tok.encode(p, true).map_err(anyhow::Error::msg)?,
         (None, Some(user)) => {
@@ -188,22 +307,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
         (None, None) => bail!("give --prompt or --chat"),
     };
     let load_secs = t0.elapsed().as_secs_f64();
-    let sampling = SamplingParams {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repetition_penalty: a.repeat_penalty,
-        presence_penalty: a.presence_penalty,
-        penalty_window: a.penalty_window,
-        seed: a.seed,
-    };
-    let cfg = engine_config(&model, &a.runtime);
-    let mut gen = Generator::new(&model, cfg)?;
+    let sampling = sampling_of(&a);
     let mut stream = tessera_model::TextStream::new();
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
-    let (_, reason, stats) = gen.generate(&prompt_ids, a.max_tokens, &sampling, &tok.stop, |id| {
+    let (ids, reason, stats) = gen.generate(&prompt_ids, a.max_tokens, &sampling, &tok.stop, |id| {
         match stream.push(&tok, id) {
             Ok(text) => {
                 if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
@@ -222,6 +330,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
         bail!("writing output: {e}");
     }
     let _ = writeln!(out);
+    if a.print_ids {
+        let _ = writeln!(out, "ids: {}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+    }
     let why = match reason {
         StopReason::Stop => "stop token",
         StopReason::Length => "max tokens",
@@ -261,11 +372,39 @@ fn tokenize(path: &Path, text: &str, chat: bool) -> Result<()> {
     Ok(())
 }
 
+fn sampling_of(a: &GenerateArgs) -> SamplingParams {
+    SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repetition_penalty: a.repeat_penalty,
+        presence_penalty: a.presence_penalty,
+        penalty_window: a.penalty_window,
+        seed: a.seed,
+    }
+}
+
+/// Generation from token ids: no tokenizer, ids out (tests, models without one).
+fn generate_ids(gen: &mut Generator, prompt: &[u32], a: &GenerateArgs) -> Result<()> {
+    let (ids, _, stats) = gen.generate(prompt, a.max_tokens, &sampling_of(a), &[], |_| true)?;
+    println!("ids: {}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
+        stats.prompt_tokens,
+        stats.prompt_tok_per_sec(),
+        stats.generated_tokens,
+        stats.decode_tok_per_sec()
+    );
+    Ok(())
+}
+
 fn logits(a: LogitsArgs) -> Result<()> {
-    let model = load(&a.model)?;
-    let mut cfg = engine_config(&model, &a.runtime);
-    cfg.context_max = cfg.context_max.max(a.tokens.len());
-    let mut gen = Generator::new(&model, cfg)?;
+    let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
+    let mut gen = match engine_for(&model, cluster, &a.runtime, a.tokens.len())? {
+        Engine::Follow(rank) => return Ok(rank.follow()?),
+        Engine::Drive(g) => g,
+    };
     let logits = gen.logits_all(&a.tokens)?;
     npy::write_f32(&a.out, &[a.tokens.len(), model.cfg.vocab], &logits)
         .with_context(|| format!("writing {}", a.out.display()))?;
@@ -284,7 +423,10 @@ fn human_bytes(b: usize) -> String {
     }
 }
 
-fn inspect(path: &Path) -> Result<()> {
+fn inspect(path: &Path, placement: &PlacementArgs) -> Result<()> {
+    if !placement.is_single() {
+        return inspect_placement(path, placement);
+    }
     let model = tessera_model::load_model(path).with_context(|| format!("loading {}", path.display()))?;
     let ckpt = model.checkpoint();
     let c = &model.cfg;
@@ -350,6 +492,33 @@ fn inspect(path: &Path) -> Result<()> {
         Ok(Some(t)) => println!("chat template   yes ({} chars)", t.source().len()),
         Ok(None) => println!("chat template   none"),
         Err(e) => println!("chat template   unusable ({e})"),
+    }
+    Ok(())
+}
+
+/// Each rank's share of a placement: layers, heads/experts, bytes it reads from disk,
+/// weight bytes per decoded token, KV cache per token.
+fn inspect_placement(path: &Path, p: &PlacementArgs) -> Result<()> {
+    let ckpt = Arc::new(Checkpoint::open(path).with_context(|| format!("loading {}", path.display()))?);
+    let cfg = ModelConfig::from_checkpoint(&ckpt)?;
+    let world = p.tp.max(p.ep) * p.pp;
+    let placement = Placement::new(world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
+    println!("placement       {}", placement.describe());
+    println!("checkpoint      {} of tensor data", human_bytes(ckpt.data_bytes()));
+    for rank in 0..world {
+        let spec = placement.spec(rank, &cfg);
+        let shard = DenseTransformer::load_shard(Arc::clone(&ckpt), cfg.clone(), spec.clone())?;
+        let experts = match &spec.experts {
+            tessera_model::ExpertSplit::Experts { owned } => format!("experts {owned:?}"),
+            tessera_model::ExpertSplit::Width => format!("tp {}/{}", spec.tp_rank, spec.tp_size),
+        };
+        println!(
+            "rank {rank:<3} layers {:?}, {experts}: reads {} from disk, {} weights per decoded token, KV {} per token",
+            spec.layers,
+            human_bytes(shard.bytes_loaded()),
+            human_bytes(shard.bytes_per_token()),
+            human_bytes(shard.kv_floats_per_token() * 4)
+        );
     }
     Ok(())
 }

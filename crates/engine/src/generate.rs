@@ -18,12 +18,19 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// Defaults for this machine: every core, 512-token chunks, 4096 tokens of context
+    pub fn validate(&self) -> Result<(), EngineError> {
+        if self.prefill_chunk == 0 || self.context_max == 0 || self.threads == 0 {
+            return Err(EngineError::Config(format!("threads, prefill_chunk and context_max must be > 0: {self:?}")));
+        }
+        Ok(())
+    }
+
+    /// Defaults for this machine: every core, 2048-token prefill chunks, 4096 tokens of context
     /// capped by the model's own limit.
     pub fn for_model(model: &DenseTransformer) -> EngineConfig {
         EngineConfig {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            prefill_chunk: 512,
+            prefill_chunk: 2048,
             context_max: model.cfg.context_max.min(4096),
         }
     }
@@ -37,6 +44,8 @@ pub enum EngineError {
     Sampling(#[from] SamplingError),
     #[error("invalid engine config: {0}")]
     Config(String),
+    #[error("{0}")]
+    Dist(String),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,30 +80,70 @@ impl GenerationStats {
     }
 }
 
-pub struct Generator<'m> {
+/// Runs forward steps of one sequence, wherever the model lives: in this process
+/// ([`LocalStepper`]) or across ranks (`dist::DistLeader`).
+pub trait Stepper {
+    fn vocab(&self) -> usize;
+    /// Tokens the sequence's cache holds now, and at most.
+    fn cached(&self) -> usize;
+    fn capacity(&self) -> usize;
+    /// Forget the sequence (a new one starts).
+    fn reset(&mut self) -> Result<(), EngineError>;
+    /// Appends `tokens` (at most one prefill chunk) and writes the logits `want` asks for.
+    fn step(&mut self, tokens: &[u32], want: LogitsFor, logits: &mut [f32]) -> Result<(), EngineError>;
+}
+
+/// The whole model in this process.
+pub struct LocalStepper<'m> {
     model: &'m DenseTransformer,
     pool: ThreadPool,
     ws: Workspace,
     cache: KvCache,
+}
+
+impl<'m> LocalStepper<'m> {
+    pub fn new(model: &'m DenseTransformer, cfg: &EngineConfig) -> LocalStepper<'m> {
+        let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk, context_max: cfg.context_max, sequences_per_step_max: 1 };
+        let pool = ThreadPool::new(cfg.threads);
+        LocalStepper { ws: model.new_workspace(limits, pool.n_threads()), cache: model.new_cache(limits), pool, model }
+    }
+}
+
+impl Stepper for LocalStepper<'_> {
+    fn vocab(&self) -> usize {
+        self.model.cfg.vocab
+    }
+    fn cached(&self) -> usize {
+        self.cache.len()
+    }
+    fn capacity(&self) -> usize {
+        self.cache.capacity()
+    }
+    fn reset(&mut self) -> Result<(), EngineError> {
+        self.cache.clear();
+        Ok(())
+    }
+    fn step(&mut self, tokens: &[u32], want: LogitsFor, logits: &mut [f32]) -> Result<(), EngineError> {
+        Ok(self.model.forward(&self.pool, &mut self.ws, &mut self.cache, tokens, want, logits)?)
+    }
+}
+
+pub struct Generator<'m> {
+    stepper: Box<dyn Stepper + 'm>,
     logits: Vec<f32>,
     cfg: EngineConfig,
 }
 
 impl<'m> Generator<'m> {
     pub fn new(model: &'m DenseTransformer, cfg: EngineConfig) -> Result<Generator<'m>, EngineError> {
-        if cfg.prefill_chunk == 0 || cfg.context_max == 0 || cfg.threads == 0 {
-            return Err(EngineError::Config(format!("threads, prefill_chunk and context_max must be > 0: {cfg:?}")));
-        }
-        let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk, context_max: cfg.context_max, sequences_per_step_max: 1 };
-        let pool = ThreadPool::new(cfg.threads);
-        Ok(Generator {
-            ws: model.new_workspace(limits, pool.n_threads()),
-            cache: model.new_cache(limits),
-            logits: vec![0.0; model.cfg.vocab],
-            pool,
-            model,
-            cfg,
-        })
+        cfg.validate()?;
+        let stepper = Box::new(LocalStepper::new(model, &cfg));
+        Ok(Self::with_stepper(stepper, cfg))
+    }
+
+    /// A generator over any stepper (a distributed leader, say).
+    pub fn with_stepper(stepper: Box<dyn Stepper + 'm>, cfg: EngineConfig) -> Generator<'m> {
+        Generator { logits: vec![0.0; stepper.vocab()], stepper, cfg }
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -103,13 +152,13 @@ impl<'m> Generator<'m> {
 
     /// Logits of every position of `tokens` (a fresh sequence), `[n, vocab]`.
     pub fn logits_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
-        let v = self.model.cfg.vocab;
+        let v = self.stepper.vocab();
         let mut out = vec![0.0; tokens.len() * v];
-        self.cache.clear();
+        self.stepper.reset()?;
         let mut done = 0;
         for chunk in tokens.chunks(self.cfg.prefill_chunk) {
             let dst = &mut out[done * v..(done + chunk.len()) * v];
-            self.model.forward(&self.pool, &mut self.ws, &mut self.cache, chunk, LogitsFor::All, dst)?;
+            self.stepper.step(chunk, LogitsFor::All, dst)?;
             done += chunk.len();
         }
         Ok(out)
@@ -125,9 +174,9 @@ impl<'m> Generator<'m> {
         stop_ids: &[u32],
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<(Vec<u32>, StopReason, GenerationStats), EngineError> {
-        let mut sampler = Sampler::new(sampling.clone(), self.model.cfg.vocab)?;
+        let mut sampler = Sampler::new(sampling.clone(), self.stepper.vocab())?;
         let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
-        self.cache.clear();
+        self.stepper.reset()?;
         if prompt.is_empty() {
             return Err(StepError::Empty.into());
         }
@@ -138,7 +187,7 @@ impl<'m> Generator<'m> {
         history.extend_from_slice(prompt);
         let start = Instant::now();
         for chunk in prompt.chunks(self.cfg.prefill_chunk) {
-            self.model.forward(&self.pool, &mut self.ws, &mut self.cache, chunk, LogitsFor::Last, &mut self.logits)?;
+            self.stepper.step(chunk, LogitsFor::Last, &mut self.logits)?;
         }
         stats.prompt_secs = start.elapsed().as_secs_f64();
         let mut generated = Vec::with_capacity(max_tokens);
@@ -162,11 +211,11 @@ impl<'m> Generator<'m> {
             if generated.len() == max_tokens {
                 break;
             }
-            if self.cache.len() >= self.cache.capacity() {
+            if self.stepper.cached() >= self.stepper.capacity() {
                 reason = StopReason::Context;
                 break;
             }
-            self.model.forward(&self.pool, &mut self.ws, &mut self.cache, &[id], LogitsFor::Last, &mut self.logits)?;
+            self.stepper.step(&[id], LogitsFor::Last, &mut self.logits)?;
         }
         stats.generated_tokens = generated.len();
         stats.decode_secs = decode_start.elapsed().as_secs_f64() - (stats.time_to_first_token_secs - stats.prompt_secs).max(0.0);

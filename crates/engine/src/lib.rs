@@ -4,8 +4,11 @@
 //! Invariants: the engine never parses checkpoints (that is `tessera-model`) and never
 //! prints; progress and text reach the caller through callbacks.
 
+pub mod bench;
+pub mod dist;
 pub mod generate;
 pub mod sampling;
 
-pub use generate::{EngineConfig, EngineError, Generator, GenerationStats, StopReason};
+pub use dist::{DistLeader, Placement, Rank};
+pub use generate::{EngineConfig, EngineError, Generator, GenerationStats, LocalStepper, StopReason, Stepper};
 pub use sampling::{Sampler, SamplingError, SamplingParams};

@@ -1,0 +1,222 @@
+//! `tessera bench`: parses flags, runs `tessera_engine::bench::run`, prints the table and
+//! writes the JSON report. The measuring is in the engine.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use tessera_engine::bench::{Bandwidth, BenchConfig, BenchReport, DecodeResult, Stat};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// A GGUF file or a Hugging Face directory (no tokenizer needed: token ids are random).
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: PathBuf,
+    /// Prompt lengths to prefill, each as a fresh sequence.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    pp: Vec<usize>,
+    /// Decode steps per decode measurement.
+    #[arg(long, default_value_t = 128)]
+    tg: usize,
+    /// Compute threads, also used to measure bandwidth (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Batch sizes for batched decode (sequences per step).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,32")]
+    batch: Vec<usize>,
+    /// Rounds; each number is the median (min–max) over them.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Write every number (and the machine facts) to this JSON file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// KV-cache capacity in tokens (default: what the largest measurement needs).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Prompt tokens per prefill step.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Prompt tokens before the decode measurements.
+    #[arg(long, default_value_t = 16)]
+    decode_prompt: usize,
+    /// Seed of the random token ids.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let load_before = loadavg();
+    let model = tessera_model::load_model(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
+    let cfg = BenchConfig {
+        threads: a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        pp: a.pp,
+        tg: a.tg,
+        batch: a.batch,
+        repeat: a.repeat,
+        prefill_chunk: a.prefill_chunk,
+        decode_prompt: a.decode_prompt,
+        context_max: a.ctx,
+        seed: a.seed,
+    };
+    let date = utc_now();
+    let tty = std::io::stderr().is_terminal();
+    let report = tessera_engine::bench::run(&model, &cfg, &mut |what| {
+        if tty {
+            eprint!("\r\x1b[2K[bench] {what}");
+        }
+    })?;
+    if tty {
+        eprint!("\r\x1b[2K");
+    }
+    let load_after = loadavg();
+    print_table(&a.model.display().to_string(), &report);
+    if let (Some(b), Some(e)) = (&load_before, &load_after) {
+        println!("load average (1/5/15 min) before {b}, after {e}");
+    }
+    if let Some(path) = &a.json {
+        let v = to_json(&report, &a.model.display().to_string(), &date, load_before, load_after);
+        let text = serde_json::to_string_pretty(&v).expect("serialising a JSON value");
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn mib(b: usize) -> String {
+    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+}
+
+fn stat(s: &Stat, digits: usize) -> String {
+    format!("{:.d$} [{:.d$}–{:.d$}]", s.median, s.min, s.max, d = digits)
+}
+
+fn print_table(model: &str, r: &BenchReport) {
+    let mix: Vec<String> = r.formats.iter().map(|f| format!("{} {}", f.format, mib(f.bytes))).collect();
+    println!("tessera bench  {model}");
+    println!(
+        "{} | {} threads | {} | {} | {} read per decoded token | {} round(s), median [min–max]",
+        r.arch,
+        r.threads,
+        r.isa,
+        mix.join(" + "),
+        mib(r.bytes_per_token),
+        r.config.repeat
+    );
+    println!();
+    println!("| test | tok/s | ms/token | TTFT ms | × batch 1 |");
+    println!("|---|---|---|---|---|");
+    for p in &r.prompt {
+        let ms = Stat { median: 1e3 / p.tok_per_sec.median, min: 1e3 / p.tok_per_sec.max, max: 1e3 / p.tok_per_sec.min };
+        println!("| pp{} | {} | {} | {} | |", p.tokens, stat(&p.tok_per_sec, 1), stat(&ms, 3), stat(&p.time_to_first_token_ms, 1));
+    }
+    let row = |name: String, d: &DecodeResult, ratio: String| {
+        println!("| {name} | {} | {} | | {ratio} |", stat(&d.tok_per_sec, 1), stat(&d.ms_per_step, 3));
+    };
+    row(format!("tg{} (batch 1, after {} prompt tokens)", r.decode.steps, r.config.decode_prompt), &r.decode, "1.00".into());
+    for b in &r.batched {
+        row(format!("batch {} × tg{}", b.batch, b.steps), b, format!("{:.2}", r.batch_ratio(b)));
+    }
+    println!();
+    println!("(batched: tok/s counts every sequence's tokens; ms/token is ms per step)");
+    let bw = |name: &str, b: &Bandwidth| {
+        println!("read bandwidth {name}: best {:.2} GB/s, median {:.2} GB/s ({} passes over {})", b.best_gb_s, b.median_gb_s, b.passes, mib(b.buffer_bytes));
+    };
+    bw("before", &r.bandwidth_before);
+    bw("after ", &r.bandwidth_after);
+    println!(
+        "roofline: batch-1 decode moves {:.2} GB/s ({} × {:.1} tok/s) = {:.1} % of the best measured {:.2} GB/s (which would allow {:.1} tok/s)",
+        r.decode_gb_s(),
+        mib(r.bytes_per_token),
+        r.decode.tok_per_sec.median,
+        100.0 * r.roofline_fraction(),
+        r.bandwidth_best_gb_s(),
+        r.roofline_tok_per_sec()
+    );
+}
+
+fn stat_json(s: &Stat) -> Value {
+    json!({ "median": s.median, "min": s.min, "max": s.max })
+}
+
+fn decode_json(r: &BenchReport, d: &DecodeResult) -> Value {
+    json!({
+        "batch": d.batch,
+        "steps": d.steps,
+        "tok_per_sec": stat_json(&d.tok_per_sec),
+        "ms_per_step": stat_json(&d.ms_per_step),
+        "ratio_to_batch1": r.batch_ratio(d),
+    })
+}
+
+fn bandwidth_json(b: &Bandwidth) -> Value {
+    json!({ "buffer_bytes": b.buffer_bytes, "passes": b.passes, "best_gb_s": b.best_gb_s, "median_gb_s": b.median_gb_s })
+}
+
+fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>, load_after: Option<String>) -> Value {
+    let c = &r.config;
+    json!({
+        "tool": "tessera bench",
+        "version": env!("CARGO_PKG_VERSION"),
+        "date": date,
+        "model": model,
+        "arch": r.arch,
+        "vocab": r.vocab,
+        "formats": r.formats.iter().map(|f| json!({ "format": f.format, "tensors": f.tensors, "bytes": f.bytes })).collect::<Vec<_>>(),
+        "bytes_per_token": r.bytes_per_token,
+        "machine": {
+            "threads": r.threads,
+            "isa": r.isa,
+            "cpu": cpu_model(),
+            "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+            "loadavg_before": load_before,
+            "loadavg_after": load_after,
+        },
+        "config": {
+            "pp": c.pp, "tg": c.tg, "batch": c.batch, "repeat": c.repeat, "prefill_chunk": c.prefill_chunk,
+            "decode_prompt": c.decode_prompt, "context_max": r.context_max, "seed": c.seed,
+        },
+        "prompt": r.prompt.iter().map(|p| json!({
+            "tokens": p.tokens,
+            "tok_per_sec": stat_json(&p.tok_per_sec),
+            "time_to_first_token_ms": stat_json(&p.time_to_first_token_ms),
+        })).collect::<Vec<_>>(),
+        "decode": decode_json(r, &r.decode),
+        "batched": r.batched.iter().map(|b| decode_json(r, b)).collect::<Vec<_>>(),
+        "bandwidth": { "before": bandwidth_json(&r.bandwidth_before), "after": bandwidth_json(&r.bandwidth_after) },
+        "roofline": {
+            "decode_gb_s": r.decode_gb_s(),
+            "bandwidth_best_gb_s": r.bandwidth_best_gb_s(),
+            "fraction": r.roofline_fraction(),
+            "tok_per_sec_at_best_bandwidth": r.roofline_tok_per_sec(),
+        },
+    })
+}
+
+/// `/proc/loadavg`'s first three fields (Linux; `None` elsewhere).
+fn loadavg() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/loadavg").ok()?;
+    Some(s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+}
+
+fn cpu_model() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split_once(':')?.1.trim().to_string())
+}
+
+/// Now as `YYYY-MM-DDTHH:MM:SSZ` (days to civil date: H. Hinnant's algorithm).
+fn utc_now() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}

@@ -1,0 +1,213 @@
+//! Ranks and launching: where this process sits in a cluster (from `tessera launch` or
+//! the usual launcher variables), and `tessera launch` itself.
+
+use anyhow::{bail, Context, Result};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long the launcher lets the other ranks print their diagnosis after one fails.
+const FAILURE_GRACE_MS: u64 = 3_000;
+
+/// This process's place in a cluster.
+pub struct ClusterEnv {
+    pub rank: usize,
+    pub world: usize,
+    pub master: SocketAddr,
+    pub secret: Vec<u8>,
+}
+
+fn var(names: &[&str]) -> Option<(String, String)> {
+    names.iter().find_map(|n| std::env::var(n).ok().map(|v| (n.to_string(), v)))
+}
+
+fn parse_num(name: &str, v: &str) -> Result<usize> {
+    v.trim().parse().with_context(|| format!("environment variable {name}={v:?} is not a number"))
+}
+
+impl ClusterEnv {
+    /// The cluster this process belongs to, or `None` when it runs alone. Reads
+    /// `TESSERA_RANK`/`TESSERA_WORLD_SIZE`/`TESSERA_MASTER_ADDR` (set by `tessera
+    /// launch`), or torchrun's `RANK`/`WORLD_SIZE`/`MASTER_ADDR`+`MASTER_PORT`,
+    /// mpirun's `OMPI_COMM_WORLD_RANK`/`_SIZE`, Slurm's `SLURM_PROCID`/`SLURM_NTASKS`.
+    /// The cluster secret comes from `TESSERA_CLUSTER_SECRET` or `secret_file`.
+    pub fn from_env(secret_file: Option<&PathBuf>) -> Result<Option<ClusterEnv>> {
+        let Some((rank_name, rank)) = var(&["TESSERA_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]) else {
+            return Ok(None);
+        };
+        let (world_name, world) = var(&["TESSERA_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"])
+            .with_context(|| format!("{rank_name} is set but no world size variable (TESSERA_WORLD_SIZE, WORLD_SIZE, ...)"))?;
+        let (rank, world) = (parse_num(&rank_name, &rank)?, parse_num(&world_name, &world)?);
+        if world <= 1 {
+            return Ok(None);
+        }
+        if rank >= world {
+            bail!("{rank_name}={rank} is not below the world size {world}");
+        }
+        let master = match var(&["TESSERA_MASTER_ADDR"]) {
+            Some((_, a)) => a,
+            None => {
+                let (_, host) = var(&["MASTER_ADDR"]).context("no TESSERA_MASTER_ADDR or MASTER_ADDR: where does rank 0 listen?")?;
+                let port = var(&["MASTER_PORT"]).map(|(_, p)| p).unwrap_or_else(|| "29500".into());
+                format!("{host}:{port}")
+            }
+        };
+        let master = master
+            .to_socket_addrs()
+            .with_context(|| format!("master address {master:?}"))?
+            .next()
+            .with_context(|| format!("master address {master:?} resolves to nothing"))?;
+        let secret = match (secret_file, std::env::var("TESSERA_CLUSTER_SECRET")) {
+            (Some(f), _) => std::fs::read(f).with_context(|| format!("reading the cluster secret {}", f.display()))?,
+            (None, Ok(s)) => s.into_bytes(),
+            (None, Err(_)) => bail!("no cluster secret: set TESSERA_CLUSTER_SECRET on every rank or pass --secret-file"),
+        };
+        Ok(Some(ClusterEnv { rank, world, master, secret }))
+    }
+}
+
+fn random_secret() -> Result<String> {
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b)).context("reading /dev/urandom")?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// Copies a child's stream to ours line by line, each line prefixed with its rank.
+fn forward(rank: usize, stream: impl std::io::Read + Send + 'static, to_stderr: bool) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            if to_stderr {
+                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {line}");
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {line}");
+            }
+        }
+    })
+}
+
+/// `tessera launch -n N [--hostfile F] -- ARGS`: starts N ranks of `tessera ARGS`
+/// (locally, or over ssh on the hostfile's hosts), forwards their output with rank
+/// prefixes, and stops every rank when one fails, exiting with its status.
+pub fn launch(n: usize, hostfile: Option<PathBuf>, args: Vec<String>) -> Result<()> {
+    if n == 0 {
+        bail!("-n must be at least 1");
+    }
+    if args.is_empty() {
+        bail!("nothing to launch: give the subcommand after `--`, e.g. `tessera launch -n 2 -- generate --model M --tp 2 --prompt hi`");
+    }
+    let exe = std::env::current_exe().context("locating the tessera binary")?;
+    let secret = random_secret()?;
+    let hosts: Vec<String> = match &hostfile {
+        None => vec![],
+        Some(f) => {
+            let text = std::fs::read_to_string(f).with_context(|| format!("reading hostfile {}", f.display()))?;
+            let hosts: Vec<String> = text
+                .lines()
+                .map(|l| l.split('#').next().unwrap_or("").trim())
+                .filter(|l| !l.is_empty())
+                .map(|l| l.split_whitespace().next().unwrap_or(l).to_string())
+                .collect();
+            if hosts.len() < n {
+                bail!("hostfile {} lists {} hosts for {n} ranks (one host per rank)", f.display(), hosts.len());
+            }
+            hosts
+        }
+    };
+    // Rank 0 listens on a port free now (a race with other programs is possible but rare).
+    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).context("finding a free port")?.port();
+    let master = match hosts.first() {
+        None => format!("127.0.0.1:{port}"),
+        Some(h) => format!("{h}:{port}"),
+    };
+    let mut children: Vec<Child> = Vec::with_capacity(n);
+    let mut pumps = Vec::new();
+    for rank in 0..n {
+        let envs = [
+            ("TESSERA_RANK", rank.to_string()),
+            ("TESSERA_WORLD_SIZE", n.to_string()),
+            ("TESSERA_MASTER_ADDR", master.clone()),
+            ("TESSERA_CLUSTER_SECRET", secret.clone()),
+        ];
+        let mut cmd = if hosts.is_empty() {
+            let mut c = Command::new(&exe);
+            c.args(&args).envs(envs.iter().map(|(k, v)| (*k, v.as_str())));
+            c
+        } else {
+            // Same binary path and working directory on every host; the secret travels
+            // in the ssh session's environment, never on the command line of the host.
+            let cwd = std::env::current_dir().context("current directory")?;
+            let remote = format!(
+                "cd {} && {} {} {}",
+                shell_quote(&cwd.to_string_lossy()),
+                envs.iter().map(|(k, v)| format!("{k}={}", shell_quote(v))).collect::<Vec<_>>().join(" "),
+                shell_quote(&exe.to_string_lossy()),
+                args.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" ")
+            );
+            let mut c = Command::new("ssh");
+            c.arg(&hosts[rank]).arg(remote);
+            c
+        };
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(e).context(format!("starting rank {rank}"));
+            }
+        };
+        pumps.push(forward(rank, child.stdout.take().expect("piped"), false));
+        pumps.push(forward(rank, child.stderr.take().expect("piped"), true));
+        children.push(child);
+    }
+    // Wait; on the first failure give the others a moment to report, then stop them.
+    let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; n];
+    let mut first_failure: Option<(usize, std::process::ExitStatus, Instant)> = None;
+    loop {
+        for (r, c) in children.iter_mut().enumerate() {
+            if status[r].is_none() {
+                if let Ok(Some(s)) = c.try_wait() {
+                    status[r] = Some(s);
+                    if !s.success() && first_failure.is_none() {
+                        first_failure = Some((r, s, Instant::now()));
+                    }
+                }
+            }
+        }
+        if status.iter().all(|s| s.is_some()) {
+            break;
+        }
+        if let Some((_, _, t)) = first_failure {
+            if t.elapsed() > Duration::from_millis(FAILURE_GRACE_MS) {
+                for (r, c) in children.iter_mut().enumerate() {
+                    if status[r].is_none() {
+                        let _ = c.kill();
+                        status[r] = c.wait().ok();
+                    }
+                }
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for p in pumps {
+        let _ = p.join();
+    }
+    match first_failure {
+        None => Ok(()),
+        Some((r, s, _)) => {
+            let code = s.code().unwrap_or(1);
+            eprintln!("launch: rank {r} failed first ({s}); stopped the other ranks");
+            std::process::exit(if code == 0 { 1 } else { code });
+        }
+    }
+}
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}

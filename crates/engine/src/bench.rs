@@ -1,0 +1,482 @@
+//! `tessera bench`: prompt-processing, decode and batched-decode speed on random token
+//! ids (no tokenizer needed), and the machine's read bandwidth measured in the same run,
+//! so decode speed can be put against its roofline (tok/s ≤ bandwidth / bytes per token).
+//!
+//! What is timed and what is not:
+//! - Every buffer (workspace, caches, logits, token ids, chunk lists) is allocated before
+//!   a timed region; the timed loops only call `forward`/`forward_batch` and the sampler.
+//! - Token ids are drawn up front from a seeded generator in `[0, vocab)`. Decode steps
+//!   feed these random ids (as llama-bench does) rather than the sampled ones, so a
+//!   random-weight MoE cannot fall into a repeated token that always picks the same
+//!   experts; each step still runs the greedy sampler on every logits row, so its cost is
+//!   in the numbers, as it would be in generation.
+//! - Weights are touched page by page and one untimed warm-up step runs before anything
+//!   is measured.
+//! - Measurements run in rounds (every prompt length, batch-1 decode, every batch once per
+//!   round, `repeat` rounds), so a burst of load from elsewhere spreads over all numbers
+//!   rather than landing on one; each number is reported as median, min and max over rounds.
+//! - Bandwidth is measured before the first round and after the last, each as several
+//!   passes of a multi-accumulator f32 sum over a buffer of at least the bytes read per
+//!   token (and ≥ 64 MiB, beyond any last-level cache), on the same threads.
+
+use crate::sampling::{Sampler, SamplingError, SamplingParams};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Instant;
+use tessera_kernels::ThreadPool;
+use tessera_model::{DenseTransformer, LogitsFor, SeqChunk, StepError, StepLimits};
+
+/// Bound on `--repeat`.
+pub const REPEAT_MAX: usize = 1000;
+/// Bound on one `--batch` value (sequences per step).
+pub const BATCH_MAX: usize = 1024;
+/// Bound on how many prompt lengths / batch sizes one run takes.
+pub const SWEEP_MAX: usize = 64;
+/// The bandwidth buffer is at least this large (well beyond a last-level cache).
+pub const BANDWIDTH_BYTES_MIN: usize = 64 << 20;
+/// Bandwidth passes per measurement (best and median reported).
+pub const BANDWIDTH_PASSES: usize = 10;
+/// f32 lanes summed independently by the read kernel: 8 vectors of 4 (SSE2) or 4 of 8
+/// (AVX2), enough independent adds to keep two loads per cycle in flight.
+const READ_LANES: usize = 32;
+/// Floats per parallel_for chunk of the read kernel (256 KiB: large enough to amortise
+/// the shared counter, small enough to balance 2–64 threads over 64 MiB).
+const READ_CHUNK_FLOATS: usize = 64 << 10;
+
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// Compute threads (the caller included), also used by the bandwidth kernel.
+    pub threads: usize,
+    /// Prompt lengths: each is prefilled as a fresh sequence.
+    pub pp: Vec<usize>,
+    /// Decode steps timed per decode measurement.
+    pub tg: usize,
+    /// Batch sizes for batched decode (B sequences, one token each per step).
+    pub batch: Vec<usize>,
+    /// Rounds; every number is the median (min, max) over them.
+    pub repeat: usize,
+    /// Tokens per prefill step (longer prompts run in chunks of this size).
+    pub prefill_chunk: usize,
+    /// Prompt tokens before the decode measurements.
+    pub decode_prompt: usize,
+    /// KV-cache capacity per sequence; `None`: just what the largest measurement needs.
+    pub context_max: Option<usize>,
+    /// Seed of the random token ids.
+    pub seed: u64,
+}
+
+impl BenchConfig {
+    /// llama-bench-like defaults: pp 128 and 512, tg 128, batches 1/4/16/32, 3 rounds.
+    pub fn new(threads: usize) -> BenchConfig {
+        BenchConfig {
+            threads,
+            pp: vec![128, 512],
+            tg: 128,
+            batch: vec![1, 4, 16, 32],
+            repeat: 3,
+            prefill_chunk: 512,
+            decode_prompt: 16,
+            context_max: None,
+            seed: 0,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("invalid bench config: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Step(#[from] StepError),
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+}
+
+/// One quantity over the rounds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stat {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Stat {
+    /// Median (mean of the middle two for an even count), min and max. `values` must
+    /// not be empty.
+    pub fn of(values: &[f64]) -> Stat {
+        assert!(!values.is_empty(), "a statistic of no values");
+        let mut v = values.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) };
+        Stat { median, min: v[0], max: v[n - 1] }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct PromptResult {
+    pub tokens: usize,
+    pub tok_per_sec: Stat,
+    /// Prefill plus the first (greedy) sample.
+    pub time_to_first_token_ms: Stat,
+}
+
+#[derive(Clone, Debug)]
+pub struct DecodeResult {
+    /// Sequences per step (1 for the single-sequence measurement).
+    pub batch: usize,
+    /// Steps timed; each step makes `batch` tokens.
+    pub steps: usize,
+    /// Tokens per second, all sequences together.
+    pub tok_per_sec: Stat,
+    /// Milliseconds per step.
+    pub ms_per_step: Stat,
+}
+
+#[derive(Clone, Debug)]
+pub struct Bandwidth {
+    pub buffer_bytes: usize,
+    pub passes: usize,
+    /// GB/s (10^9 bytes per second).
+    pub best_gb_s: f64,
+    pub median_gb_s: f64,
+}
+
+#[derive(Clone, Debug)]
+pub struct FormatBytes {
+    /// The checkpoint dtype, as `tessera inspect` prints it.
+    pub format: String,
+    pub tensors: usize,
+    pub bytes: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct BenchReport {
+    pub threads: usize,
+    pub isa: &'static str,
+    pub arch: &'static str,
+    pub vocab: usize,
+    /// Weight bytes read per decoded token (`DenseTransformer::bytes_per_token`).
+    pub bytes_per_token: usize,
+    pub formats: Vec<FormatBytes>,
+    pub config: BenchConfig,
+    /// The KV-cache capacity each measurement ran with (max over them).
+    pub context_max: usize,
+    pub prompt: Vec<PromptResult>,
+    /// Single sequence, `forward` one token per step after `decode_prompt` tokens.
+    pub decode: DecodeResult,
+    /// One per `config.batch`, `forward_batch` over B caches.
+    pub batched: Vec<DecodeResult>,
+    pub bandwidth_before: Bandwidth,
+    pub bandwidth_after: Bandwidth,
+}
+
+impl BenchReport {
+    /// Achieved weight-read bandwidth of batch-1 decode (median): bytes/token ÷ s/token.
+    pub fn decode_gb_s(&self) -> f64 {
+        self.bytes_per_token as f64 * self.decode.tok_per_sec.median / 1e9
+    }
+    /// The best bandwidth measured in this run (before or after).
+    pub fn bandwidth_best_gb_s(&self) -> f64 {
+        self.bandwidth_before.best_gb_s.max(self.bandwidth_after.best_gb_s)
+    }
+    /// Batch-1 decode against its roofline: achieved ÷ best measured bandwidth.
+    pub fn roofline_fraction(&self) -> f64 {
+        self.decode_gb_s() / self.bandwidth_best_gb_s()
+    }
+    /// The decode speed the best measured bandwidth would allow (tok/s).
+    pub fn roofline_tok_per_sec(&self) -> f64 {
+        self.bandwidth_best_gb_s() * 1e9 / self.bytes_per_token as f64
+    }
+    /// Aggregate tok/s of a batched result over batch-1 decode tok/s (medians).
+    pub fn batch_ratio(&self, r: &DecodeResult) -> f64 {
+        r.tok_per_sec.median / self.decode.tok_per_sec.median
+    }
+}
+
+fn check(cfg: &BenchConfig, model: &DenseTransformer) -> Result<usize, BenchError> {
+    let bad = |m: String| Err(BenchError::Config(m));
+    if cfg.threads == 0 || cfg.tg == 0 || cfg.prefill_chunk == 0 || cfg.decode_prompt == 0 {
+        return bad(format!("threads, tg, prefill_chunk and decode_prompt must be > 0 (got {}, {}, {}, {})", cfg.threads, cfg.tg, cfg.prefill_chunk, cfg.decode_prompt));
+    }
+    if cfg.repeat == 0 || cfg.repeat > REPEAT_MAX {
+        return bad(format!("repeat must be in 1..={REPEAT_MAX} (got {})", cfg.repeat));
+    }
+    if cfg.pp.len() > SWEEP_MAX || cfg.batch.len() > SWEEP_MAX {
+        return bad(format!("at most {SWEEP_MAX} prompt lengths and {SWEEP_MAX} batch sizes"));
+    }
+    if cfg.pp.contains(&0) {
+        return bad("every prompt length must be > 0".into());
+    }
+    if let Some(&b) = cfg.batch.iter().find(|&&b| b == 0 || b > BATCH_MAX) {
+        return bad(format!("batch size {b} outside 1..={BATCH_MAX}"));
+    }
+    // A prompt of pp tokens plus the sampled token's step; the decode prompt plus tg steps.
+    let need = cfg.pp.iter().map(|&p| p + 1).max().unwrap_or(0).max(cfg.decode_prompt + cfg.tg + 1);
+    let ctx = cfg.context_max.unwrap_or(need);
+    if ctx < need {
+        return bad(format!("--ctx {ctx} is below the {need} tokens this run needs (largest pp + 1, or decode prompt {} + tg {} + 1)", cfg.decode_prompt, cfg.tg));
+    }
+    if ctx > model.cfg.context_max {
+        return bad(format!("context {ctx} exceeds the model's limit of {} tokens (lower --pp/--tg/--ctx)", model.cfg.context_max));
+    }
+    Ok(ctx)
+}
+
+/// splitmix64: a seeded stream of token ids, enough for benchmark inputs.
+struct TokenRng(u64);
+
+impl TokenRng {
+    fn next_id(&mut self, vocab: usize) -> u32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (((z >> 32) * vocab as u64) >> 32) as u32
+    }
+    fn ids(&mut self, n: usize, vocab: usize) -> Vec<u32> {
+        (0..n).map(|_| self.next_id(vocab)).collect()
+    }
+}
+
+/// Reads every weight page once, so no measurement pays for first-touch faults of the
+/// memory map. Returns a value the caller must consume.
+fn touch_weights(model: &DenseTransformer) -> u8 {
+    let ckpt = model.checkpoint();
+    let mut sink = 0u8;
+    for l in model.linears() {
+        for page in l.weights(ckpt).data.chunks(4096) {
+            sink ^= page[0];
+        }
+    }
+    sink
+}
+
+/// Runs every measurement of `cfg` on `model`. `progress` hears a short line before each
+/// phase (the engine never prints).
+pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, BenchError> {
+    let ctx = check(cfg, model)?;
+    let vocab = model.cfg.vocab;
+    let pool = ThreadPool::new(cfg.threads);
+    let mut sampler = Sampler::new(SamplingParams::default(), vocab)?;
+    let mut rng = TokenRng(cfg.seed);
+    let mut checksum = 0u64;
+
+    progress("touching weights");
+    std::hint::black_box(touch_weights(model));
+
+    // Prompt processing: one workspace and cache for every prompt length.
+    let pp_max = cfg.pp.iter().copied().max().unwrap_or(1);
+    let pp_limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk.min(pp_max).max(1), context_max: ctx, sequences_per_step_max: 1 };
+    let mut pp_ws = model.new_workspace(pp_limits, pool.n_threads());
+    let mut pp_cache = model.new_cache(pp_limits);
+    let prompts: Vec<Vec<u32>> = cfg.pp.iter().map(|&n| rng.ids(n, vocab)).collect();
+    let mut logits = vec![0.0f32; vocab];
+
+    // Batch-1 decode.
+    let d_limits = StepLimits { tokens_per_step_max: cfg.decode_prompt.min(cfg.prefill_chunk), context_max: ctx, sequences_per_step_max: 1 };
+    let mut d_ws = model.new_workspace(d_limits, pool.n_threads());
+    let mut d_cache = model.new_cache(d_limits);
+    let d_prompt = rng.ids(cfg.decode_prompt, vocab);
+    let d_tokens = rng.ids(cfg.tg, vocab);
+
+    // Batched decode: caches only as long as the decode needs; one workspace for the
+    // largest batch (a prefill step takes up to decode_prompt tokens of one sequence).
+    let b_max = cfg.batch.iter().copied().max().unwrap_or(0);
+    let b_ctx = cfg.decode_prompt + cfg.tg + 1;
+    let b_limits = StepLimits {
+        tokens_per_step_max: b_max.max(cfg.decode_prompt.min(cfg.prefill_chunk)).max(1),
+        context_max: b_ctx,
+        sequences_per_step_max: b_max.max(1),
+    };
+    let mut b_ws = model.new_workspace(b_limits, pool.n_threads());
+    let mut b_caches: Vec<_> = (0..b_max).map(|_| model.new_cache(b_limits)).collect();
+    let b_prompts: Vec<Vec<u32>> = (0..b_max).map(|_| rng.ids(cfg.decode_prompt, vocab)).collect();
+    // Step s, sequence i feeds b_tokens[s * b_max + i].
+    let b_tokens = rng.ids(cfg.tg * b_max, vocab);
+    let mut b_logits = vec![0.0f32; b_max * vocab];
+    let mut b_chunks: Vec<SeqChunk> = Vec::with_capacity(b_max);
+
+    // Bandwidth buffer: ≥ bytes per token, ≥ 64 MiB, whole chunks.
+    let bpt = model.bytes_per_token();
+    let bw_floats = bpt.max(BANDWIDTH_BYTES_MIN).div_ceil(4).next_multiple_of(READ_CHUNK_FLOATS);
+    let bw_buf: Vec<f32> = (0..bw_floats).map(|i| (i % 1024) as f32 * 1e-3).collect();
+
+    progress("warm-up");
+    model.forward(&pool, &mut d_ws, &mut d_cache, &d_prompt, LogitsFor::Last, &mut logits)?;
+    model.forward(&pool, &mut d_ws, &mut d_cache, &d_tokens[..1], LogitsFor::Last, &mut logits)?;
+    read_bandwidth(&pool, &bw_buf, 1);
+
+    progress("bandwidth (before)");
+    let bandwidth_before = read_bandwidth(&pool, &bw_buf, BANDWIDTH_PASSES);
+
+    let r = cfg.repeat;
+    let mut pp_tps = vec![Vec::with_capacity(r); cfg.pp.len()];
+    let mut pp_ttft = vec![Vec::with_capacity(r); cfg.pp.len()];
+    let mut d_secs = Vec::with_capacity(r);
+    let mut b_secs = vec![Vec::with_capacity(r); cfg.batch.len()];
+    for round in 0..r {
+        for (j, prompt) in prompts.iter().enumerate() {
+            progress(&format!("round {}/{r}: prompt {} tokens", round + 1, prompt.len()));
+            pp_cache.clear();
+            let start = Instant::now();
+            for chunk in prompt.chunks(pp_limits.tokens_per_step_max) {
+                model.forward(&pool, &mut pp_ws, &mut pp_cache, chunk, LogitsFor::Last, &mut logits)?;
+            }
+            let prefill = start.elapsed().as_secs_f64();
+            let id = sampler.sample(&mut logits, &[])?;
+            let first = start.elapsed().as_secs_f64();
+            checksum = checksum.wrapping_add(id as u64);
+            pp_tps[j].push(prompt.len() as f64 / prefill);
+            pp_ttft[j].push(first * 1e3);
+        }
+
+        progress(&format!("round {}/{r}: decode {} tokens", round + 1, cfg.tg));
+        d_cache.clear();
+        for chunk in d_prompt.chunks(d_limits.tokens_per_step_max) {
+            model.forward(&pool, &mut d_ws, &mut d_cache, chunk, LogitsFor::Last, &mut logits)?;
+        }
+        let start = Instant::now();
+        for t in d_tokens.chunks(1) {
+            checksum = checksum.wrapping_add(sampler.sample(&mut logits, &[])? as u64);
+            model.forward(&pool, &mut d_ws, &mut d_cache, t, LogitsFor::Last, &mut logits)?;
+        }
+        d_secs.push(start.elapsed().as_secs_f64());
+
+        for (j, &b) in cfg.batch.iter().enumerate() {
+            progress(&format!("round {}/{r}: batch {b} × {} steps", round + 1, cfg.tg));
+            let caches = &mut b_caches[..b];
+            for (cache, p) in caches.iter_mut().zip(&b_prompts) {
+                cache.clear();
+                for chunk in p.chunks(b_limits.tokens_per_step_max) {
+                    model.forward(&pool, &mut b_ws, cache, chunk, LogitsFor::Last, &mut b_logits[..vocab])?;
+                }
+            }
+            let logits_b = &mut b_logits[..b * vocab];
+            let start = Instant::now();
+            for step in b_tokens.chunks_exact(b_max) {
+                for row in logits_b.chunks_exact_mut(vocab) {
+                    checksum = checksum.wrapping_add(sampler.sample(row, &[])? as u64);
+                }
+                b_chunks.clear();
+                b_chunks.extend(step[..b].chunks(1).enumerate().map(|(i, t)| SeqChunk { cache: i, tokens: t, logits: LogitsFor::Last }));
+                model.forward_batch(&pool, &mut b_ws, caches, &b_chunks, logits_b)?;
+            }
+            b_secs[j].push(start.elapsed().as_secs_f64());
+        }
+    }
+
+    progress("bandwidth (after)");
+    let bandwidth_after = read_bandwidth(&pool, &bw_buf, BANDWIDTH_PASSES);
+    std::hint::black_box(checksum);
+
+    let decode_result = |batch: usize, secs: &[f64]| {
+        let tps: Vec<f64> = secs.iter().map(|s| (batch * cfg.tg) as f64 / s).collect();
+        let ms: Vec<f64> = secs.iter().map(|s| s * 1e3 / cfg.tg as f64).collect();
+        DecodeResult { batch, steps: cfg.tg, tok_per_sec: Stat::of(&tps), ms_per_step: Stat::of(&ms) }
+    };
+    let mut formats: Vec<FormatBytes> = Vec::new();
+    for t in model.checkpoint().tensors() {
+        let name = format!("{:?}", t.dtype);
+        match formats.iter_mut().find(|f| f.format == name) {
+            Some(f) => {
+                f.tensors += 1;
+                f.bytes += t.range.len();
+            }
+            None => formats.push(FormatBytes { format: name, tensors: 1, bytes: t.range.len() }),
+        }
+    }
+    formats.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+    Ok(BenchReport {
+        threads: pool.n_threads(),
+        isa: model.isa().name(),
+        arch: model.cfg.arch.name(),
+        vocab,
+        bytes_per_token: bpt,
+        formats,
+        config: cfg.clone(),
+        context_max: ctx.max(b_ctx),
+        prompt: cfg
+            .pp
+            .iter()
+            .enumerate()
+            .map(|(j, &n)| PromptResult { tokens: n, tok_per_sec: Stat::of(&pp_tps[j]), time_to_first_token_ms: Stat::of(&pp_ttft[j]) })
+            .collect(),
+        decode: decode_result(1, &d_secs),
+        batched: cfg.batch.iter().enumerate().map(|(j, &b)| decode_result(b, &b_secs[j])).collect(),
+        bandwidth_before,
+        bandwidth_after,
+    })
+}
+
+/// Sums `buf` with every thread of `pool`, `passes` times; GB/s per pass → best, median.
+pub fn read_bandwidth(pool: &ThreadPool, buf: &[f32], passes: usize) -> Bandwidth {
+    assert!(passes > 0 && buf.len() % READ_CHUNK_FLOATS == 0, "whole chunks, at least one pass");
+    let mut gb_s = Vec::with_capacity(passes);
+    // Each chunk's sum is folded into this word, so the reads cannot be optimised away.
+    let sink = AtomicU32::new(0);
+    let chunks = buf.len() / READ_CHUNK_FLOATS;
+    for _ in 0..passes {
+        let data = std::hint::black_box(buf);
+        let start = Instant::now();
+        pool.parallel_for(chunks, 1, &|_, range| {
+            let part = &data[range.start * READ_CHUNK_FLOATS..range.end * READ_CHUNK_FLOATS];
+            sink.fetch_xor(sum_f32(part).to_bits(), Ordering::Relaxed);
+        });
+        let secs = start.elapsed().as_secs_f64();
+        gb_s.push(std::mem::size_of_val(buf) as f64 / secs / 1e9);
+    }
+    std::hint::black_box(sink.load(Ordering::Relaxed));
+    let s = Stat::of(&gb_s);
+    Bandwidth { buffer_bytes: std::mem::size_of_val(buf), passes, best_gb_s: s.max, median_gb_s: s.median }
+}
+
+/// Sum with `READ_LANES` independent accumulators: lane-wise adds vectorise without
+/// reassociation, and the independent chains keep loads, not add latency, the limit.
+#[inline(never)]
+fn sum_f32(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; READ_LANES];
+    let mut blocks = x.chunks_exact(READ_LANES);
+    for b in &mut blocks {
+        for (a, v) in acc.iter_mut().zip(b) {
+            *a += *v;
+        }
+    }
+    acc.iter().sum::<f32>() + blocks.remainder().iter().sum::<f32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_median_min_max() {
+        assert_eq!(Stat::of(&[3.0, 1.0, 2.0]), Stat { median: 2.0, min: 1.0, max: 3.0 });
+        assert_eq!(Stat::of(&[4.0, 1.0, 2.0, 3.0]), Stat { median: 2.5, min: 1.0, max: 4.0 });
+        assert_eq!(Stat::of(&[5.0]), Stat { median: 5.0, min: 5.0, max: 5.0 });
+    }
+
+    #[test]
+    fn token_ids_are_seeded_and_in_range() {
+        let a = TokenRng(7).ids(1000, 49152);
+        assert_eq!(a, TokenRng(7).ids(1000, 49152));
+        assert_ne!(a, TokenRng(8).ids(1000, 49152));
+        assert!(a.iter().all(|&i| i < 49152));
+        assert!(TokenRng(1).ids(1000, 3).iter().all(|&i| i < 3));
+    }
+
+    #[test]
+    fn sum_matches_naive() {
+        let x: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
+        assert_eq!(sum_f32(&x), x.iter().sum::<f32>());
+    }
+
+    #[test]
+    fn bandwidth_is_positive() {
+        let pool = ThreadPool::new(2);
+        let buf = vec![1.0f32; 4 * READ_CHUNK_FLOATS];
+        let b = read_bandwidth(&pool, &buf, 3);
+        assert!(b.best_gb_s >= b.median_gb_s && b.median_gb_s > 0.0);
+        assert_eq!(b.buffer_bytes, 16 * READ_CHUNK_FLOATS);
+    }
+}
