@@ -1,0 +1,196 @@
+//! Distributed inference with real processes on loopback (`tessera launch`): for each
+//! fixture model and placement, greedy ids identical to the single-node run (and to
+//! mlx-lm's), logits within a stated tolerance of the single-node logits; long prompts
+//! in 2048-token chunks; placements refused before loading with the reason.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// TP sums partial products across ranks in another order than one rank does, so
+/// logits differ by float rounding only: ~1e-6 relative; 1e-4 absolute is generous and
+/// still far below any real error (a wrong split shows up at ≥ 1e-2).
+const LOGIT_TOL: f32 = 1e-4;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    repo().join("tests/fixtures").join(name)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tessera-dist").join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn ids_of(json_key: &str, name: &str) -> Vec<u32> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected.json")).unwrap()).unwrap();
+    v[json_key].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn csv(ids: &[u32]) -> String {
+    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+}
+
+/// Runs `tessera ARGS` alone (n = 1) or as `tessera launch -n N -- ARGS`.
+fn tessera(n: usize, args: &[String]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    if n > 1 {
+        cmd.args(["launch", "-n", &n.to_string(), "--"]);
+    }
+    cmd.args(args).env_remove("TESSERA_RANK").env_remove("RANK").env("TESSERA_ISA", "auto");
+    let out = cmd.output().expect("running tessera");
+    out
+}
+
+fn ok(out: &Output, what: &str) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{what} failed ({}):\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+/// Greedy ids from `generate --prompt-ids` (the leader's `ids:` line).
+fn greedy(name: &Path, n: usize, placement: &[&str], prompt: &[u32], max_tokens: usize, extra: &[&str]) -> Vec<u32> {
+    let mut args: Vec<String> = ["generate", "--model"].iter().map(|s| s.to_string()).collect();
+    args.push(name.to_string_lossy().into());
+    args.extend(["--prompt-ids".into(), csv(prompt), "--max-tokens".into(), max_tokens.to_string(), "--threads".into(), "1".into()]);
+    args.extend(placement.iter().chain(extra).map(|s| s.to_string()));
+    let stdout = ok(&tessera(n, &args), &format!("{} {placement:?}", name.display()));
+    let line = stdout.lines().find_map(|l| l.split("ids: ").nth(1)).unwrap_or_else(|| panic!("no ids line in:\n{stdout}"));
+    line.trim().split(',').map(|x| x.parse().unwrap()).collect()
+}
+
+fn read_npy(path: &Path) -> Vec<f32> {
+    let b = std::fs::read(path).unwrap();
+    let header_len = u16::from_le_bytes([b[8], b[9]]) as usize;
+    b[10 + header_len..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+fn logits(model: &Path, n: usize, placement: &[&str], tokens: &[u32], out: &Path) -> Vec<f32> {
+    let mut args: Vec<String> = vec!["logits".into(), "--model".into(), model.to_string_lossy().into()];
+    args.extend(["--tokens".into(), csv(tokens), "--out".into(), out.to_string_lossy().into(), "--threads".into(), "1".into()]);
+    args.extend(placement.iter().map(|s| s.to_string()));
+    ok(&tessera(n, &args), &format!("logits {} {placement:?}", model.display()));
+    read_npy(out)
+}
+
+/// Every placement of `name`: same greedy ids as mlx-lm (16 tokens) and logits of the
+/// prompt within LOGIT_TOL of the single-node run.
+fn check(name: &str, placements: &[(usize, &[&str])]) {
+    let model = fixture(name);
+    let prompt = ids_of("prompt_ids", name);
+    let want = ids_of("greedy_ids", name);
+    let dir = scratch(name);
+    let single = logits(&model, 1, &[], &prompt, &dir.join("single.npy"));
+    assert_eq!(greedy(&model, 1, &[], &prompt, 16, &[]), want, "{name}: single node vs mlx-lm");
+    for (i, (n, placement)) in placements.iter().enumerate() {
+        let got = greedy(&model, *n, placement, &prompt, 16, &[]);
+        assert_eq!(got, want, "{name} {placement:?}: greedy ids differ from single-node/mlx-lm");
+        let l = logits(&model, *n, placement, &prompt, &dir.join(format!("p{i}.npy")));
+        let d = single.iter().zip(&l).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert_eq!(single.len(), l.len());
+        assert!(d <= LOGIT_TOL, "{name} {placement:?}: logits differ from single node by {d}");
+        eprintln!("{name} {placement:?} on {n} ranks: ids identical, max |Δlogit| {d:.2e}");
+    }
+}
+
+#[test]
+fn llama_9_heads_any_tp_and_pp() {
+    check("llama_smol_tied", &[(2, &["--tp", "2"]), (3, &["--tp", "3"]), (4, &["--tp", "4"]), (2, &["--pp", "2"])]);
+}
+
+#[test]
+fn dense_variants_under_tp() {
+    check("llama_bias_hd", &[(2, &["--tp", "2"])]);
+    check("qwen2", &[(3, &["--tp", "3"])]);
+    check("qwen3", &[(2, &["--tp", "2"]), (2, &["--pp", "2"])]);
+    check("llama_gqa_rope3", &[(4, &["--pp", "2", "--tp", "2"])]);
+}
+
+#[test]
+fn qwen3_moe_every_placement() {
+    check(
+        "qwen3_moe",
+        &[
+            (2, &["--tp", "2"]),
+            (3, &["--tp", "3"]),
+            (2, &["--pp", "2"]),
+            (3, &["--pp", "3", "--pp-split", "1,1,1"]),
+            (2, &["--ep", "2"]),
+            (4, &["--ep", "4"]),
+            (4, &["--pp", "2", "--tp", "2"]),
+            (2, &["--tp", "2", "--ep", "2"]),
+        ],
+    );
+}
+
+#[test]
+fn deepseek_mla_every_placement() {
+    check(
+        "deepseek_v3",
+        &[
+            (2, &["--tp", "2"]),
+            (4, &["--tp", "4"]),
+            (3, &["--pp", "3"]),
+            (2, &["--ep", "2"]),
+            (4, &["--ep", "4"]),
+            (2, &["--tp", "2", "--ep", "2"]),
+            (4, &["--pp", "2", "--tp", "2"]),
+        ],
+    );
+}
+
+#[test]
+fn mixtral_tp_and_ep() {
+    check("mixtral", &[(2, &["--tp", "2"]), (2, &["--ep", "2"]), (4, &["--ep", "4"])]);
+}
+
+/// A 9,700-token prompt in 2,048-token chunks (the prefill that hung mlx-lm under TP)
+/// completes under TP2 and PP2 with the single-node result.
+#[test]
+fn long_prompt_in_chunks_under_tp_and_pp() {
+    let model = fixture("qwen3_moe");
+    let prompt: Vec<u32> = (0..9700u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % 256).collect();
+    let extra = ["--prefill-chunk", "2048", "--ctx", "9800"];
+    let single = greedy(&model, 1, &[], &prompt, 4, &extra);
+    assert_eq!(greedy(&model, 2, &["--tp", "2"], &prompt, 4, &extra), single, "TP2");
+    assert_eq!(greedy(&model, 2, &["--pp", "2"], &prompt, 4, &extra), single, "PP2");
+}
+
+/// The real default model, split over two ranks: llama.cpp's greedy ids.
+#[test]
+fn smollm2_tp2_matches_llama_cpp() {
+    let model = repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(model.exists(), "{} is missing: run scripts/fetch-model", model.display());
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("smollm2/llama_cpp_reference.json")).unwrap()).unwrap();
+    let case = &r["greedy"][0];
+    let ids = |v: &serde_json::Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
+    let got = greedy(&model, 2, &["--tp", "2"], &ids(&case["prompt_ids"]), 32, &[]);
+    assert_eq!(got, ids(&case["greedy_ids"])[..32]);
+}
+
+fn fails(n: usize, args: &[&str], needles: &[&str]) {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let out = tessera(n, &args);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "expected failure for {args:?}:\n{text}");
+    for n in needles {
+        assert!(text.contains(n), "output for {args:?} lacks {n:?}:\n{text}");
+    }
+}
+
+#[test]
+fn bad_placements_are_refused_before_loading() {
+    let m = fixture("llama_smol_tied");
+    let m = m.to_str().unwrap();
+    fails(1, &["generate", "--model", m, "--prompt-ids", "1,2", "--tp", "2"], &["needs 2 ranks", "tessera launch -n 2"]);
+    fails(2, &["generate", "--model", m, "--prompt-ids", "1,2", "--tp", "3"], &["placement refused", "must each be 1 or 2"]);
+    fails(3, &["generate", "--model", m, "--prompt-ids", "1,2", "--pp", "3"], &["3 pipeline stages for 2 layers"]);
+    fails(2, &["generate", "--model", m, "--prompt-ids", "1,2", "--ep", "2"], &["has no MoE layers"]);
+    fails(2, &["generate", "--model", m, "--prompt-ids", "1,2", "--pp", "2", "--pp-split", "2,0"], &["every layer owned by exactly one stage"]);
+    fails(1, &["launch", "-n", "2"], &["tessera launch"]);
+}
