@@ -1,0 +1,67 @@
+//! Each rank reads only its own bytes: a sharded load's byte count is at most 1/N of
+//! the split weights plus the replicated ones plus 5 % of the checkpoint. Under TP the
+//! split weights are every matrix but the shared ones; under EP alone, the experts.
+
+use std::path::Path;
+use std::sync::Arc;
+use tessera_model::shard::split;
+use tessera_model::{Checkpoint, DenseTransformer, ExpertSplit, ModelConfig, ShardSpec};
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+}
+
+/// Tensors every rank reads whole: norms, routers and their biases, MLA's shared
+/// latent projections (q_a, kv_a, and kv_b, which is split after reading).
+fn replicated(name: &str) -> bool {
+    ["norm", "layernorm", ".gate.weight", "e_score_correction_bias", "q_a_proj", "kv_a_proj", "kv_b_proj"]
+        .iter()
+        .any(|p| name.contains(p))
+}
+
+fn check(name: &str, n: usize, ep: bool) {
+    let ckpt = Arc::new(Checkpoint::open(&fixture(name)).unwrap());
+    let cfg = ModelConfig::from_checkpoint(&ckpt).unwrap();
+    let (mut split_bytes, mut repl_bytes) = (0usize, 0usize);
+    for t in ckpt.tensors() {
+        // Under EP alone, attention and dense layers are replicated; only experts split.
+        if replicated(&t.name) || (ep && !t.name.contains(".experts.")) {
+            repl_bytes += t.range.len();
+        } else {
+            split_bytes += t.range.len();
+        }
+    }
+    let total = split_bytes + repl_bytes;
+    let bound = split_bytes / n + repl_bytes + total / 20;
+    let mut sum = 0;
+    for r in 0..n {
+        let experts = match (ep, cfg.moe.as_ref()) {
+            (true, Some(m)) => ExpertSplit::Experts { owned: split(m.experts, r, n) },
+            _ => ExpertSplit::Width,
+        };
+        let (tp_rank, tp_size) = if ep { (0, 1) } else { (r, n) };
+        let spec = ShardSpec { tp_rank, tp_size, moe_rank: r, moe_size: n, experts, layers: 0..cfg.layers, layers_total: cfg.layers };
+        let shard = DenseTransformer::load_shard(Arc::clone(&ckpt), cfg.clone(), spec).unwrap();
+        let read = shard.bytes_loaded();
+        eprintln!("{name} rank {r}/{n} (ep {ep}): read {read} of {total} bytes (bound {bound})");
+        assert!(read <= bound, "{name} rank {r}/{n}: read {read} bytes, more than 1/{n} of {split_bytes} split + {repl_bytes} replicated + 5%");
+        sum += read;
+    }
+    // And the ranks together read everything once (plus replication), not N copies.
+    assert!(sum <= total + (n - 1) * repl_bytes + total / 20, "{name}: ranks read {sum} bytes in all for {total}");
+}
+
+#[test]
+fn tensor_parallel_ranks_read_their_slices() {
+    check("llama_gqa_rope3", 2, false);
+    check("qwen3_moe", 2, false);
+    check("deepseek_v3", 2, false);
+    check("mixtral", 2, false);
+}
+
+#[test]
+fn expert_parallel_ranks_read_their_experts() {
+    check("qwen3_moe", 2, true);
+    check("qwen3_moe", 4, true);
+    check("deepseek_v3", 4, true);
+}
