@@ -194,3 +194,34 @@ fn bad_placements_are_refused_before_loading() {
     fails(2, &["generate", "--model", m, "--prompt-ids", "1,2", "--pp", "2", "--pp-split", "2,0"], &["every layer owned by exactly one stage"]);
     fails(1, &["launch", "-n", "2"], &["tessera launch"]);
 }
+
+/// A rank killed mid-generation: the launcher stops every rank within a bound and
+/// exits non-zero, and the survivor names the lost rank and the operation.
+#[test]
+fn a_killed_rank_stops_the_whole_run_with_a_diagnosis() {
+    let model = fixture("qwen3_moe");
+    let prompt: Vec<u32> = (0..6000u32).map(|i| (i * 7 + 3) % 256).collect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["launch", "-n", "2", "--", "generate", "--model", model.to_str().unwrap(), "--prompt-ids", &csv(&prompt)])
+        .args(["--max-tokens", "100000", "--ctx", "120000", "--tp", "2", "--threads", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Let the ranks connect and start prefilling, then kill rank 1.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let pids = Command::new("pgrep").args(["-P", &child.id().to_string()]).output().unwrap();
+    let pids: Vec<String> = String::from_utf8_lossy(&pids.stdout).lines().map(String::from).collect();
+    assert_eq!(pids.len(), 2, "expected two rank processes, found {pids:?}");
+    let killed_at = std::time::Instant::now();
+    // Children start in rank order, so the higher pid is rank 1.
+    let victim = pids.iter().max_by_key(|p| p.parse::<u32>().unwrap()).unwrap();
+    assert!(Command::new("kill").args(["-9", victim]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let took = killed_at.elapsed();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "the launcher must fail:\n{text}");
+    assert!(took < std::time::Duration::from_secs(10), "took {took:?} to stop after the kill:\n{text}");
+    assert!(text.contains("[rank 0]") && text.contains("rank 1"), "rank 0 must name rank 1:\n{text}");
+    assert!(text.contains("killed or crashed") || text.contains("lost rank 1"), "diagnosis missing:\n{text}");
+}
