@@ -596,7 +596,15 @@ impl Inner {
                     if st == LINK_GOODBYE || st == LINK_CLOSED {
                         return Err(CommError::PeerExited { rank: self.rank, peer: o.peer, op: None });
                     }
-                    return Err(CommError::PeerLost { rank: self.rank, peer: o.peer, op: None, why: format!("send failed: {e}") });
+                    // A reset or broken pipe means the peer's process is gone without a
+                    // goodbye: the same diagnosis the receive side gives.
+                    let why = match e.kind() {
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
+                            format!("connection closed without goodbye (process killed or crashed; send: {e})")
+                        }
+                        _ => format!("send failed: {e}"),
+                    };
+                    return Err(CommError::PeerLost { rank: self.rank, peer: o.peer, op: None, why });
                 }
             }
             if o.written == HEADER_BYTES + o.seg_len {
