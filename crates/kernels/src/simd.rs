@@ -101,27 +101,57 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
-    /// 8 floats from 8 bytes at `p` in the given float format.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(format: WeightFormat, p: *const u8) -> __m256 {
-        match format {
-            WeightFormat::F32 => _mm256_loadu_ps(p as *const f32),
-            WeightFormat::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
-            _ => {
-                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
-                _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
-            }
+    /// Loads 8 weights of one float format as f32. One type per format, so the dot
+    /// loop is compiled once per format with the load inlined (a `match` on the format
+    /// inside the loop cost ~4x in decode).
+    trait Load8 {
+        const ELEM_BYTES: usize;
+        unsafe fn load8(p: *const u8) -> __m256;
+    }
+    struct LoadF32;
+    struct LoadF16;
+    struct LoadBf16;
+    impl Load8 for LoadF32 {
+        const ELEM_BYTES: usize = 4;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            _mm256_loadu_ps(p as *const f32)
+        }
+    }
+    impl Load8 for LoadF16 {
+        const ELEM_BYTES: usize = 2;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        }
+    }
+    impl Load8 for LoadBf16 {
+        const ELEM_BYTES: usize = 2;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_float(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
-        if format.is_quantized() {
-            return dot_block_f32(format, row, x);
+        match format {
+            WeightFormat::F32 => dot_float_t::<LoadF32>(format, row, x),
+            WeightFormat::F16 => dot_float_t::<LoadF16>(format, row, x),
+            WeightFormat::Bf16 => dot_float_t::<LoadBf16>(format, row, x),
+            _ => dot_block_f32(format, row, x),
         }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_float_t<L: Load8>(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
         let n = x.len();
-        let esize = format.block_bytes();
+        let esize = L::ELEM_BYTES;
         assert!(row.len() >= n * esize);
         let (wp, xp) = (row.as_ptr(), x.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 4];
@@ -129,12 +159,12 @@ mod x86 {
         while i + 32 <= n {
             for (k, a) in acc.iter_mut().enumerate() {
                 let j = i + 8 * k;
-                *a = _mm256_fmadd_ps(load8(format, wp.add(j * esize)), _mm256_loadu_ps(xp.add(j)), *a);
+                *a = _mm256_fmadd_ps(L::load8(wp.add(j * esize)), _mm256_loadu_ps(xp.add(j)), *a);
             }
             i += 32;
         }
         while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(load8(format, wp.add(i * esize)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+            acc[0] = _mm256_fmadd_ps(L::load8(wp.add(i * esize)), _mm256_loadu_ps(xp.add(i)), acc[0]);
             i += 8;
         }
         let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
