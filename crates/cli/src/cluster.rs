@@ -11,6 +11,20 @@ use std::time::{Duration, Instant};
 /// How long the launcher lets the other ranks print their diagnosis after one fails.
 const FAILURE_GRACE_MS: u64 = 3_000;
 
+/// Set by SIGINT/SIGTERM/SIGHUP: the launcher stops every rank, then exits.
+static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
+}
+
+fn install_stop_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { libc::signal(sig, on_stop_signal as *const () as libc::sighandler_t) };
+    }
+}
+
 /// This process's place in a cluster.
 pub struct ClusterEnv {
     pub rank: usize,
@@ -151,6 +165,18 @@ pub fn launch(n: usize, hostfile: Option<PathBuf>, args: Vec<String>) -> Result<
             c
         };
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe; it only asks the kernel to SIGKILL this
+            // child if the launcher dies (even by SIGKILL), so no rank outlives it.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -165,6 +191,7 @@ pub fn launch(n: usize, hostfile: Option<PathBuf>, args: Vec<String>) -> Result<
         pumps.push(forward(rank, child.stderr.take().expect("piped"), true));
         children.push(child);
     }
+    install_stop_handlers();
     // Wait; on the first failure give the others a moment to report, then stop them.
     let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; n];
     let mut first_failure: Option<(usize, std::process::ExitStatus, Instant)> = None;
@@ -181,6 +208,17 @@ pub fn launch(n: usize, hostfile: Option<PathBuf>, args: Vec<String>) -> Result<
         }
         if status.iter().all(|s| s.is_some()) {
             break;
+        }
+        let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
+        if sig != 0 {
+            for (r, c) in children.iter_mut().enumerate() {
+                if status[r].is_none() {
+                    let _ = c.kill();
+                    status[r] = c.wait().ok();
+                }
+            }
+            eprintln!("launch: stopped every rank on signal {sig}");
+            std::process::exit(128 + sig);
         }
         if let Some((_, _, t)) = first_failure {
             if t.elapsed() > Duration::from_millis(FAILURE_GRACE_MS) {

@@ -225,3 +225,32 @@ fn a_killed_rank_stops_the_whole_run_with_a_diagnosis() {
     assert!(text.contains("[rank 0]") && text.contains("rank 1"), "rank 0 must name rank 1:\n{text}");
     assert!(text.contains("killed or crashed") || text.contains("lost rank 1"), "diagnosis missing:\n{text}");
 }
+
+/// Stopping the launcher (SIGTERM, as Ctrl-C or a scheduler would; or SIGKILL) stops
+/// every rank: none outlives it.
+#[test]
+fn stopping_the_launcher_stops_every_rank() {
+    let model = fixture("qwen3_moe");
+    let prompt: Vec<u32> = (0..3000u32).map(|i| (i * 7 + 3) % 256).collect();
+    for signal in ["-TERM", "-KILL"] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["launch", "-n", "2", "--", "generate", "--model", model.to_str().unwrap(), "--prompt-ids", &csv(&prompt)])
+            .args(["--max-tokens", "100000", "--ctx", "120000", "--tp", "2", "--threads", "1"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        let pids = Command::new("pgrep").args(["-P", &child.id().to_string()]).output().unwrap();
+        let pids: Vec<String> = String::from_utf8_lossy(&pids.stdout).lines().map(String::from).collect();
+        assert_eq!(pids.len(), 2, "expected two ranks, found {pids:?}");
+        assert!(Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap().success());
+        let status = child.wait().unwrap();
+        assert!(!status.success());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while pids.iter().any(|p| Path::new(&format!("/proc/{p}")).exists()) {
+            assert!(std::time::Instant::now() < deadline, "ranks {pids:?} outlived the launcher ({signal})");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
