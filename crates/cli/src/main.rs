@@ -5,6 +5,7 @@ mod bench;
 mod cluster;
 mod doctor;
 mod npy;
+mod shard;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -45,6 +46,22 @@ enum Command {
         path: PathBuf,
         #[command(flatten)]
         placement: PlacementArgs,
+    },
+    /// Write one rank's slice of a Hugging Face checkpoint as a standalone checkpoint,
+    /// so each node needs only its own files (run it with `--model DIR/{rank}`-style paths).
+    Shard {
+        #[arg(long)]
+        model: PathBuf,
+        /// Ranks of the placement.
+        #[arg(long)]
+        world: usize,
+        #[command(flatten)]
+        placement: PlacementArgs,
+        /// Which rank's slice to write.
+        #[arg(long)]
+        rank: usize,
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Start N ranks of a tessera command (locally, or over ssh on a hostfile's hosts),
     /// wired together; stops them all when one fails.
@@ -170,6 +187,7 @@ fn main() {
         Command::Logits(a) => logits(a),
         Command::Inspect { path, placement } => inspect(&path, &placement),
         Command::Launch { n, hostfile, args } => cluster::launch(n, hostfile, args),
+        Command::Shard { model, world, placement, rank, out } => shard_cmd(&model, world, &placement, rank, &out),
         Command::Doctor(a) => doctor::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Tokenize { model, text, chat } => tokenize(&model, &text, chat),
@@ -235,9 +253,23 @@ struct Loaded {
     cluster: Option<(Communicator, Placement)>,
 }
 
+fn shard_cmd(model: &Path, world: usize, p: &PlacementArgs, rank: usize, out: &Path) -> Result<()> {
+    let ckpt = Checkpoint::open(model).with_context(|| format!("loading {}", model.display()))?;
+    let cfg = ModelConfig::from_checkpoint(&ckpt)?;
+    let placement = Placement::new(world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
+    shard::write(model, &placement, rank, out)
+}
+
 fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
     let p = &rt.placement;
-    let Some(env) = cluster::ClusterEnv::from_env(rt.secret_file.as_ref())? else {
+    let env = cluster::ClusterEnv::from_env(rt.secret_file.as_ref())?;
+    let owned_path = shard::model_path(path, env.as_ref().map_or(0, |e| e.rank));
+    let path = owned_path.as_path();
+    let manifest = shard::read_manifest(path)?;
+    let Some(env) = env else {
+        if let Some(m) = &manifest {
+            bail!("{} holds rank {}'s slice of [{}]: run it under `tessera launch -n {}` with the same placement", path.display(), m.rank, m.placement.describe(), m.placement.world);
+        }
         if !p.is_single() {
             let world = p.tp.max(p.ep) * p.pp;
             bail!("this placement needs {world} ranks: run it under `tessera launch -n {world} -- ...` (or another launcher)");
@@ -248,11 +280,28 @@ fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
     let cfg = ModelConfig::from_checkpoint(&ckpt)?;
     let placement = Placement::new(env.world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg)
         .map_err(|e| anyhow::anyhow!("placement refused before loading {}: {e}", path.display()))?;
+    if let Some(m) = &manifest {
+        if m.rank != env.rank || m.placement != placement {
+            bail!(
+                "{} holds rank {}'s slice of [{}], but this is rank {} of [{}]",
+                path.display(),
+                m.rank,
+                m.placement.describe(),
+                env.rank,
+                placement.describe()
+            );
+        }
+    }
     let comm = Communicator::connect(CommConfig::new(env.rank, env.world, Peers::Master(env.master), env.secret))
         .with_context(|| format!("rank {} joining the cluster", env.rank))?;
     comm.set_loading(true);
     let spec = placement.spec(env.rank, &cfg);
-    let model = DenseTransformer::load_shard(ckpt, cfg, spec).with_context(|| format!("rank {} loading {}", env.rank, path.display()))?;
+    let model = if manifest.is_some() {
+        DenseTransformer::load_presliced(ckpt, cfg, spec)
+    } else {
+        DenseTransformer::load_shard(ckpt, cfg, spec)
+    }
+    .with_context(|| format!("rank {} loading {}", env.rank, path.display()))?;
     comm.set_loading(false);
     Ok(Loaded { model, cluster: Some((comm, placement)) })
 }

@@ -254,3 +254,31 @@ fn stopping_the_launcher_stops_every_rank() {
         }
     }
 }
+
+/// `tessera shard` writes each rank's slice as its own checkpoint (about 1/N of the
+/// split weights), and ranks that load only their own directory give the same ids.
+#[test]
+fn shards_on_disk_run_the_same_model() {
+    let name = "qwen3_moe";
+    let prompt = ids_of("prompt_ids", name);
+    let want = ids_of("greedy_ids", name);
+    let whole: u64 = std::fs::metadata(fixture(name).join("model.safetensors")).unwrap().len();
+    for placement in [&["--tp", "2"][..], &["--ep", "2"], &["--pp", "2"]] {
+        let dir = scratch(&format!("shards{}", placement.join("")));
+        for rank in 0..2 {
+            let mut args: Vec<String> = vec!["shard".into(), "--model".into(), fixture(name).to_string_lossy().into(), "--world".into(), "2".into()];
+            args.extend(placement.iter().map(|s| s.to_string()));
+            args.extend(["--rank".into(), rank.to_string(), "--out".into(), dir.join(format!("r{rank}")).to_string_lossy().into()]);
+            ok(&tessera(1, &args), "shard");
+            let size = std::fs::metadata(dir.join(format!("r{rank}/model.safetensors"))).unwrap().len();
+            assert!(size < whole * 3 / 4, "{placement:?} rank {rank}: shard of {size} bytes for a {whole}-byte model");
+        }
+        let template = dir.join("r{rank}");
+        assert_eq!(greedy(&template, 2, placement, &prompt, 16, &[]), want, "{placement:?} from shards");
+    }
+    // A shard run as the wrong rank is refused with the reason.
+    let dir = scratch("shards--tp2");
+    let m = dir.join("r1");
+    let args: Vec<&str> = vec!["generate", "--model", m.to_str().unwrap(), "--prompt-ids", "1,2", "--tp", "2"];
+    fails(2, &args, &["holds rank 1's slice", "but this is rank 0"]);
+}

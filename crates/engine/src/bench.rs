@@ -303,7 +303,9 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
     let bw_buf: Vec<f32> = (0..bw_floats).map(|i| (i % 1024) as f32 * 1e-3).collect();
 
     progress("warm-up");
-    model.forward(&pool, &mut d_ws, &mut d_cache, &d_prompt, LogitsFor::Last, &mut logits)?;
+    for chunk in d_prompt.chunks(d_limits.tokens_per_step_max) {
+        model.forward(&pool, &mut d_ws, &mut d_cache, chunk, LogitsFor::Last, &mut logits)?;
+    }
     model.forward(&pool, &mut d_ws, &mut d_cache, &d_tokens[..1], LogitsFor::Last, &mut logits)?;
     read_bandwidth(&pool, &bw_buf, 1);
 
@@ -386,7 +388,7 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
             None => formats.push(FormatBytes { format: name, tensors: 1, bytes: t.range.len() }),
         }
     }
-    formats.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+    formats.sort_by_key(|f| std::cmp::Reverse(f.bytes));
     Ok(BenchReport {
         threads: pool.n_threads(),
         isa: model.isa().name(),
@@ -411,7 +413,7 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
 
 /// Sums `buf` with every thread of `pool`, `passes` times; GB/s per pass → best, median.
 pub fn read_bandwidth(pool: &ThreadPool, buf: &[f32], passes: usize) -> Bandwidth {
-    assert!(passes > 0 && buf.len() % READ_CHUNK_FLOATS == 0, "whole chunks, at least one pass");
+    assert!(passes > 0 && buf.len().is_multiple_of(READ_CHUNK_FLOATS), "whole chunks, at least one pass");
     let mut gb_s = Vec::with_capacity(passes);
     // Each chunk's sum is folded into this word, so the reads cannot be optimised away.
     let sink = AtomicU32::new(0);
@@ -469,6 +471,48 @@ mod tests {
     fn sum_matches_naive() {
         let x: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
         assert_eq!(sum_f32(&x), x.iter().sum::<f32>());
+    }
+
+    fn tiny_config() -> BenchConfig {
+        BenchConfig { pp: vec![5, 9], tg: 3, batch: vec![1, 3], repeat: 2, prefill_chunk: 4, decode_prompt: 6, ..BenchConfig::new(2) }
+    }
+
+    fn fixture(name: &str) -> DenseTransformer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name);
+        tessera_model::load_model(&dir).unwrap()
+    }
+
+    #[test]
+    fn runs_every_measurement_on_a_tiny_moe() {
+        let model = fixture("qwen3_moe");
+        let cfg = tiny_config();
+        let mut phases = 0;
+        let r = run(&model, &cfg, &mut |_| phases += 1).unwrap();
+        assert_eq!(r.prompt.iter().map(|p| p.tokens).collect::<Vec<_>>(), vec![5, 9]);
+        assert_eq!(r.batched.iter().map(|b| b.batch).collect::<Vec<_>>(), vec![1, 3]);
+        assert_eq!((r.decode.batch, r.decode.steps), (1, 3));
+        assert!(r.prompt.iter().all(|p| p.tok_per_sec.min > 0.0 && p.time_to_first_token_ms.median > 0.0));
+        assert!(r.batched.iter().all(|b| b.tok_per_sec.min <= b.tok_per_sec.median && b.tok_per_sec.median <= b.tok_per_sec.max));
+        assert!(r.bandwidth_before.buffer_bytes >= BANDWIDTH_BYTES_MIN && r.bandwidth_after.best_gb_s > 0.0);
+        assert!(r.roofline_fraction() > 0.0 && r.bytes_per_token == model.bytes_per_token());
+        // pp 9 + 1 and decode 6 + 3 + 1 tokens: the caches hold just what is needed.
+        assert_eq!(r.context_max, 10);
+        assert_eq!(phases, 4 + 2 * (2 + 1 + 2), "touch, warm-up, bandwidth twice; per round: 2 prompts, decode, 2 batches");
+    }
+
+    #[test]
+    fn bad_configs_are_errors() {
+        let model = fixture("qwen3_moe");
+        let check_err = |cfg: BenchConfig, want: &str| match run(&model, &cfg, &mut |_| {}) {
+            Err(BenchError::Config(m)) => assert!(m.contains(want), "{m:?} should mention {want:?}"),
+            other => panic!("expected a config error mentioning {want:?}, got {other:?}"),
+        };
+        check_err(BenchConfig { batch: vec![0], ..tiny_config() }, "batch size 0");
+        check_err(BenchConfig { pp: vec![0], ..tiny_config() }, "prompt length");
+        check_err(BenchConfig { repeat: 0, ..tiny_config() }, "repeat");
+        check_err(BenchConfig { tg: 0, ..tiny_config() }, "must be > 0");
+        check_err(BenchConfig { context_max: Some(8), ..tiny_config() }, "below the 10 tokens");
+        check_err(BenchConfig { pp: vec![300], ..tiny_config() }, "model's limit of 256");
     }
 
     #[test]

@@ -308,6 +308,20 @@ struct Loader<'a> {
     /// viewing whole tensors in the memory map.
     sharded: bool,
     bytes_read: std::cell::Cell<usize>,
+    /// The checkpoint is one rank's pre-sliced shard (`tessera shard`): tensors already
+    /// have the shapes this rank selects, and are read whole.
+    presliced: bool,
+    /// When set, every tensor part read is kept (name, dtype, shape, bytes) so
+    /// `tessera shard` can write this rank's slice as a standalone checkpoint.
+    record: Option<std::cell::RefCell<Vec<RecordedTensor>>>,
+}
+
+/// One tensor as a shard holds it.
+pub struct RecordedTensor {
+    pub name: String,
+    pub dtype: crate::checkpoint::TensorDtype,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
 }
 
 /// A selection of a matrix (of each element of a stack): stack elements, rows, columns.
@@ -346,6 +360,27 @@ impl<'a> Loader<'a> {
         let file = self.c.file_of(t);
         let base = hf.strip_suffix(".weight").unwrap_or(hf);
         let repacked = self.find(&format!("{base}.scales")).is_some() || t.dtype == crate::checkpoint::TensorDtype::F8E4M3;
+        let sliced: Vec<usize> = match &sel.stack {
+            Some(st) => vec![st.len(), sel.rows.len(), sel.cols.len()],
+            None => vec![sel.rows.len(), sel.cols.len()],
+        };
+        if self.record.is_some() && repacked {
+            return Err(LoadError::tensor(file, &t.name, "writing shards of MLX-quantized or FP8 tensors is not supported yet"));
+        }
+        if self.presliced {
+            let want = if stack.is_some() && sel.stack.is_none() { vec![sel.rows.len(), sel.cols.len()] } else { sliced.clone() };
+            if t.shape != want {
+                return Err(LoadError::tensor(
+                    file,
+                    &t.name,
+                    format!("this shard holds {} but this rank needs {}: was it written for another placement or rank?", shape_str(&t.shape), shape_str(&want)),
+                ));
+            }
+            let mut l = self.matrix(hf, (want.len() == 3).then_some(want[0]), want[want.len() - 2], want[want.len() - 1])?;
+            l.rows = want[..want.len() - 1].iter().product();
+            self.bytes_read.set(self.bytes_read.get() + t.range.len());
+            return Ok(l);
+        }
         let (format, src): (WeightFormat, Option<Linear>) = if repacked {
             // MLX and FP8 tensors are repacked at load: read whole (counted), then select.
             let full = self.matrix(hf, stack, rows, cols)?;
@@ -402,6 +437,9 @@ impl<'a> Loader<'a> {
         }
         if src.is_none() {
             self.bytes_read.set(self.bytes_read.get() + data.len());
+        }
+        if let Some(rec) = &self.record {
+            rec.borrow_mut().push(RecordedTensor { name: t.name.clone(), dtype: t.dtype, shape: sliced, bytes: data.clone() });
         }
         let len = data.len();
         Ok(Linear {
@@ -575,6 +613,12 @@ impl<'a> Loader<'a> {
     fn vector(&self, hf: &str, n: usize) -> Result<Vec<f32>> {
         let t = self.require(hf)?;
         self.bytes_read.set(self.bytes_read.get() + t.range.len());
+        if let Some(rec) = &self.record {
+            let mut rec = rec.borrow_mut();
+            if !rec.iter().any(|r| r.name == t.name) {
+                rec.push(RecordedTensor { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone(), bytes: self.c.bytes(t).to_vec() });
+            }
+        }
         vector(self.c, t, n)
     }
 
@@ -625,11 +669,20 @@ impl<'a> Loader<'a> {
             let mut out: [Vec<Linear>; 3] = Default::default();
             for (k, (rows, cols)) in shapes.iter().enumerate() {
                 for i in owned.clone() {
-                    out[k].push(if per_expert {
-                        self.part(&format!("{prefix}.experts.{i}.{}.weight", names[k]), None, *rows, *cols, &sels[k])?
+                    let per_expert_name = format!("{prefix}.experts.{i}.{}.weight", names[k]);
+                    out[k].push(if per_expert || self.presliced {
+                        self.part(&per_expert_name, None, *rows, *cols, &sels[k])?
                     } else {
                         let sel = Sel { stack: Some(i..i + 1), ..sels[k].clone() };
-                        self.part(&format!("{prefix}.switch_mlp.{}.weight", stacked[k]), Some(e), *rows, *cols, &sel)?
+                        let l = self.part(&format!("{prefix}.switch_mlp.{}.weight", stacked[k]), Some(e), *rows, *cols, &sel)?;
+                        // A shard stores each expert under its own HF name.
+                        if let Some(rec) = &self.record {
+                            if let Some(last) = rec.borrow_mut().last_mut() {
+                                last.name = per_expert_name;
+                                last.shape.remove(0);
+                            }
+                        }
+                        l
                     });
                 }
             }
@@ -683,6 +736,22 @@ impl DenseTransformer {
     /// the vocabulary, its experts. A sharded load reads exactly those bytes (see
     /// [`Self::bytes_loaded`]) with positioned reads.
     pub fn load_shard(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<DenseTransformer> {
+        Self::load_with(ckpt, cfg, spec, false, false).map(|(m, _)| m)
+    }
+
+    /// Loads this rank's shard and also returns every tensor part it read, to be
+    /// written as a standalone checkpoint (`tessera shard`).
+    pub fn load_recording(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<(DenseTransformer, Vec<RecordedTensor>)> {
+        Self::load_with(ckpt, cfg, spec, false, true)
+    }
+
+    /// Loads a checkpoint written by `tessera shard` for exactly this rank and placement:
+    /// its tensors already have this rank's shapes.
+    pub fn load_presliced(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<DenseTransformer> {
+        Self::load_with(ckpt, cfg, spec, true, false).map(|(m, _)| m)
+    }
+
+    fn load_with(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec, presliced: bool, record: bool) -> Result<(DenseTransformer, Vec<RecordedTensor>)> {
         let bad = |why: String| LoadError::format(&ckpt.path, format!("placement does not fit this model: {why}"));
         if spec.layers_total != cfg.layers || spec.layers.end > cfg.layers || spec.layers.is_empty() {
             return Err(bad(format!("stage layers {:?} of a {}-layer model", spec.layers, cfg.layers)));
@@ -697,7 +766,14 @@ impl DenseTransformer {
                 return Err(bad(format!("experts {owned:?} of {e}")));
             }
         }
-        let ld = Loader { c: &ckpt, arch: cfg.arch.name(), sharded: !spec.is_whole(), bytes_read: std::cell::Cell::new(0) };
+        let ld = Loader {
+            c: &ckpt,
+            arch: cfg.arch.name(),
+            sharded: !spec.is_whole() || record || presliced,
+            bytes_read: std::cell::Cell::new(0),
+            presliced,
+            record: record.then(|| std::cell::RefCell::new(Vec::new())),
+        };
         let (h, v) = (cfg.hidden, cfg.vocab);
         let (tp, tpr) = (spec.tp_size, spec.tp_rank);
         let vocab = split(v, tpr, tp);
@@ -811,7 +887,8 @@ impl DenseTransformer {
         }
         let norm = spec.last_stage().then(|| ld.vector("model.norm.weight", h)).transpose()?;
         let bytes_loaded = ld.bytes_read.get();
-        Ok(DenseTransformer { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa: Isa::detect(), bytes_loaded, ckpt })
+        let recorded = ld.record.map(|r| r.into_inner()).unwrap_or_default();
+        Ok((DenseTransformer { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa: Isa::detect(), bytes_loaded, ckpt }, recorded))
     }
 
     /// Bytes this shard read from the checkpoint files while loading (0 for a whole
