@@ -91,10 +91,21 @@ pub fn matmul(
         });
         let xq = &*xq;
         pool.parallel_for(rows, grain, &|_, chunk| {
+            let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
             for r in chunk {
                 let row = w.row(r);
-                for t in 0..n_tokens {
-                    let v = isa.dot_q8(w.format, row, &xq[t * blocks..(t + 1) * blocks]);
+                let mut t = 0;
+                // Four tokens per pass: the row's blocks are unpacked once for four.
+                while t + 4 <= n_tokens {
+                    let v = isa.dot_q8_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
+                    for (k, vk) in v.into_iter().enumerate() {
+                        // SAFETY: row r belongs to this thread alone.
+                        unsafe { *y_ptr.ptr().add((t + k) * rows + r) = vk };
+                    }
+                    t += 4;
+                }
+                for t in t..n_tokens {
+                    let v = isa.dot_q8(w.format, row, x_of(t));
                     // SAFETY: row r belongs to this thread alone.
                     unsafe { *y_ptr.ptr().add(t * rows + r) = v };
                 }
@@ -102,10 +113,20 @@ pub fn matmul(
         });
     } else {
         pool.parallel_for(rows, grain, &|_, chunk| {
+            let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
             for r in chunk {
                 let row = w.row(r);
-                for t in 0..n_tokens {
-                    let v = isa.dot_f32(w.format, row, &x[t * cols..(t + 1) * cols]);
+                let mut t = 0;
+                while t + 4 <= n_tokens {
+                    let v = isa.dot_f32_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
+                    for (k, vk) in v.into_iter().enumerate() {
+                        // SAFETY: row r belongs to this thread alone.
+                        unsafe { *y_ptr.ptr().add((t + k) * rows + r) = vk };
+                    }
+                    t += 4;
+                }
+                for t in t..n_tokens {
+                    let v = isa.dot_f32(w.format, row, x_of(t));
                     // SAFETY: row r belongs to this thread alone.
                     unsafe { *y_ptr.ptr().add(t * rows + r) = v };
                 }

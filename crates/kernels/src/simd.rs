@@ -65,6 +65,28 @@ impl Isa {
         }
     }
 
+    /// [`Isa::dot_q8`] for four activation rows at once.
+    #[inline]
+    pub fn dot_q8_x4(self, format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 => unsafe { x86::dot_q8_x4(format, row, xs) },
+            _ => xs.map(|x| scalar::dot_q8(format, row, x)),
+        }
+    }
+
+    /// [`Isa::dot_f32`] for four activation rows at once.
+    #[inline]
+    pub fn dot_f32_x4(self, format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 => unsafe { x86::dot_float_x4(format, row, xs) },
+            _ => xs.map(|x| scalar::dot_f32(format, row, x)),
+        }
+    }
+
     /// Quantize activations to q8 blocks.
     #[inline]
     pub fn quantize_q8(self, x: &[f32], out: &mut [BlockQ8]) {
@@ -312,6 +334,91 @@ mod x86 {
             _ => unreachable!("float formats take f32 activations"),
         }
         hsum(acc) + acc_m
+    }
+
+    /// Four tokens against one weight row: each weight block is loaded and unpacked
+    /// once for all four (prefill and batched decode are compute-bound on the unpack).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_x4(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
+        let bb = format.block_bytes();
+        let blocks = xs[0].len();
+        assert!(row.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
+        let wp = row.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut acc_m = [0.0f32; 4];
+        let eight = _mm256_set1_epi8(8);
+        let ones = _mm256_set1_epi16(1);
+        for i in 0..blocks {
+            let b = wp.add(i * bb);
+            let dw = f16_at(b);
+            match format {
+                WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
+                    let q = if format == WeightFormat::Q8_0 {
+                        _mm256_loadu_si256(b.add(2) as *const __m256i)
+                    } else {
+                        _mm256_sub_epi8(nibbles32(b.add(2)), eight)
+                    };
+                    // sign(q) applied to y once per token; |q| shared by all four.
+                    let aq = _mm256_sign_epi8(q, q);
+                    for k in 0..4 {
+                        let xb = &xs[k][i];
+                        let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                        let dot = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q));
+                        let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, ones));
+                        acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), s, acc[k]);
+                    }
+                }
+                WeightFormat::Q4_1 => {
+                    let m = f16_at(b.add(2));
+                    let q = nibbles32(b.add(4));
+                    for k in 0..4 {
+                        let xb = &xs[k][i];
+                        acc_m[k] += m * xb.sum;
+                        let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                        let s = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
+                        acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), _mm256_cvtepi32_ps(s), acc[k]);
+                    }
+                }
+                _ => unreachable!("float formats take f32 activations"),
+            }
+        }
+        [hsum(acc[0]) + acc_m[0], hsum(acc[1]) + acc_m[1], hsum(acc[2]) + acc_m[2], hsum(acc[3]) + acc_m[3]]
+    }
+
+    /// Four tokens against one float-format weight row (weights loaded once).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_float_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+        match format {
+            WeightFormat::F32 => dot_float_x4_t::<LoadF32>(format, row, xs),
+            WeightFormat::F16 => dot_float_x4_t::<LoadF16>(format, row, xs),
+            WeightFormat::Bf16 => dot_float_x4_t::<LoadBf16>(format, row, xs),
+            _ => xs.map(|x| dot_block_f32(format, row, x)),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_float_x4_t<L: Load8>(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+        let n = xs[0].len();
+        let esize = L::ELEM_BYTES;
+        assert!(row.len() >= n * esize && xs.iter().all(|x| x.len() == n));
+        let wp = row.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 8 <= n {
+            let w = L::load8(wp.add(i * esize));
+            for k in 0..4 {
+                acc[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[k].as_ptr().add(i)), acc[k]);
+            }
+            i += 8;
+        }
+        let mut out = [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])];
+        if i < n {
+            for k in 0..4 {
+                out[k] += scalar::dot_f32(format, &row[i * esize..n * esize], &xs[k][i..]);
+            }
+        }
+        out
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]

@@ -258,12 +258,12 @@ fn matmul_matches_naive_loops_for_every_format_and_thread_count() {
     for threads in [1, 2, 3] {
         let pool = ThreadPool::new(threads);
         for format in WeightFormat::ALL {
-            for (rows, cols, tokens) in [(1, 256, 1), (7, 512, 3), (33, 768, 5), (130, 256, 2)] {
+            for (rows, cols, tokens) in [(1, 256, 1), (7, 512, 3), (33, 768, 5), (130, 256, 2), (9, 256, 8), (5, 512, 9)] {
                 let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
                 let w = WeightRows::new(format, rows, cols, &data).unwrap();
                 let x = random_vec(&mut rng, tokens * cols);
                 let mut y = vec![0.0; tokens * rows];
-                let mut scratch = MatmulScratch::new(8, 768);
+                let mut scratch = MatmulScratch::new(16, 768);
                 matmul(&pool, isa, w, &x, tokens, &mut y, &mut scratch);
                 for t in 0..tokens {
                     for r in 0..rows {
