@@ -14,6 +14,6 @@ pub mod scalar;
 mod simd;
 
 pub use format::{repack_fp8, repack_mlx, FormatError, WeightFormat};
-pub use matmul::{matmul, MatmulScratch, WeightRows};
+pub use matmul::{matmul, matmul_group, MatmulScratch, WeightRows, GROUP_MAX};
 pub use pool::ThreadPool;
 pub use simd::Isa;

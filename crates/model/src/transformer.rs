@@ -23,7 +23,7 @@ use crate::shard::{attention_heads, split, split_units, CollGroup, Collectives, 
 use std::ops::Range;
 use std::sync::Arc;
 use tessera_kernels::pool::SharedMut;
-use tessera_kernels::{matmul, ops, scalar, Isa, MatmulScratch, ThreadPool, WeightFormat, WeightRows};
+use tessera_kernels::{matmul, matmul_group, ops, scalar, Isa, MatmulScratch, ThreadPool, WeightFormat, WeightRows};
 
 /// Where a weight matrix's bytes live.
 #[derive(Clone, Debug)]
@@ -1414,9 +1414,15 @@ impl Run<'_> {
         let q_dim = g.q_heads.len() * hd;
         let kv_dim = g.kv_heads.len() * hd;
         let xn = &ws.xn[..n * h];
-        self.linear(&g.q, xn, n, &mut ws.q[..n * q_dim], &mut ws.mm);
-        self.linear(&g.k, xn, n, &mut ws.k[..n * kv_dim], &mut ws.mm);
-        self.linear(&g.v, xn, n, &mut ws.v[..n * kv_dim], &mut ws.mm);
+        // q, k and v share their input: one region, one activation quantization.
+        let (wq, wk, wv) = (g.q.weights(self.ckpt), g.k.weights(self.ckpt), g.v.weights(self.ckpt));
+        let (q, k, v) = (&mut ws.q[..n * q_dim], &mut ws.k[..n * kv_dim], &mut ws.v[..n * kv_dim]);
+        matmul_group(self.pool, self.isa, &[wq, wk, wv], xn, n, &mut [&mut *q, &mut *k, &mut *v], &mut ws.mm);
+        for (l, y) in [(&g.q, q), (&g.k, k), (&g.v, v)] {
+            if let Some(b) = &l.bias {
+                ops::add_bias(y, b);
+            }
+        }
         if let (Some(qn), Some(kn)) = (&g.q_norm, &g.k_norm) {
             ops::rms_norm_heads(&mut ws.q[..n * q_dim], qn, c.rms_eps);
             ops::rms_norm_heads(&mut ws.k[..n * kv_dim], kn, c.rms_eps);
@@ -1530,8 +1536,13 @@ impl Run<'_> {
     #[allow(clippy::too_many_arguments)]
     fn swiglu(&self, [g, u, d]: [&Linear; 3], x: &[f32], n: usize, gate: &mut [f32], up: &mut [f32], out: &mut [f32], mm: &mut MatmulScratch) {
         let w = g.rows;
-        self.linear(g, x, n, &mut gate[..n * w], mm);
-        self.linear(u, x, n, &mut up[..n * w], mm);
+        let (gy, uy) = (&mut gate[..n * w], &mut up[..n * w]);
+        matmul_group(self.pool, self.isa, &[g.weights(self.ckpt), u.weights(self.ckpt)], x, n, &mut [&mut *gy, &mut *uy], mm);
+        for (l, y) in [(g, gy), (u, uy)] {
+            if let Some(b) = &l.bias {
+                ops::add_bias(y, b);
+            }
+        }
         ops::silu_mul(&mut gate[..n * w], &up[..n * w]);
         self.linear(d, &gate[..n * w], n, out, mm);
     }
