@@ -43,6 +43,10 @@ pub struct BenchArgs {
     /// Seed of the random token ids.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also profile batch-1 decode per module (router, attention, experts, norms, LM
+    /// head, collectives): measured time, bandwidth-ideal time, overhead ratio.
+    #[arg(long)]
+    profile: bool,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -71,6 +75,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let load_after = loadavg();
     print_table(&a.model.display().to_string(), &report);
+    if a.profile {
+        let p = tessera_engine::bench::profile_decode(&model, &cfg, cfg.tg.max(1))?;
+        print_profile(&p, report.bandwidth_best_gb_s());
+    }
     if let (Some(b), Some(e)) = (&load_before, &load_after) {
         println!("load average (1/5/15 min) before {b}, after {e}");
     }
@@ -219,4 +227,31 @@ fn utc_now() -> String {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// The per-module table: measured time per token, the time its bytes would take at the
+/// measured bandwidth, and the ratio (what the seed's author had to build by hand).
+fn print_profile(p: &tessera_model::Profile, gb_s: f64) {
+    let steps = p.steps.max(1) as f64;
+    let total: f64 = p.nanos.iter().map(|&n| n as f64).sum::<f64>() / steps / 1e6;
+    println!("\nper-module profile of batch-1 decode ({} tokens; bandwidth-ideal at {gb_s:.2} GB/s)\n", p.steps);
+    println!("| module | calls/token | ms/token | share | MB/token | ideal ms | overhead × |");
+    println!("|---|---|---|---|---|---|---|");
+    for kind in tessera_model::ProfileKind::ALL {
+        let i = kind as usize;
+        if p.calls[i] == 0 {
+            continue;
+        }
+        let ms = p.nanos[i] as f64 / steps / 1e6;
+        let mb = p.bytes[i] as f64 / steps / 1e6;
+        let ideal = mb / 1e3 / gb_s.max(1e-9) * 1e3;
+        let over = if ideal > 0.0 { format!("{:.1}", ms / ideal) } else { "–".into() };
+        println!(
+            "| {} | {:.0} | {ms:.3} | {:.1} % | {mb:.2} | {ideal:.3} | {over} |",
+            kind.name(),
+            p.calls[i] as f64 / steps,
+            100.0 * ms / total.max(1e-12)
+        );
+    }
+    println!("| total | | {total:.3} | 100 % | | | |");
 }

@@ -19,6 +19,7 @@
 //!   passes of a multi-accumulator f32 sum over a buffer of at least the bytes read per
 //!   token (and ≥ 64 MiB, beyond any last-level cache), on the same threads.
 
+use crate::generate::EngineError;
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
@@ -445,6 +446,29 @@ fn sum_f32(x: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + blocks.remainder().iter().sum::<f32>()
+}
+
+/// Batch-1 decode with the per-module profiler on: where a token's time goes
+/// (`tessera bench --profile`). Runs after, and apart from, the timed measurements.
+pub fn profile_decode(model: &DenseTransformer, cfg: &BenchConfig, steps: usize) -> Result<tessera_model::Profile, EngineError> {
+    let vocab = model.cfg.vocab;
+    let context_max = cfg.decode_prompt + steps + 1;
+    let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk.max(1), context_max, sequences_per_step_max: 1 };
+    let pool = ThreadPool::new(cfg.threads);
+    let mut ws = model.new_workspace(limits, pool.n_threads());
+    let mut cache = model.new_cache(limits);
+    let mut logits = vec![0.0; vocab];
+    let mut rng = TokenRng(cfg.seed ^ 0x9e37);
+    let prompt = rng.ids(cfg.decode_prompt.max(1), vocab);
+    for chunk in prompt.chunks(limits.tokens_per_step_max) {
+        model.forward(&pool, &mut ws, &mut cache, chunk, LogitsFor::Last, &mut logits)?;
+    }
+    let ids = rng.ids(steps, vocab);
+    ws.start_profile();
+    for id in ids {
+        model.forward(&pool, &mut ws, &mut cache, &[id], LogitsFor::Last, &mut logits)?;
+    }
+    Ok(ws.take_profile().expect("profiling was started"))
 }
 
 #[cfg(test)]

@@ -293,6 +293,7 @@ pub struct Workspace {
     logits_local: Vec<f32>,
     logits_part: Vec<f32>,
     logits_gather: Vec<f32>,
+    profile: Option<Profile>,
 }
 
 fn shape_str(s: &[usize]) -> String {
@@ -1071,6 +1072,7 @@ impl DenseTransformer {
             logits_local: vec![0.0; head_rows * vmax],
             logits_part: vec![0.0; head_rows * vmax],
             logits_gather: vec![0.0; head_rows * vmax * tp_gather],
+            profile: None,
         }
     }
 
@@ -1187,6 +1189,7 @@ impl DenseTransformer {
             }
         }
         ws.chunk_start[chunks.len()] = n;
+        let t_embed = ws.clock();
         match io.input {
             Some(x) => ws.x[..n * h].copy_from_slice(x),
             None => {
@@ -1210,38 +1213,56 @@ impl DenseTransformer {
                 }
             }
         }
+        ws.charge(ProfileKind::Embed, t_embed, n * self.embed.as_ref().map_or(0, |e| e.bytes() / e.rows.max(1)));
+        if let Some(p) = ws.profile.as_mut() {
+            p.steps += 1;
+        }
 
         let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, chunks };
         for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()) {
+            let t0 = ws.clock();
             for t in 0..n {
                 ops::rms_norm(&ws.x[t * h..(t + 1) * h], &layer.attn_norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
             }
+            ws.charge(ProfileKind::Norms, t0, 0);
             match &layer.attn {
                 Attn::Gqa(g) => run.gqa(g, ws, caches, li),
                 Attn::Mla(m) => run.mla(m, c.mla.as_ref().expect("MLA config"), ws, caches, li),
             }
             if tp > 1 {
+                let t0 = ws.clock();
                 coll.all_reduce_sum(CollGroup::Tp, &mut ws.proj[..n * h], li, "attn out").map_err(fail)?;
+                ws.charge(ProfileKind::Collectives, t0, 0);
             }
+            let t0 = ws.clock();
             ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
             for t in 0..n {
                 ops::rms_norm(&ws.x[t * h..(t + 1) * h], &layer.ffn_norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
             }
+            ws.charge(ProfileKind::Norms, t0, 0);
             match &layer.ffn {
                 Ffn::Dense(m) => {
+                    let t0 = ws.clock();
                     run.mlp(m, ws);
+                    ws.charge(ProfileKind::DenseMlp, t0, m.gate.bytes() + m.up.bytes() + m.down.bytes());
                     if tp > 1 {
+                        let t0 = ws.clock();
                         coll.all_reduce_sum(CollGroup::Tp, &mut ws.proj[..n * h], li, "mlp out").map_err(fail)?;
+                        ws.charge(ProfileKind::Collectives, t0, 0);
                     }
                 }
                 Ffn::Moe(m) => {
                     run.moe(m, c.moe.as_ref().expect("MoE config"), ws);
                     if self.spec.moe_size > 1 {
+                        let t0 = ws.clock();
                         coll.all_reduce_sum(CollGroup::Moe, &mut ws.proj[..n * h], li, "moe out").map_err(fail)?;
+                        ws.charge(ProfileKind::Collectives, t0, 0);
                     }
                 }
             }
+            let t0 = ws.clock();
             ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
+            ws.charge(ProfileKind::Norms, t0, 0);
         }
         for ch in chunks {
             caches[ch.cache].len += ch.tokens.len();
@@ -1270,7 +1291,9 @@ impl DenseTransformer {
         }
         let head = self.head.as_ref().expect("last stage holds the head");
         if tp == 1 {
+            let t0 = ws.clock();
             linear_fwd(pool, self.isa, ckpt, head, &ws.xn[..logit_rows * h], logit_rows, logits, &mut ws.mm);
+            ws.charge(ProfileKind::LmHead, t0, head.bytes());
             return Ok(());
         }
         // Vocabulary-parallel head: each rank computes its slice of every row, padded to
@@ -1413,6 +1436,7 @@ impl Run<'_> {
         let (h, hd) = (c.hidden, c.head_dim);
         let q_dim = g.q_heads.len() * hd;
         let kv_dim = g.kv_heads.len() * hd;
+        let t0 = ws.clock();
         let xn = &ws.xn[..n * h];
         // q, k and v share their input: one region, one activation quantization.
         let (wq, wk, wv) = (g.q.weights(self.ckpt), g.k.weights(self.ckpt), g.v.weights(self.ckpt));
@@ -1444,14 +1468,30 @@ impl Run<'_> {
             cache.k[li][pos0 * kv_dim..(pos0 + b - a) * kv_dim].copy_from_slice(&ws.k[a * kv_dim..b * kv_dim]);
             cache.v[li][pos0 * kv_dim..(pos0 + b - a) * kv_dim].copy_from_slice(&ws.v[a * kv_dim..b * kv_dim]);
         }
+        ws.charge(ProfileKind::AttnProj, t0, g.q.bytes() + g.k.bytes() + g.v.bytes());
+        let t0 = ws.clock();
         let at = TokenCaches { caches, chunks: self.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
         let shape = HeadShape { q_heads: g.q_heads.clone(), kv_heads: g.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
         attention(self.pool, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim]);
+        // Each token reads its cached keys and values.
+        let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * kv_dim * 8).sum();
+        ws.charge(ProfileKind::Attention, t0, kv_read);
+        let t0 = ws.clock();
         self.linear(&g.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
+        ws.charge(ProfileKind::AttnProj, t0, g.o.bytes());
     }
 
     /// Multi-head latent attention, absorbed form (spec §2.5), into `ws.proj`.
     fn mla(&self, a: &Mla, m: &MlaConfig, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
+        let t0 = ws.clock();
+        self.mla_inner(a, m, ws, caches, li);
+        // MLA's projections and latent attention are interleaved per head: one entry.
+        let bytes = [&a.q, &a.kv_a, &a.embed_q, &a.unembed_out, &a.o].iter().map(|l| l.bytes()).sum::<usize>()
+            + a.q_a.as_ref().map_or(0, |(l, _)| l.bytes());
+        ws.charge(ProfileKind::AttnProj, t0, bytes);
+    }
+
+    fn mla_inner(&self, a: &Mla, m: &MlaConfig, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
         let (c, n) = (self.cfg, self.n);
         let (h, nh, r) = (c.hidden, a.heads.len(), m.kv_lora_rank);
         let (nope, rope, dv) = (m.nope_dim, m.rope_dim, m.v_dim);
@@ -1557,6 +1597,7 @@ impl Run<'_> {
     fn moe(&self, m: &Moe, cfg: &MoeConfig, ws: &mut Workspace) {
         let (n, h) = (self.n, self.cfg.hidden);
         let (e, k) = (cfg.experts, cfg.top_k);
+        let t0 = ws.clock();
         self.linear(&m.router, &ws.xn[..n * h], n, &mut ws.router_logits[..n * e], &mut ws.mm);
         let scratch = ws.route_scratch.as_mut().expect("workspace sized for MoE");
         for t in 0..n {
@@ -1590,6 +1631,9 @@ impl Run<'_> {
             starts[i] = starts[i - 1];
         }
         starts[0] = 0;
+        ws.charge(ProfileKind::Router, t0, m.router.bytes());
+        let t0 = ws.clock();
+        let mut expert_bytes = 0;
         ws.moe_out[..n * h].fill(0.0);
         // Experts this rank does not hold contribute on their owners' ranks (summed by
         // the MoE group's all-reduce).
@@ -1605,16 +1649,20 @@ impl Run<'_> {
             }
             let local = ex - m.experts.start;
             let (gate, up, down) = (&m.gate[local], &m.up[local], &m.down[local]);
+            expert_bytes += gate.bytes() + up.bytes() + down.bytes();
             self.swiglu([gate, up, down], &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.proj[..cnt * h], &mut ws.mm);
             for (j, &(t, wt)) in ws.expert_slots[a..b].iter().enumerate() {
                 let t = t as usize;
                 ops::axpy(&mut ws.moe_out[t * h..(t + 1) * h], wt, &ws.proj[j * h..(j + 1) * h]);
             }
         }
+        ws.charge(ProfileKind::Experts, t0, expert_bytes);
         match &m.shared {
             Some(s) => {
+                let t0 = ws.clock();
                 self.swiglu([&s.gate, &s.up, &s.down], &ws.xn[..n * h], n, &mut ws.gate, &mut ws.up, &mut ws.proj[..n * h], &mut ws.mm);
                 ops::add_assign(&mut ws.proj[..n * h], &ws.moe_out[..n * h]);
+                ws.charge(ProfileKind::SharedExperts, t0, s.gate.bytes() + s.up.bytes() + s.down.bytes());
             }
             None => ws.proj[..n * h].copy_from_slice(&ws.moe_out[..n * h]),
         }
@@ -1759,4 +1807,89 @@ fn vector(c: &Checkpoint, t: &TensorInfo, n: usize) -> Result<Vec<f32>> {
         return Err(LoadError::tensor(file, &t.name, format!("element {i} is {} (corrupt file?)", out[i])));
     }
     Ok(out)
+}
+
+/// Where a step's time goes, by module kind: measured with a clock read around each
+/// module in the real step (no extra synchronisation: the step is synchronous already).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProfileKind {
+    Embed,
+    Norms,
+    AttnProj,
+    Attention,
+    Router,
+    Experts,
+    SharedExperts,
+    DenseMlp,
+    LmHead,
+    Collectives,
+}
+
+impl ProfileKind {
+    pub const ALL: [ProfileKind; 10] = [
+        ProfileKind::Embed,
+        ProfileKind::Norms,
+        ProfileKind::AttnProj,
+        ProfileKind::Attention,
+        ProfileKind::Router,
+        ProfileKind::Experts,
+        ProfileKind::SharedExperts,
+        ProfileKind::DenseMlp,
+        ProfileKind::LmHead,
+        ProfileKind::Collectives,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            ProfileKind::Embed => "embedding",
+            ProfileKind::Norms => "norms + residual",
+            ProfileKind::AttnProj => "attention projections",
+            ProfileKind::Attention => "attention (scores, softmax, values)",
+            ProfileKind::Router => "router",
+            ProfileKind::Experts => "routed experts",
+            ProfileKind::SharedExperts => "shared experts",
+            ProfileKind::DenseMlp => "dense MLP",
+            ProfileKind::LmHead => "LM head",
+            ProfileKind::Collectives => "collectives",
+        }
+    }
+}
+
+/// Accumulated time, bytes read and calls per [`ProfileKind`].
+#[derive(Clone, Debug, Default)]
+pub struct Profile {
+    pub nanos: [u64; 10],
+    pub bytes: [u64; 10],
+    pub calls: [u64; 10],
+    pub steps: u64,
+}
+
+impl Profile {
+    #[inline]
+    fn add(&mut self, kind: ProfileKind, since: std::time::Instant, bytes: usize) {
+        let i = kind as usize;
+        self.nanos[i] += since.elapsed().as_nanos() as u64;
+        self.bytes[i] += bytes as u64;
+        self.calls[i] += 1;
+    }
+}
+
+impl Workspace {
+    /// Starts collecting a [`Profile`] of every following step (replacing any).
+    pub fn start_profile(&mut self) {
+        self.profile = Some(Profile::default());
+    }
+    /// Stops profiling and returns what was collected.
+    pub fn take_profile(&mut self) -> Option<Profile> {
+        self.profile.take()
+    }
+    #[inline]
+    fn clock(&self) -> Option<std::time::Instant> {
+        self.profile.as_ref().map(|_| std::time::Instant::now())
+    }
+    #[inline]
+    fn charge(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize) {
+        if let (Some(p), Some(t)) = (self.profile.as_mut(), since) {
+            p.add(kind, t, bytes);
+        }
+    }
 }
