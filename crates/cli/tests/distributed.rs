@@ -281,3 +281,33 @@ fn shards_on_disk_run_the_same_model() {
     let args: Vec<&str> = vec!["generate", "--model", m.to_str().unwrap(), "--prompt-ids", "1,2", "--tp", "2"];
     fails(2, &args, &["holds rank 1's slice", "but this is rank 0"]);
 }
+
+/// `launch --hostfile` starts each rank over ssh on its host. Here `ssh` is a stand-in
+/// that runs the remote command locally (hosts are loopback), which checks the quoting
+/// and the environment the launcher hands to each rank.
+#[test]
+fn hostfile_launch_over_ssh() {
+    let dir = scratch("hostfile");
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let ssh = bin.join("ssh");
+    // `ssh HOST COMMAND`: run COMMAND with sh, as sshd would.
+    std::fs::write(&ssh, "#!/bin/sh\nshift\nexec sh -c \"$1\"\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&ssh, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let hostfile = dir.join("hosts");
+    std::fs::write(&hostfile, "# two ranks on this machine\n127.0.0.1 slots=1\n127.0.0.1\n").unwrap();
+    let name = "llama_smol_tied";
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["launch", "-n", "2", "--hostfile", hostfile.to_str().unwrap(), "--", "generate", "--model"])
+        .arg(fixture(name))
+        .args(["--prompt-ids", &csv(&ids_of("prompt_ids", name)), "--max-tokens", "16", "--tp", "2", "--threads", "1"])
+        .env("PATH", path)
+        .output()
+        .unwrap();
+    let stdout = ok(&out, "hostfile launch");
+    let line = stdout.lines().find_map(|l| l.split("ids: ").nth(1)).unwrap_or_else(|| panic!("no ids in:\n{stdout}"));
+    let got: Vec<u32> = line.trim().split(',').map(|x| x.parse().unwrap()).collect();
+    assert_eq!(got, ids_of("greedy_ids", name));
+}
