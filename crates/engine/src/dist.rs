@@ -155,6 +155,18 @@ const OP_STEP: u32 = 1;
 const OP_RESET: u32 = 2;
 const OP_STOP: u32 = 3;
 
+/// Room for a per-step message tag such as "step 4294967295 logits".
+const TAG_BYTES_MAX: usize = 48;
+
+/// "step N what", formatted into `buf` (no allocation per step).
+fn step_tag<'b>(buf: &'b mut [u8; TAG_BYTES_MAX], what: &str, step: u32) -> &'b str {
+    use std::io::Write;
+    let mut cur = std::io::Cursor::new(&mut buf[..]);
+    let _ = write!(cur, "step {step} {what}");
+    let len = cur.position() as usize;
+    std::str::from_utf8(&buf[..len]).expect("ASCII tag")
+}
+
 /// One rank's runtime: its shard, its caches, its place in the pipeline.
 pub struct Rank<'m> {
     model: &'m DenseTransformer,
@@ -171,6 +183,9 @@ pub struct Rank<'m> {
     hidden_out: Vec<f32>,
     logits: Vec<f32>,
     plan: Vec<u32>,
+    /// The plan as sent (i32 words) and every rank's plan digest: reused every step.
+    plan_wire: Vec<i32>,
+    digests: Vec<i32>,
     step_no: u32,
     cfg: EngineConfig,
 }
@@ -231,6 +246,8 @@ impl<'m> Rank<'m> {
             hidden_out: vec![0.0; cfg.prefill_chunk * h],
             logits: vec![0.0; cfg.prefill_chunk * model.cfg.vocab],
             plan: Vec::with_capacity(PLAN_WORDS_FIXED + cfg.prefill_chunk),
+            plan_wire: Vec::with_capacity(PLAN_WORDS_FIXED + cfg.prefill_chunk),
+            digests: vec![0; placement.world],
             step_no: 0,
             pool,
             placement,
@@ -261,17 +278,17 @@ impl<'m> Rank<'m> {
             return Err(dist_err(format!("rank {}: malformed step plan header {head:?} (limit {max_words} words)", self.rank)));
         }
         self.plan.resize(len, 0);
-        // SAFETY-free reinterpretation: u32 ↔ i32 have the same size and any bits.
-        let mut words: Vec<i32> = self.plan.iter().map(|&w| w as i32).collect();
-        self.comm.broadcast(&mut words, 0, "plan").map_err(dist_err)?;
-        for (p, w) in self.plan.iter_mut().zip(&words) {
+        // u32 words travel as i32 (same bits); the buffers are reused, so a step allocates nothing.
+        self.plan_wire.clear();
+        self.plan_wire.extend(self.plan.iter().map(|&w| w as i32));
+        self.comm.broadcast(&mut self.plan_wire, 0, "plan").map_err(dist_err)?;
+        for (p, w) in self.plan.iter_mut().zip(&self.plan_wire) {
             *p = *w as u32;
         }
         // Every rank checks it runs the same plan as every other.
         let digest = self.plan.iter().fold(0x811c_9dc5u32, |h, &w| (h ^ w).wrapping_mul(0x0100_0193));
-        let mut all = vec![0i32; self.placement.world];
-        self.comm.all_gather(&[digest as i32], &mut all, "plan check").map_err(dist_err)?;
-        if all.iter().any(|&d| d != digest as i32) {
+        self.comm.all_gather(&[digest as i32], &mut self.digests, "plan check").map_err(dist_err)?;
+        if self.digests.iter().any(|&d| d != digest as i32) {
             return Err(dist_err(format!("rank {}: step {} plans differ between ranks", self.rank, self.plan[1])));
         }
         if self.plan[1] != self.step_no {
@@ -294,26 +311,26 @@ impl<'m> Rank<'m> {
         let last = stage + 1 == self.placement.pp;
         let rows = if want == LogitsFor::All { n } else { 1 };
         let chunk = [SeqChunk { cache: 0, tokens, logits: want }];
-        let tag = |what: &str, step: u32| format!("step {step} {what}");
+        let (mut hidden_buf, mut logits_buf) = ([0u8; TAG_BYTES_MAX], [0u8; TAG_BYTES_MAX]);
         let step = self.step_no.wrapping_sub(1);
         if stage > 0 {
             let link = &self.pairs[&(self.rank - g, self.rank)];
-            link.recv(&mut self.hidden_in[..n * h], 0, &tag("hidden", step)).map_err(dist_err)?;
+            link.recv(&mut self.hidden_in[..n * h], 0, step_tag(&mut hidden_buf, "hidden", step)).map_err(dist_err)?;
         }
         let input = (stage > 0).then_some(&self.hidden_in[..n * h]);
         let output = if last { StageOutput::Logits(&mut self.logits[..rows * v]) } else { StageOutput::Hidden(&mut self.hidden_out[..n * h]) };
         self.model.forward_stage(&self.pool, &mut self.ws, &mut self.caches, &chunk, StageIo { input, output }, &self.coll)?;
         if !last {
             let link = &self.pairs[&(self.rank, self.rank + g)];
-            link.send(&self.hidden_out[..n * h], 1, &tag("hidden", step)).map_err(dist_err)?;
+            link.send(&self.hidden_out[..n * h], 1, step_tag(&mut hidden_buf, "hidden", step)).map_err(dist_err)?;
         }
         let last_lead = (self.placement.pp - 1) * g;
         if self.placement.pp > 1 && self.rank == last_lead {
-            self.pairs[&(0, last_lead)].send(&self.logits[..rows * v], 0, &tag("logits", step)).map_err(dist_err)?;
+            self.pairs[&(0, last_lead)].send(&self.logits[..rows * v], 0, step_tag(&mut logits_buf, "logits", step)).map_err(dist_err)?;
         }
         if let Some(out) = out {
             if self.placement.pp > 1 {
-                self.pairs[&(0, last_lead)].recv(out, 1, &tag("logits", step)).map_err(dist_err)?;
+                self.pairs[&(0, last_lead)].recv(out, 1, step_tag(&mut logits_buf, "logits", step)).map_err(dist_err)?;
             } else {
                 out.copy_from_slice(&self.logits[..rows * v]);
             }
