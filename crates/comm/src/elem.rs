@@ -142,40 +142,30 @@ plain_elem!(f32, DType::F32);
 plain_elem!(i32, DType::I32);
 plain_elem!(u8, DType::U8);
 
-impl Elem for bf16 {
-    const DTYPE: DType = DType::BF16;
-    type Acc = f32;
-    const ACC_IS_SELF: bool = false;
-    #[inline(always)]
-    fn to_acc(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn from_acc(a: f32) -> bf16 {
-        bf16::from_f32(a)
-    }
-    #[inline(always)]
-    fn read_le(b: &[u8]) -> bf16 {
-        bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))
-    }
+/// Half-precision types travel as themselves and are summed in f32 (one rounding).
+macro_rules! half_elem {
+    ($t:ty, $d:expr) => {
+        impl Elem for $t {
+            const DTYPE: DType = $d;
+            type Acc = f32;
+            const ACC_IS_SELF: bool = false;
+            #[inline(always)]
+            fn to_acc(self) -> f32 {
+                self.to_f32()
+            }
+            #[inline(always)]
+            fn from_acc(a: f32) -> $t {
+                <$t>::from_f32(a)
+            }
+            #[inline(always)]
+            fn read_le(b: &[u8]) -> $t {
+                <$t>::from_bits(u16::from_le_bytes([b[0], b[1]]))
+            }
+        }
+    };
 }
-impl Elem for f16 {
-    const DTYPE: DType = DType::F16;
-    type Acc = f32;
-    const ACC_IS_SELF: bool = false;
-    #[inline(always)]
-    fn to_acc(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn from_acc(a: f32) -> f16 {
-        f16::from_f32(a)
-    }
-    #[inline(always)]
-    fn read_le(b: &[u8]) -> f16 {
-        f16::from_bits(u16::from_le_bytes([b[0], b[1]]))
-    }
-}
+half_elem!(bf16, DType::BF16);
+half_elem!(f16, DType::F16);
 
 /// The bytes of a slice of plain elements (all five types and their accumulators have no
 /// padding and no invalid bit patterns, and the host is little-endian).

@@ -58,6 +58,18 @@ pub(crate) struct Link {
     pub lost_why: Mutex<String>,
 }
 
+impl Link {
+    /// Writes what is left of a frame (`header` then `payload`) after `written` bytes,
+    /// without blocking: the one place a frame's bytes meet the socket.
+    fn write_frame_rest(&self, header: &[u8; HEADER_BYTES], payload: &[u8], written: usize) -> std::io::Result<usize> {
+        if written < HEADER_BYTES {
+            (&self.stream).write_vectored(&[IoSlice::new(&header[written..]), IoSlice::new(payload)])
+        } else {
+            (&self.stream).write(&payload[written - HEADER_BYTES..])
+        }
+    }
+}
+
 struct RxState {
     hdr: [u8; HEADER_BYTES],
     hdr_got: usize,
@@ -580,11 +592,7 @@ impl Inner {
                 o.in_segment = true;
             }
             let payload = &o.data[o.off..o.off + o.seg_len];
-            let res = if o.written < HEADER_BYTES {
-                (&link.stream).write_vectored(&[IoSlice::new(&o.hdr[o.written..]), IoSlice::new(payload)])
-            } else {
-                (&link.stream).write(&payload[o.written - HEADER_BYTES..])
-            };
+            let res = link.write_frame_rest(&o.hdr, payload, o.written);
             match res {
                 Ok(n) => o.written += n,
                 Err(e) if would_block(&e) => return Ok(false),
@@ -626,11 +634,7 @@ impl Inner {
             let link = self.link(o.peer);
             loop {
                 let payload = &o.data[o.off..o.off + o.seg_len];
-                let res = if o.written < HEADER_BYTES {
-                    (&link.stream).write_vectored(&[IoSlice::new(&o.hdr[o.written..]), IoSlice::new(payload)])
-                } else {
-                    (&link.stream).write(&payload[o.written - HEADER_BYTES..])
-                };
+                let res = link.write_frame_rest(&o.hdr, payload, o.written);
                 match res {
                     Ok(n) => o.written += n,
                     Err(e) if would_block(&e) => {}
@@ -668,11 +672,7 @@ impl Inner {
         let total = HEADER_BYTES + payload.len();
         let mut written = 0;
         while written < total {
-            let res = if written < HEADER_BYTES {
-                (&link.stream).write_vectored(&[IoSlice::new(&hdr[written..]), IoSlice::new(payload)])
-            } else {
-                (&link.stream).write(&payload[written - HEADER_BYTES..])
-            };
+            let res = link.write_frame_rest(&hdr, payload, written);
             match res {
                 Ok(n) => written += n,
                 Err(e) if would_block(&e) => {
