@@ -415,13 +415,14 @@ impl<'a> Loader<'a> {
         let piece = cb1 - cb0;
         let mut data = vec![0u8; elems.len() * sel.rows.len() * piece];
         let mut at = 0;
+        let src_bytes: Option<&[u8]> = src.as_ref().map(|full| full.weights(self.c).data);
         for e in elems.clone() {
             let elem_off = e * rows * rb;
             if piece == rb {
                 let len = sel.rows.len() * rb;
                 let off = elem_off + sel.rows.start * rb;
-                match &src {
-                    Some(full) => data[at..at + len].copy_from_slice(&full.weights(self.c).data[off..off + len]),
+                match src_bytes {
+                    Some(b) => data[at..at + len].copy_from_slice(&b[off..off + len]),
                     None => self.c.read_at(t.file, t.range.start + off, &mut data[at..at + len])?,
                 }
                 at += len;
@@ -429,8 +430,8 @@ impl<'a> Loader<'a> {
             }
             for r in sel.rows.clone() {
                 let off = elem_off + r * rb + cb0;
-                match &src {
-                    Some(full) => data[at..at + piece].copy_from_slice(&full.weights(self.c).data[off..off + piece]),
+                match src_bytes {
+                    Some(b) => data[at..at + piece].copy_from_slice(&b[off..off + piece]),
                     None => self.c.read_at(t.file, t.range.start + off, &mut data[at..at + piece])?,
                 }
                 at += piece;
