@@ -6,6 +6,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use tessera_comm::{CommConfig, Communicator, Listening, Peers};
 use std::time::{Duration, Instant};
 
 /// How long the launcher lets the other ranks print their diagnosis after one fails.
@@ -31,6 +32,45 @@ pub struct ClusterEnv {
     pub world: usize,
     pub master: SocketAddr,
     pub secret: Vec<u8>,
+    /// Rank 0's listening socket, bound by `tessera launch` and inherited
+    /// (`TESSERA_LISTEN_FD`): the port is never released between choosing and
+    /// listening, so no other program can take it in between.
+    pub listener: Option<TcpListener>,
+}
+
+/// The environment variable naming the inherited listening socket of rank 0.
+const LISTEN_FD_ENV: &str = "TESSERA_LISTEN_FD";
+
+/// Takes over the listening socket `tessera launch` passed down, after checking that the
+/// descriptor really is a listening TCP socket (a stale variable must not adopt some
+/// other file).
+#[cfg(unix)]
+fn inherited_listener() -> Result<Option<TcpListener>> {
+    use std::os::fd::FromRawFd;
+    let Ok(v) = std::env::var(LISTEN_FD_ENV) else { return Ok(None) };
+    // Children of this rank must not try to adopt it again.
+    std::env::remove_var(LISTEN_FD_ENV);
+    let fd: libc::c_int = v.trim().parse().with_context(|| format!("{LISTEN_FD_ENV}={v:?} is not a descriptor number"))?;
+    let mut listening: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `listening`; an invalid fd only
+    // makes it fail.
+    let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ACCEPTCONN, &mut listening as *mut _ as *mut libc::c_void, &mut len) };
+    if rc != 0 || listening == 0 {
+        bail!("{LISTEN_FD_ENV}={fd} is not a listening socket (unset it, or start ranks with `tessera launch`)");
+    }
+    // SAFETY: the descriptor is an open listening socket handed to this process alone,
+    // and nothing else in this process owns it.
+    let l = unsafe { TcpListener::from_raw_fd(fd) };
+    // Set close-on-exec again so that processes this rank starts do not inherit it.
+    // SAFETY: plain fcntl on a descriptor we own.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    Ok(Some(l))
+}
+
+#[cfg(not(unix))]
+fn inherited_listener() -> Result<Option<TcpListener>> {
+    Ok(None)
 }
 
 fn var(names: &[&str]) -> Option<(String, String)> {
@@ -78,8 +118,34 @@ impl ClusterEnv {
             (None, Ok(s)) => s.into_bytes(),
             (None, Err(_)) => bail!("no cluster secret: set TESSERA_CLUSTER_SECRET on every rank or pass --secret-file"),
         };
-        Ok(Some(ClusterEnv { rank, world, master, secret }))
+        let listener = if rank == 0 { inherited_listener()? } else { None };
+        Ok(Some(ClusterEnv { rank, world, master, secret, listener }))
     }
+
+    /// Joins the cluster: forms the authenticated mesh with every other rank.
+    pub fn connect(self) -> Result<Communicator> {
+        let rank = self.rank;
+        let cfg = CommConfig::new(self.rank, self.world, Peers::Master(self.master), self.secret);
+        let comm = match self.listener {
+            Some(l) => Listening::from_listener(cfg, l).and_then(Communicator::from_listening),
+            None => Communicator::connect(cfg),
+        };
+        comm.with_context(|| format!("rank {rank} joining the cluster"))
+    }
+}
+
+/// Ports a remote rank 0 listens on: registered, below the ephemeral range.
+const REMOTE_PORT_RANGE: std::ops::Range<u16> = 20_000..32_000;
+
+/// A port for a remote rank 0, chosen from the (random) cluster secret so that
+/// concurrent launches spread out; one free on this machine is preferred.
+fn remote_rank0_port(secret: &str) -> u16 {
+    let span = REMOTE_PORT_RANGE.end - REMOTE_PORT_RANGE.start;
+    let seed = u16::from_str_radix(&secret[..4], 16).unwrap_or(0);
+    (0..64u16)
+        .map(|i| REMOTE_PORT_RANGE.start + seed.wrapping_add(i.wrapping_mul(7919)) % span)
+        .find(|&p| TcpListener::bind(("0.0.0.0", p)).is_ok())
+        .unwrap_or(REMOTE_PORT_RANGE.start + seed % span)
 }
 
 fn random_secret() -> Result<String> {
@@ -130,8 +196,17 @@ pub fn launch(n: usize, hostfile: Option<PathBuf>, args: Vec<String>) -> Result<
             hosts
         }
     };
-    // Rank 0 listens on a port free now (a race with other programs is possible but rare).
-    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).context("finding a free port")?.port();
+    // Local runs: the launcher binds rank 0's socket itself and hands it down, so the
+    // port cannot be taken by another program between choosing it and listening on it.
+    // A remote rank 0 binds its port itself; we pick one below Linux's ephemeral range
+    // (32768+), so outgoing connections anywhere can never be handed it meanwhile.
+    let (rank0_listener, port) = if hosts.is_empty() {
+        let l = TcpListener::bind("127.0.0.1:0").context("binding rank 0's listening socket")?;
+        let port = l.local_addr().context("rank 0's listening address")?.port();
+        (Some(l), port)
+    } else {
+        (None, remote_rank0_port(&secret))
+    };
     let master = match hosts.first() {
         None => format!("127.0.0.1:{port}"),
         Some(h) => format!("{h}:{port}"),
@@ -165,6 +240,24 @@ pub fn launch(n: usize, hostfile: Option<PathBuf>, args: Vec<String>) -> Result<
             c
         };
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        #[cfg(unix)]
+        if let (0, Some(l)) = (rank, &rank0_listener) {
+            use std::os::fd::AsRawFd;
+            use std::os::unix::process::CommandExt;
+            let fd = l.as_raw_fd();
+            cmd.env(LISTEN_FD_ENV, fd.to_string());
+            // SAFETY: fcntl is async-signal-safe; it clears close-on-exec on the listener
+            // in rank 0's process only, so rank 0 (and no other rank) inherits it.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let flags = libc::fcntl(fd, libc::F_GETFD);
+                    if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         #[cfg(target_os = "linux")]
         {
             use std::os::unix::process::CommandExt;
@@ -191,6 +284,9 @@ pub fn launch(n: usize, hostfile: Option<PathBuf>, args: Vec<String>) -> Result<
         pumps.push(forward(rank, child.stderr.take().expect("piped"), true));
         children.push(child);
     }
+    // Rank 0 holds its own copy; were it to die, peers must see a refused connection,
+    // not a backlog nobody accepts.
+    drop(rank0_listener);
     install_stop_handlers();
     // Wait; on the first failure give the others a moment to report, then stop them.
     let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; n];

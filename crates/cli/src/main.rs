@@ -13,7 +13,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use std::sync::Arc;
-use tessera_comm::{CommConfig, Communicator, Peers};
+use tessera_comm::Communicator;
 use tessera_engine::{EngineConfig, Generator, Placement, Rank, SamplingParams, StopReason};
 use tessera_model::{ChatTemplate, Checkpoint, DenseTransformer, Message, ModelConfig, Tokenizer};
 
@@ -292,16 +292,16 @@ fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
             );
         }
     }
-    let comm = Communicator::connect(CommConfig::new(env.rank, env.world, Peers::Master(env.master), env.secret))
-        .with_context(|| format!("rank {} joining the cluster", env.rank))?;
+    let rank = env.rank;
+    let comm = env.connect()?;
     comm.set_loading(true);
-    let spec = placement.spec(env.rank, &cfg);
+    let spec = placement.spec(rank, &cfg);
     let model = if manifest.is_some() {
         DenseTransformer::load_presliced(ckpt, cfg, spec)
     } else {
         DenseTransformer::load_shard(ckpt, cfg, spec)
     }
-    .with_context(|| format!("rank {} loading {}", env.rank, path.display()))?;
+    .with_context(|| format!("rank {} loading {}", rank, path.display()))?;
     comm.set_loading(false);
     Ok(Loaded { model, cluster: Some((comm, placement)) })
 }

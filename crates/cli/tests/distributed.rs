@@ -201,7 +201,7 @@ fn bad_placements_are_refused_before_loading() {
 fn a_killed_rank_stops_the_whole_run_with_a_diagnosis() {
     let model = fixture("qwen3_moe");
     let prompt: Vec<u32> = (0..6000u32).map(|i| (i * 7 + 3) % 256).collect();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+    let child = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["launch", "-n", "2", "--", "generate", "--model", model.to_str().unwrap(), "--prompt-ids", &csv(&prompt)])
         .args(["--max-tokens", "100000", "--ctx", "120000", "--tp", "2", "--threads", "1"])
         .stdout(std::process::Stdio::piped())
