@@ -130,9 +130,14 @@ struct GenerateArgs {
     /// Raw prompt text (no chat template).
     #[arg(long, conflicts_with_all = ["chat", "prompt_ids"], required_unless_present_any = ["chat", "prompt_ids"])]
     prompt: Option<String>,
-    /// Prompt as comma-separated token ids (no tokenizer needed).
-    #[arg(long, value_delimiter = ',', conflicts_with = "chat")]
-    prompt_ids: Option<Vec<u32>>,
+    /// Prompt as comma-separated token ids (no tokenizer needed). Repeat the flag for
+    /// several sequences, generated together.
+    #[arg(long, conflicts_with = "chat")]
+    prompt_ids: Vec<String>,
+    /// Generate this many sequences from each prompt at once (seeds seed, seed+1, ...):
+    /// batched decode on one node, one micro-batch per stage under --pp.
+    #[arg(long, default_value_t = 1)]
+    parallel: usize,
     /// Also print the generated token ids, as a last line `ids: 1,2,3`.
     #[arg(long)]
     print_ids: bool,
@@ -313,9 +318,10 @@ enum Engine<'m> {
     Follow(Rank<'m>),
 }
 
-fn engine_for<'m>(model: &'m DenseTransformer, cluster: Option<(Communicator, Placement)>, rt: &RuntimeArgs, min_ctx: usize) -> Result<Engine<'m>> {
+fn engine_for<'m>(model: &'m DenseTransformer, cluster: Option<(Communicator, Placement)>, rt: &RuntimeArgs, min_ctx: usize, sequences: usize) -> Result<Engine<'m>> {
     let mut cfg = engine_config(model, rt);
     cfg.context_max = cfg.context_max.max(min_ctx);
+    cfg.sequences_max = sequences;
     Ok(match cluster {
         None => Engine::Drive(Generator::new(model, cfg)?),
         Some((comm, placement)) => {
@@ -333,14 +339,19 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let t0 = Instant::now();
     let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
     let leads = cluster.as_ref().is_none_or(|(c, _)| c.rank() == 0);
-    let tok = if leads && a.prompt_ids.is_none() { Some(Tokenizer::from_checkpoint(model.checkpoint())?) } else { None };
-    let min_ctx = a.prompt_ids.as_ref().map_or(0, |p| p.len() + a.max_tokens + 1);
-    let mut gen = match engine_for(&model, cluster, &a.runtime, min_ctx)? {
+    let id_prompts = a.prompt_ids.iter().map(|p| parse_ids(p)).collect::<Result<Vec<_>>>()?;
+    if !(1..=tessera_engine::generate::SEQUENCES_MAX).contains(&a.parallel) {
+        bail!("--parallel {}: choose 1..={}", a.parallel, tessera_engine::generate::SEQUENCES_MAX);
+    }
+    let sequences = id_prompts.len().max(1) * a.parallel;
+    let tok = if leads && id_prompts.is_empty() { Some(Tokenizer::from_checkpoint(model.checkpoint())?) } else { None };
+    let min_ctx = id_prompts.iter().map(|p| p.len() + a.max_tokens + 1).max().unwrap_or(0);
+    let mut gen = match engine_for(&model, cluster, &a.runtime, min_ctx, sequences)? {
         Engine::Follow(rank) => return Ok(rank.follow()?),
         Engine::Drive(g) => g,
     };
-    if let Some(ids) = &a.prompt_ids {
-        return generate_ids(&mut gen, ids, &a);
+    if !id_prompts.is_empty() {
+        return generate_ids(&mut gen, &id_prompts, &a);
     }
     let tok = tok.expect("the leader has the tokenizer");
     let prompt_ids = match (&a.prompt, &a.chat) {
@@ -357,6 +368,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     let load_secs = t0.elapsed().as_secs_f64();
     let sampling = sampling_of(&a);
+    if a.parallel > 1 {
+        return generate_text_parallel(&mut gen, &tok, &prompt_ids, &a);
+    }
     let mut stream = tessera_model::TextStream::new();
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
@@ -435,22 +449,84 @@ fn sampling_of(a: &GenerateArgs) -> SamplingParams {
 }
 
 /// Generation from token ids: no tokenizer, ids out (tests, models without one).
-fn generate_ids(gen: &mut Generator, prompt: &[u32], a: &GenerateArgs) -> Result<()> {
-    let (ids, _, stats) = gen.generate(prompt, a.max_tokens, &sampling_of(a), &[], |_| true)?;
-    println!("ids: {}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+/// `1,2,3` → ids.
+fn parse_ids(text: &str) -> Result<Vec<u32>> {
+    let ids = text
+        .split(',')
+        .map(|t| t.trim().parse::<u32>().with_context(|| format!("--prompt-ids: {t:?} is not a token id")))
+        .collect::<Result<Vec<_>>>()?;
+    if ids.is_empty() {
+        bail!("--prompt-ids: empty prompt");
+    }
+    Ok(ids)
+}
+
+/// Every prompt × `--parallel`, each with its own seed.
+fn requests_of(prompts: &[Vec<u32>], a: &GenerateArgs) -> Vec<tessera_engine::Request> {
+    let base = sampling_of(a);
+    let mut out = Vec::with_capacity(prompts.len() * a.parallel);
+    for p in prompts {
+        for _ in 0..a.parallel {
+            let sampling = SamplingParams { seed: base.seed.wrapping_add(out.len() as u64), ..base.clone() };
+            out.push(tessera_engine::Request { prompt: p.clone(), max_tokens: a.max_tokens, sampling });
+        }
+    }
+    out
+}
+
+fn print_batch_stats(s: &tessera_engine::BatchStats) {
     eprintln!(
-        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
-        stats.prompt_tokens,
-        stats.prompt_tok_per_sec(),
-        stats.generated_tokens,
-        stats.decode_tok_per_sec()
+        "{} sequences in {} micro-batches: prompt {} tokens | generated {} tokens in {} steps, {:.2} s: {:.1} tok/s overall, {:.1} tok/s once all were decoding",
+        s.sequences,
+        s.micro_batches,
+        s.prompt_tokens,
+        s.generated_tokens,
+        s.steps,
+        s.secs,
+        s.tok_per_sec(),
+        s.decode_tok_per_sec()
     );
+}
+
+fn generate_ids(gen: &mut Generator, prompts: &[Vec<u32>], a: &GenerateArgs) -> Result<()> {
+    if prompts.len() == 1 && a.parallel == 1 {
+        let (ids, _, stats) = gen.generate(&prompts[0], a.max_tokens, &sampling_of(a), &[], |_| true)?;
+        println!("ids: {}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+        eprintln!(
+            "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
+            stats.prompt_tokens,
+            stats.prompt_tok_per_sec(),
+            stats.generated_tokens,
+            stats.decode_tok_per_sec()
+        );
+        return Ok(());
+    }
+    let (done, stats) = tessera_engine::generate_batch(gen.stepper(), &requests_of(prompts, a), &[], |_, _| true)?;
+    for c in &done {
+        println!("ids: {}", c.ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+    }
+    print_batch_stats(&stats);
+    Ok(())
+}
+
+/// `--parallel N` with a text prompt: N completions, printed one after another.
+fn generate_text_parallel(gen: &mut Generator, tok: &Tokenizer, prompt: &[u32], a: &GenerateArgs) -> Result<()> {
+    let (done, stats) = tessera_engine::generate_batch(gen.stepper(), &requests_of(&[prompt.to_vec()], a), &tok.stop, |_, _| true)?;
+    let mut out = std::io::stdout().lock();
+    for (i, c) in done.iter().enumerate() {
+        let text = tok.decode(&c.ids, true).map_err(anyhow::Error::msg)?;
+        writeln!(out, "--- sequence {i} ({:?}) ---\n{text}", c.reason).context("writing output")?;
+        if a.print_ids {
+            writeln!(out, "ids: {}", c.ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")).context("writing output")?;
+        }
+    }
+    print_batch_stats(&stats);
     Ok(())
 }
 
 fn logits(a: LogitsArgs) -> Result<()> {
     let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
-    let mut gen = match engine_for(&model, cluster, &a.runtime, a.tokens.len())? {
+    let mut gen = match engine_for(&model, cluster, &a.runtime, a.tokens.len(), 1)? {
         Engine::Follow(rank) => return Ok(rank.follow()?),
         Engine::Drive(g) => g,
     };

@@ -97,6 +97,45 @@ fn check(name: &str, placements: &[(usize, &[&str])]) {
     }
 }
 
+/// Several sequences at once under pipeline parallelism: one micro-batch per stage in
+/// flight, prompts of different lengths prefilled in small chunks beside decodes. Every
+/// sequence's greedy ids are what it gets alone on one node (and mlx-lm's for the
+/// fixture prompt).
+#[test]
+fn several_sequences_in_flight_under_pp() {
+    let name = "qwen3_moe";
+    let model = fixture(name);
+    let prompt = ids_of("prompt_ids", name);
+    let longer: Vec<u32> = prompt.iter().chain(&prompt).map(|&t| (t * 3 + 1) % 200).collect();
+    let short = prompt[..3].to_vec();
+    let prompts = [prompt.clone(), short, longer, prompt.clone(), vec![7]];
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(&model, 1, &[], p, 12, &[])).collect();
+    assert_eq!(alone[0], ids_of("greedy_ids", name)[..12].to_vec(), "single node vs mlx-lm");
+    for (n, placement, micro) in [
+        (1, &[][..], 1),
+        (2, &["--pp", "2"][..], 2),
+        (3, &["--pp", "3", "--pp-split", "1,1,1"][..], 3),
+        (4, &["--pp", "2", "--tp", "2"][..], 2),
+    ] {
+        let mut args: Vec<String> = vec!["generate".into(), "--model".into(), model.to_string_lossy().into()];
+        for p in &prompts {
+            args.extend(["--prompt-ids".into(), csv(p)]);
+        }
+        args.extend(["--max-tokens", "12", "--threads", "1", "--prefill-chunk", "5"].iter().map(|s| s.to_string()));
+        args.extend(placement.iter().map(|s| s.to_string()));
+        let out = tessera(n, &args);
+        let stdout = ok(&out, &format!("{placement:?} with {} sequences", prompts.len()));
+        let got: Vec<Vec<u32>> = stdout
+            .lines()
+            .filter_map(|l| l.split("ids: ").nth(1))
+            .map(|l| l.trim().split(',').map(|x| x.parse().unwrap()).collect())
+            .collect();
+        assert_eq!(got, alone, "{placement:?}: ids of several sequences at once differ from each alone");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(&format!("{} sequences in {micro} micro-batches", prompts.len())), "{placement:?}:\n{stderr}");
+    }
+}
+
 #[test]
 fn llama_9_heads_any_tp_and_pp() {
     check("llama_smol_tied", &[(2, &["--tp", "2"]), (3, &["--tp", "3"]), (4, &["--tp", "4"]), (2, &["--pp", "2"])]);

@@ -1,22 +1,24 @@
 //! The rank runtime: placements, collectives over `tessera-comm`, and steps driven by
 //! the leader.
 //!
-//! Rank 0 decides every step (which tokens of which sequence, which logits) and
-//! broadcasts it as a plan; every rank checks that all ranks run the same plan, runs
-//! its stage of the model, passes hidden states to the next stage, and the last stage
+//! Rank 0 decides every step (which tokens of which sequences, which logits) as a plan.
+//! The plan goes to the first stage's ranks, then travels down the pipeline just ahead
+//! of the hidden states; each rank checks it is the leader's (digest), the step it
+//! expects, and within its limits, runs its stage, and passes both on. The last stage
 //! returns logits to the leader, which alone samples. So the token ids every rank sees
-//! are the leader's, and a distributed run gives the single-node output.
+//! are the leader's, a distributed run gives the single-node output, and with several
+//! sequences the leader keeps one micro-batch per stage in flight.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use tessera_comm::{Communicator, Group};
 use tessera_kernels::ThreadPool;
 use tessera_model::config::{FfnKind, ModelConfig};
 use tessera_model::shard::split;
 use tessera_model::transformer::{StageIo, StageOutput};
-use tessera_model::{CollGroup, Collectives, DenseTransformer, ExpertSplit, KvCache, LogitsFor, SeqChunk, ShardSpec, StepLimits, Workspace};
+use tessera_model::{CollGroup, Collectives, DenseTransformer, ExpertSplit, KvCache, LogitsFor, SeqChunk, ShardSpec, Workspace};
 
-use crate::generate::{EngineConfig, EngineError, Stepper};
+use crate::generate::{recycle, EngineConfig, EngineError, Stepper};
 
 /// How a model is spread over `world` ranks: `pp` pipeline stages of `world / pp`
 /// ranks each; inside a stage, attention and dense MLPs are split over `tp` ranks and
@@ -115,6 +117,9 @@ impl Placement {
 pub struct CommCollectives {
     /// The stage's ranks (TP and MoE groups are both the stage when used).
     stage: Option<Group>,
+    /// The step being run: in every tag, so ranks of a stage running different steps
+    /// fail at once with both tags shown.
+    step: std::cell::Cell<u32>,
     tag: std::cell::RefCell<String>,
 }
 
@@ -124,10 +129,11 @@ impl CommCollectives {
             use std::fmt::Write;
             let mut t = self.tag.borrow_mut();
             t.clear();
+            let step = self.step.get();
             if layer == usize::MAX {
-                let _ = write!(t, "{what}");
+                let _ = write!(t, "step {step} {what}");
             } else {
-                let _ = write!(t, "layer {layer} {what}");
+                let _ = write!(t, "step {step} layer {layer} {what}");
             }
         }
         self.tag.borrow()
@@ -148,12 +154,22 @@ impl Collectives for CommCollectives {
     }
 }
 
-/// Step-plan limits: a plan is at most this many u32 words beyond its tokens.
-const PLAN_WORDS_FIXED: usize = 8;
-const PLAN_MAGIC: u32 = 0x7E55_E8A1;
+/// Plan layout (u32 words): a fixed head, then (slot, tokens, logits-all) per chunk,
+/// then every chunk's tokens. A plan travels with the activations: stage 0 gets it from
+/// the leader, every later stage from the stage before, just ahead of its hidden states,
+/// so several steps can be in the pipeline at once.
+const PLAN_OP: usize = 0;
+const PLAN_STEP: usize = 1;
+const PLAN_CHUNKS: usize = 2;
+const PLAN_TOKENS: usize = 3;
+const PLAN_HEAD_WORDS: usize = 4;
+const PLAN_CHUNK_WORDS: usize = 3;
+const PLAN_MAGIC: u32 = 0x7E55_E8A2;
 const OP_STEP: u32 = 1;
 const OP_RESET: u32 = 2;
 const OP_STOP: u32 = 3;
+/// The wire header sent before a plan: magic, words, digest, step.
+const WIRE_HEAD: usize = 4;
 
 /// Room for a per-step message tag such as "step 4294967295 logits".
 const TAG_BYTES_MAX: usize = 48;
@@ -167,26 +183,44 @@ fn step_tag<'b>(buf: &'b mut [u8; TAG_BYTES_MAX], what: &str, step: u32) -> &'b 
     std::str::from_utf8(&buf[..len]).expect("ASCII tag")
 }
 
+fn plan_digest(words: &[u32]) -> u32 {
+    words.iter().fold(0x811c_9dc5u32, |h, &w| (h ^ w).wrapping_mul(0x0100_0193))
+}
+
+/// A step the leader submitted and has not collected: its number and logits rows.
+#[derive(Clone, Copy)]
+struct InFlight {
+    step: u32,
+    rows: usize,
+}
+
 /// One rank's runtime: its shard, its caches, its place in the pipeline.
 pub struct Rank<'m> {
     model: &'m DenseTransformer,
-    comm: Communicator,
+    /// Held for the groups' sake: dropping it closes the mesh.
+    _comm: Communicator,
     coll: CommCollectives,
     placement: Placement,
     rank: usize,
+    stage: usize,
     pool: ThreadPool,
     ws: Workspace,
+    /// One KV cache per sequence slot.
     caches: Vec<KvCache>,
     /// Pair groups by global ranks (pipeline links, last stage → leader).
     pairs: BTreeMap<(usize, usize), Group>,
     hidden_in: Vec<f32>,
     hidden_out: Vec<f32>,
     logits: Vec<f32>,
+    /// The current plan (u32 words) and its wire form (i32, same bits): reused every step.
     plan: Vec<u32>,
-    /// The plan as sent (i32 words) and every rank's plan digest: reused every step.
     plan_wire: Vec<i32>,
-    digests: Vec<i32>,
+    /// Chunks of the current plan, kept for their allocation (empty between steps).
+    chunk_buf: Vec<SeqChunk<'static>>,
+    /// The step this rank expects next.
     step_no: u32,
+    /// Leader only: steps submitted and not yet collected, oldest first.
+    in_flight: VecDeque<InFlight>,
     cfg: EngineConfig,
 }
 
@@ -203,14 +237,16 @@ impl<'m> Rank<'m> {
         if comm.world_size() != placement.world {
             return Err(dist_err(format!("placement is for {} ranks, the cluster has {}", placement.world, comm.world_size())));
         }
-        // Every rank must run the same placement: compare a digest of its description.
-        let desc = placement.describe();
+        // Every rank must run the same placement and limits: compare a digest of them.
+        let desc = format!("{}; {} sequences, {} tokens per step, {} context", placement.describe(), cfg.sequences_max, cfg.prefill_chunk, cfg.context_max);
         let digest = desc.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
         let mine = [(digest & 0x7fff_ffff) as i32];
         let mut all = vec![0i32; placement.world];
         comm.all_gather(&mine, &mut all, "placement check").map_err(dist_err)?;
         if let Some(r) = all.iter().position(|&d| d != mine[0]) {
-            return Err(dist_err(format!("rank {r} runs a different placement than rank {rank} ({desc}): start every rank with the same flags")));
+            return Err(dist_err(format!(
+                "rank {r} runs a different placement or limits than rank {rank} ({desc}): start every rank with the same flags"
+            )));
         }
         let g = placement.stage_size();
         let stage = placement.stage_of(rank);
@@ -234,25 +270,30 @@ impl<'m> Rank<'m> {
         if placement.pp > 1 && (rank == 0 || rank == last_lead) {
             pair(0, last_lead, &comm)?;
         }
-        let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk, context_max: cfg.context_max, sequences_per_step_max: 1 };
+        let limits = cfg.step_limits();
         let pool = ThreadPool::new(cfg.threads);
         let h = model.cfg.hidden;
+        let t = limits.tokens_per_step_max;
+        let max_words = PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * cfg.sequences_max + t;
         Ok(Rank {
             ws: model.new_workspace(limits, pool.n_threads()),
-            caches: vec![model.new_cache(limits)],
-            coll: CommCollectives { stage: stage_group, tag: std::cell::RefCell::new(String::with_capacity(64)) },
+            // Untouched cache pages cost nothing until a sequence fills them.
+            caches: (0..cfg.sequences_max).map(|_| model.new_cache(limits)).collect(),
+            coll: CommCollectives { stage: stage_group, step: std::cell::Cell::new(0), tag: std::cell::RefCell::new(String::with_capacity(64)) },
             pairs,
-            hidden_in: vec![0.0; cfg.prefill_chunk * h],
-            hidden_out: vec![0.0; cfg.prefill_chunk * h],
-            logits: vec![0.0; cfg.prefill_chunk * model.cfg.vocab],
-            plan: Vec::with_capacity(PLAN_WORDS_FIXED + cfg.prefill_chunk),
-            plan_wire: Vec::with_capacity(PLAN_WORDS_FIXED + cfg.prefill_chunk),
-            digests: vec![0; placement.world],
+            hidden_in: vec![0.0; t * h],
+            hidden_out: vec![0.0; t * h],
+            logits: vec![0.0; t * model.cfg.vocab],
+            plan: Vec::with_capacity(max_words),
+            plan_wire: Vec::with_capacity(max_words),
+            chunk_buf: Vec::with_capacity(cfg.sequences_max),
             step_no: 0,
+            in_flight: VecDeque::with_capacity(placement.pp),
             pool,
             placement,
             rank,
-            comm,
+            stage,
+            _comm: comm,
             model,
             cfg,
         })
@@ -262,92 +303,194 @@ impl<'m> Rank<'m> {
         self.rank
     }
 
-    /// Broadcasts the leader's plan (rank 0) and returns (op, tokens, logits_all).
-    fn exchange_plan(&mut self, op: u32, tokens: &[u32], want: LogitsFor) -> Result<(u32, LogitsFor), EngineError> {
-        let max_words = PLAN_WORDS_FIXED + self.cfg.prefill_chunk;
-        let mut head = [0i32; 4];
-        if self.rank == 0 {
-            self.plan.clear();
-            self.plan.extend_from_slice(&[op, self.step_no, u32::from(want == LogitsFor::All), tokens.len() as u32]);
-            self.plan.extend_from_slice(tokens);
-            head = [PLAN_MAGIC as i32, self.plan.len() as i32, self.step_no as i32, 0];
-        }
-        self.comm.broadcast(&mut head, 0, "plan header").map_err(dist_err)?;
-        let len = head[1] as usize;
-        if head[0] != PLAN_MAGIC as i32 || len < 4 || len > max_words {
-            return Err(dist_err(format!("rank {}: malformed step plan header {head:?} (limit {max_words} words)", self.rank)));
-        }
-        self.plan.resize(len, 0);
-        // u32 words travel as i32 (same bits); the buffers are reused, so a step allocates nothing.
-        self.plan_wire.clear();
-        self.plan_wire.extend(self.plan.iter().map(|&w| w as i32));
-        self.comm.broadcast(&mut self.plan_wire, 0, "plan").map_err(dist_err)?;
-        for (p, w) in self.plan.iter_mut().zip(&self.plan_wire) {
-            *p = *w as u32;
-        }
-        // Every rank checks it runs the same plan as every other.
-        let digest = self.plan.iter().fold(0x811c_9dc5u32, |h, &w| (h ^ w).wrapping_mul(0x0100_0193));
-        self.comm.all_gather(&[digest as i32], &mut self.digests, "plan check").map_err(dist_err)?;
-        if self.digests.iter().any(|&d| d != digest as i32) {
-            return Err(dist_err(format!("rank {}: step {} plans differ between ranks", self.rank, self.plan[1])));
-        }
-        if self.plan[1] != self.step_no {
-            return Err(dist_err(format!("rank {}: expected step {}, the leader sent step {}", self.rank, self.step_no, self.plan[1])));
-        }
-        self.step_no = self.step_no.wrapping_add(1);
-        let want = if self.plan[2] == 1 { LogitsFor::All } else { LogitsFor::Last };
-        Ok((self.plan[0], want))
+    fn max_plan_words(&self) -> usize {
+        PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * self.cfg.sequences_max + self.cfg.step_limits().tokens_per_step_max
     }
 
-    /// Runs this rank's stage of the current plan's step; on the leader, leaves the
-    /// logits in `out`.
-    fn run_step(&mut self, want: LogitsFor, out: Option<&mut [f32]>) -> Result<(), EngineError> {
-        let n = self.plan[3] as usize;
-        let tokens = &self.plan[4..4 + n];
-        let h = self.model.cfg.hidden;
-        let v = self.model.cfg.vocab;
+    /// Leader: writes a plan into `self.plan`.
+    fn encode_plan(&mut self, op: u32, chunks: &[SeqChunk<'_>]) {
+        let p = &mut self.plan;
+        p.clear();
+        let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        p.extend_from_slice(&[op, self.step_no, chunks.len() as u32, tokens as u32]);
+        for c in chunks {
+            p.extend_from_slice(&[c.cache as u32, c.tokens.len() as u32, u32::from(c.logits == LogitsFor::All)]);
+        }
+        for c in chunks {
+            p.extend_from_slice(c.tokens);
+        }
+    }
+
+    /// Sends the current plan to a pair-group peer (header, then words).
+    fn send_plan(&mut self, link: (usize, usize), peer: usize) -> Result<(), EngineError> {
+        let mut tag = [0u8; TAG_BYTES_MAX];
+        let step = self.plan[PLAN_STEP];
+        let head = [PLAN_MAGIC as i32, self.plan.len() as i32, plan_digest(&self.plan) as i32, step as i32];
+        self.plan_wire.clear();
+        self.plan_wire.extend(self.plan.iter().map(|&w| w as i32));
+        let g = &self.pairs[&link];
+        g.send(&head, peer, step_tag(&mut tag, "plan header", step)).map_err(dist_err)?;
+        g.send(&self.plan_wire, peer, step_tag(&mut tag, "plan", step)).map_err(dist_err)
+    }
+
+    /// Receives the next plan: stage 0 from the leader (a broadcast in the stage; the
+    /// leader itself already holds it), later stages from the previous stage. Checks that
+    /// it is well formed, is the step this rank expects, and that its words are the
+    /// leader's (the digest the leader computed travels with it).
+    fn receive_plan(&mut self) -> Result<(), EngineError> {
+        let max_words = self.max_plan_words();
         let g = self.placement.stage_size();
-        let stage = self.placement.stage_of(self.rank);
-        let last = stage + 1 == self.placement.pp;
-        let rows = if want == LogitsFor::All { n } else { 1 };
-        let chunk = [SeqChunk { cache: 0, tokens, logits: want }];
-        let (mut hidden_buf, mut logits_buf) = ([0u8; TAG_BYTES_MAX], [0u8; TAG_BYTES_MAX]);
-        let step = self.step_no.wrapping_sub(1);
-        if stage > 0 {
+        let mut head = [0i32; WIRE_HEAD];
+        let mut tag = [0u8; TAG_BYTES_MAX];
+        let expect = self.step_no;
+        if self.stage == 0 {
+            if self.rank == 0 {
+                head = [PLAN_MAGIC as i32, self.plan.len() as i32, plan_digest(&self.plan) as i32, expect as i32];
+            }
+            if let Some(sg) = &self.coll.stage {
+                sg.broadcast(&mut head, 0, step_tag(&mut tag, "plan header", expect)).map_err(dist_err)?;
+            }
+        } else {
             let link = &self.pairs[&(self.rank - g, self.rank)];
-            link.recv(&mut self.hidden_in[..n * h], 0, step_tag(&mut hidden_buf, "hidden", step)).map_err(dist_err)?;
+            link.recv(&mut head, 0, step_tag(&mut tag, "plan header", expect)).map_err(dist_err)?;
         }
-        let input = (stage > 0).then_some(&self.hidden_in[..n * h]);
-        let output = if last { StageOutput::Logits(&mut self.logits[..rows * v]) } else { StageOutput::Hidden(&mut self.hidden_out[..n * h]) };
-        self.model.forward_stage(&self.pool, &mut self.ws, &mut self.caches, &chunk, StageIo { input, output }, &self.coll)?;
-        if !last {
-            let link = &self.pairs[&(self.rank, self.rank + g)];
-            link.send(&self.hidden_out[..n * h], 1, step_tag(&mut hidden_buf, "hidden", step)).map_err(dist_err)?;
+        let len = head[1] as usize;
+        if head[0] != PLAN_MAGIC as i32 || !(PLAN_HEAD_WORDS..=max_words).contains(&len) {
+            return Err(dist_err(format!(
+                "rank {}: malformed step plan header {head:?} for step {expect} (limit {max_words} words: every rank must run the same version and limits)",
+                self.rank
+            )));
         }
-        let last_lead = (self.placement.pp - 1) * g;
-        if self.placement.pp > 1 && self.rank == last_lead {
-            self.pairs[&(0, last_lead)].send(&self.logits[..rows * v], 0, step_tag(&mut logits_buf, "logits", step)).map_err(dist_err)?;
+        if head[3] as u32 != expect {
+            return Err(dist_err(format!("rank {}: expected step {expect}, the leader sent step {}", self.rank, head[3] as u32)));
         }
-        if let Some(out) = out {
-            if self.placement.pp > 1 {
-                self.pairs[&(0, last_lead)].recv(out, 1, step_tag(&mut logits_buf, "logits", step)).map_err(dist_err)?;
+        if self.rank != 0 {
+            self.plan_wire.clear();
+            self.plan_wire.resize(len, 0);
+            if self.stage == 0 {
+                let sg = self.coll.stage.as_ref().expect("a stage of several ranks");
+                sg.broadcast(&mut self.plan_wire, 0, step_tag(&mut tag, "plan", expect)).map_err(dist_err)?;
             } else {
-                out.copy_from_slice(&self.logits[..rows * v]);
+                let link = &self.pairs[&(self.rank - g, self.rank)];
+                link.recv(&mut self.plan_wire, 0, step_tag(&mut tag, "plan", expect)).map_err(dist_err)?;
+            }
+            self.plan.clear();
+            self.plan.extend(self.plan_wire.iter().map(|&w| w as u32));
+        } else if let Some(sg) = &self.coll.stage {
+            self.plan_wire.clear();
+            self.plan_wire.extend(self.plan.iter().map(|&w| w as i32));
+            sg.broadcast(&mut self.plan_wire, 0, step_tag(&mut tag, "plan", expect)).map_err(dist_err)?;
+        }
+        if plan_digest(&self.plan) as i32 != head[2] {
+            return Err(dist_err(format!("rank {}: step {expect}'s plan differs from the leader's (digest mismatch)", self.rank)));
+        }
+        self.check_plan()?;
+        self.step_no = self.step_no.wrapping_add(1);
+        Ok(())
+    }
+
+    /// The plan's chunk table agrees with its length and this rank's limits.
+    fn check_plan(&self) -> Result<(), EngineError> {
+        let p = &self.plan;
+        let bad = |why: String| Err(dist_err(format!("rank {}: step {} plan: {why}", self.rank, p[PLAN_STEP])));
+        let (chunks, tokens) = (p[PLAN_CHUNKS] as usize, p[PLAN_TOKENS] as usize);
+        if chunks > self.cfg.sequences_max {
+            return bad(format!("{chunks} sequences, this rank holds {}", self.cfg.sequences_max));
+        }
+        if p.len() != PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * chunks + tokens {
+            return bad(format!("{} words for {chunks} chunks and {tokens} tokens", p.len()));
+        }
+        let table = &p[PLAN_HEAD_WORDS..PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * chunks];
+        let sum: usize = table.chunks(PLAN_CHUNK_WORDS).map(|c| c[1] as usize).sum();
+        if sum != tokens {
+            return bad(format!("chunk lengths add up to {sum}, not {tokens}"));
+        }
+        if p[PLAN_OP] == OP_RESET {
+            if let Some(c) = table.chunks(PLAN_CHUNK_WORDS).find(|c| c[0] as usize >= self.caches.len()) {
+                return bad(format!("slot {} is beyond this rank's {} sequence slots", c[0], self.caches.len()));
             }
         }
         Ok(())
+    }
+
+    /// Passes the current plan to the next stage (ahead of the hidden states).
+    fn pass_plan_on(&mut self) -> Result<(), EngineError> {
+        if self.stage + 1 < self.placement.pp {
+            let g = self.placement.stage_size();
+            self.send_plan((self.rank, self.rank + g), 1)?;
+        }
+        Ok(())
+    }
+
+    /// Runs this rank's stage of the current plan. The last stage's leading rank sends
+    /// the logits to the leader; on a single stage they stay in `self.logits`. Returns
+    /// the logits rows.
+    fn run_step(&mut self) -> Result<usize, EngineError> {
+        let p = &self.plan;
+        let step = p[PLAN_STEP];
+        let (nc, n) = (p[PLAN_CHUNKS] as usize, p[PLAN_TOKENS] as usize);
+        let h = self.model.cfg.hidden;
+        let v = self.model.cfg.vocab;
+        let g = self.placement.stage_size();
+        let last = self.stage + 1 == self.placement.pp;
+        let mut chunks = recycle(std::mem::take(&mut self.chunk_buf));
+        let mut at = PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * nc;
+        let mut rows = 0;
+        for c in p[PLAN_HEAD_WORDS..PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * nc].chunks(PLAN_CHUNK_WORDS) {
+            let (len, all) = (c[1] as usize, c[2] == 1);
+            rows += if all { len } else { 1 };
+            chunks.push(SeqChunk { cache: c[0] as usize, tokens: &p[at..at + len], logits: if all { LogitsFor::All } else { LogitsFor::Last } });
+            at += len;
+        }
+        let mut tag = [0u8; TAG_BYTES_MAX];
+        let result = (|| {
+            if self.stage > 0 {
+                let link = &self.pairs[&(self.rank - g, self.rank)];
+                link.recv(&mut self.hidden_in[..n * h], 0, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
+            }
+            let input = (self.stage > 0).then_some(&self.hidden_in[..n * h]);
+            let output = if last { StageOutput::Logits(&mut self.logits[..rows * v]) } else { StageOutput::Hidden(&mut self.hidden_out[..n * h]) };
+            self.coll.step.set(step);
+            self.model.forward_stage(&self.pool, &mut self.ws, &mut self.caches, &chunks, StageIo { input, output }, &self.coll)?;
+            if !last {
+                let link = &self.pairs[&(self.rank, self.rank + g)];
+                link.send(&self.hidden_out[..n * h], 1, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
+            }
+            let last_lead = (self.placement.pp - 1) * g;
+            if self.placement.pp > 1 && self.rank == last_lead {
+                self.pairs[&(0, last_lead)].send(&self.logits[..rows * v], 0, step_tag(&mut tag, "logits", step)).map_err(dist_err)?;
+            }
+            Ok::<_, EngineError>(())
+        })();
+        self.chunk_buf = recycle(chunks);
+        result.map(|()| rows)
+    }
+
+    /// Runs the current plan's op on this rank (after passing it on).
+    fn run_plan(&mut self) -> Result<Option<usize>, EngineError> {
+        self.pass_plan_on()?;
+        match self.plan[PLAN_OP] {
+            OP_STEP => self.run_step().map(Some),
+            OP_RESET => {
+                let nc = self.plan[PLAN_CHUNKS] as usize;
+                for c in self.plan[PLAN_HEAD_WORDS..PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * nc].chunks(PLAN_CHUNK_WORDS) {
+                    self.caches[c[0] as usize].clear();
+                }
+                Ok(None)
+            }
+            OP_STOP => Ok(None),
+            other => Err(dist_err(format!("rank {}: unknown plan op {other}", self.rank))),
+        }
     }
 
     /// A follower's life: run the leader's plans until it says stop.
     pub fn follow(mut self) -> Result<(), EngineError> {
         assert_ne!(self.rank, 0, "rank 0 leads");
         loop {
-            let (op, want) = self.exchange_plan(0, &[], LogitsFor::Last)?;
-            match op {
-                OP_STEP => self.run_step(want, None)?,
-                OP_RESET => self.caches.iter_mut().for_each(|c| c.clear()),
-                OP_STOP => return Ok(()),
-                other => return Err(dist_err(format!("rank {}: unknown plan op {other}", self.rank))),
+            self.receive_plan()?;
+            self.run_plan()?;
+            if self.plan[PLAN_OP] == OP_STOP {
+                return Ok(());
             }
         }
     }
@@ -357,10 +500,17 @@ impl<'m> Rank<'m> {
         assert_eq!(self.rank, 0, "only rank 0 leads");
         DistLeader { rank: Some(self) }
     }
+
+    /// Leader: decides a plan and starts it down the pipeline.
+    fn lead(&mut self, op: u32, chunks: &[SeqChunk<'_>]) -> Result<Option<usize>, EngineError> {
+        self.encode_plan(op, chunks);
+        self.receive_plan()?;
+        self.run_plan()
+    }
 }
 
-/// Rank 0's side: each step is broadcast as a plan, run by every rank, and the
-/// logits come back here.
+/// Rank 0's side: each step's plan goes down the pipeline with the activations, and
+/// the logits come back here. Up to `pp` steps are in flight at once.
 pub struct DistLeader<'m> {
     rank: Option<Rank<'m>>,
 }
@@ -369,11 +519,14 @@ impl<'m> DistLeader<'m> {
     fn r(&mut self) -> &mut Rank<'m> {
         self.rank.as_mut().expect("the leader lives until dropped")
     }
+    fn r_ref(&self) -> &Rank<'m> {
+        self.rank.as_ref().expect("the leader lives until dropped")
+    }
 
     /// Tells every follower to stop (also done on drop, errors ignored there).
     pub fn stop(mut self) -> Result<(), EngineError> {
         let mut r = self.rank.take().expect("stopped once");
-        r.exchange_plan(OP_STOP, &[], LogitsFor::Last)?;
+        r.lead(OP_STOP, &[])?;
         Ok(())
     }
 }
@@ -381,33 +534,68 @@ impl<'m> DistLeader<'m> {
 impl Drop for DistLeader<'_> {
     fn drop(&mut self) {
         if let Some(mut r) = self.rank.take() {
-            let _ = r.exchange_plan(OP_STOP, &[], LogitsFor::Last);
+            let _ = r.lead(OP_STOP, &[]);
         }
     }
 }
 
 impl Stepper for DistLeader<'_> {
     fn vocab(&self) -> usize {
-        self.rank.as_ref().expect("alive").model.cfg.vocab
+        self.r_ref().model.cfg.vocab
     }
-    fn cached(&self) -> usize {
-        self.rank.as_ref().expect("alive").caches[0].len()
+    fn sequences_max(&self) -> usize {
+        self.r_ref().caches.len()
+    }
+    fn tokens_per_step_max(&self) -> usize {
+        self.r_ref().cfg.step_limits().tokens_per_step_max
+    }
+    fn cached(&self, seq: usize) -> usize {
+        self.r_ref().caches[seq].len()
     }
     fn capacity(&self) -> usize {
-        self.rank.as_ref().expect("alive").caches[0].capacity()
+        self.r_ref().cfg.context_max
     }
-    fn reset(&mut self) -> Result<(), EngineError> {
+    fn in_flight_max(&self) -> usize {
+        self.r_ref().placement.pp
+    }
+    fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
         let r = self.r();
-        r.exchange_plan(OP_RESET, &[], LogitsFor::Last)?;
-        r.caches.iter_mut().for_each(|c| c.clear());
+        if seq >= r.caches.len() {
+            return Err(tessera_model::StepError::NoSuchCache { index: seq, caches: r.caches.len() }.into());
+        }
+        r.lead(OP_RESET, &[SeqChunk { cache: seq, tokens: &[], logits: LogitsFor::Last }])?;
         Ok(())
     }
-    fn step(&mut self, tokens: &[u32], want: LogitsFor, logits: &mut [f32]) -> Result<(), EngineError> {
+    fn submit(&mut self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError> {
         let r = self.r();
-        if tokens.is_empty() || tokens.len() > r.cfg.prefill_chunk {
-            return Err(tessera_model::StepError::TooManyTokens { tokens: tokens.len(), max: r.cfg.prefill_chunk }.into());
+        let t_max = r.cfg.step_limits().tokens_per_step_max;
+        let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        if chunks.is_empty() || n == 0 || n > t_max {
+            return Err(tessera_model::StepError::TooManyTokens { tokens: n, max: t_max }.into());
         }
-        let (_, want) = r.exchange_plan(OP_STEP, tokens, want)?;
-        r.run_step(want, Some(logits))
+        if r.in_flight.len() >= r.placement.pp {
+            return Err(EngineError::Config(format!("{} steps already in flight (one per pipeline stage): collect one first", r.in_flight.len())));
+        }
+        let step = r.step_no;
+        let rows = crate::generate::logit_rows(chunks);
+        r.lead(OP_STEP, chunks)?;
+        r.in_flight.push_back(InFlight { step, rows });
+        Ok(())
+    }
+    fn collect(&mut self, logits: &mut [f32]) -> Result<usize, EngineError> {
+        let r = self.r();
+        let f = r.in_flight.pop_front().ok_or_else(|| EngineError::Config("collect without a submitted step".into()))?;
+        let n = f.rows * r.model.cfg.vocab;
+        if logits.len() < n {
+            return Err(tessera_model::StepError::LogitsBuffer { got: logits.len(), need: n }.into());
+        }
+        if r.placement.pp > 1 {
+            let mut tag = [0u8; TAG_BYTES_MAX];
+            let last_lead = (r.placement.pp - 1) * r.placement.stage_size();
+            r.pairs[&(0, last_lead)].recv(&mut logits[..n], 1, step_tag(&mut tag, "logits", f.step)).map_err(dist_err)?;
+        } else {
+            logits[..n].copy_from_slice(&r.logits[..n]);
+        }
+        Ok(f.rows)
     }
 }

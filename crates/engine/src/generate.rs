@@ -4,7 +4,10 @@
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::time::Instant;
 use tessera_kernels::ThreadPool;
-use tessera_model::{DenseTransformer, KvCache, LogitsFor, StepError, StepLimits, Workspace};
+use tessera_model::{DenseTransformer, KvCache, LogitsFor, SeqChunk, StepError, StepLimits, Workspace};
+
+/// Most sequences one engine keeps in progress (each holds a KV cache of `context_max`).
+pub const SEQUENCES_MAX: usize = 256;
 
 /// Limits and resources of an engine, fixed at start-up.
 #[derive(Clone, Debug)]
@@ -13,16 +16,26 @@ pub struct EngineConfig {
     pub threads: usize,
     /// Prompt tokens per prefill step; longer prompts run in chunks of this size.
     pub prefill_chunk: usize,
-    /// KV-cache capacity in tokens (prompt + generated).
+    /// KV-cache capacity in tokens (prompt + generated), per sequence.
     pub context_max: usize,
+    /// Sequences in progress at once (KV-cache slots; the decode batch).
+    pub sequences_max: usize,
 }
 
 impl EngineConfig {
     pub fn validate(&self) -> Result<(), EngineError> {
-        if self.prefill_chunk == 0 || self.context_max == 0 || self.threads == 0 {
-            return Err(EngineError::Config(format!("threads, prefill_chunk and context_max must be > 0: {self:?}")));
+        if self.prefill_chunk == 0 || self.context_max == 0 || self.threads == 0 || self.sequences_max == 0 {
+            return Err(EngineError::Config(format!("threads, prefill_chunk, context_max and sequences_max must be > 0: {self:?}")));
+        }
+        if self.sequences_max > SEQUENCES_MAX {
+            return Err(EngineError::Config(format!("{} sequences at once is above the limit of {SEQUENCES_MAX}", self.sequences_max)));
         }
         Ok(())
+    }
+
+    /// What one forward step may hold.
+    pub fn step_limits(&self) -> StepLimits {
+        StepLimits { tokens_per_step_max: self.prefill_chunk.max(self.sequences_max), context_max: self.context_max, sequences_per_step_max: self.sequences_max }
     }
 
     /// Defaults for this machine: every core, 2048-token prefill chunks, 4096 tokens of context
@@ -32,6 +45,7 @@ impl EngineConfig {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             prefill_chunk: 2048,
             context_max: model.cfg.context_max.min(4096),
+            sequences_max: 1,
         }
     }
 }
@@ -80,32 +94,77 @@ impl GenerationStats {
     }
 }
 
-/// Runs forward steps of one sequence, wherever the model lives: in this process
-/// ([`LocalStepper`]) or across ranks (`dist::DistLeader`).
+/// Runs forward steps over one or several sequences (each in its own KV-cache slot),
+/// wherever the model lives: in this process ([`LocalStepper`]) or across ranks
+/// (`dist::DistLeader`).
+///
+/// A step is *submitted* and its logits *collected* later, in submission order, so that a
+/// pipeline can hold several steps at once (one per stage); `in_flight_max` says how many.
 pub trait Stepper {
     fn vocab(&self) -> usize;
-    /// Tokens the sequence's cache holds now, and at most.
-    fn cached(&self) -> usize;
+    /// Cache slots (sequences that can be in progress at once).
+    fn sequences_max(&self) -> usize;
+    /// Tokens one step may carry (the prefill chunk).
+    fn tokens_per_step_max(&self) -> usize;
+    /// Tokens slot `seq`'s cache holds now, and at most.
+    fn cached(&self, seq: usize) -> usize;
     fn capacity(&self) -> usize;
-    /// Forget the sequence (a new one starts).
-    fn reset(&mut self) -> Result<(), EngineError>;
-    /// Appends `tokens` (at most one prefill chunk) and writes the logits `want` asks for.
-    fn step(&mut self, tokens: &[u32], want: LogitsFor, logits: &mut [f32]) -> Result<(), EngineError>;
+    /// Steps that may be submitted before the oldest is collected.
+    fn in_flight_max(&self) -> usize;
+    /// Forget slot `seq`'s sequence (a new one starts there).
+    fn reset(&mut self, seq: usize) -> Result<(), EngineError>;
+    /// Starts a step: each chunk appends its tokens to its slot's cache. At most
+    /// `in_flight_max` steps may be outstanding.
+    fn submit(&mut self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError>;
+    /// The oldest outstanding step's logits, rows in chunk order (one per `Last` chunk,
+    /// one per token of an `All` chunk); returns the number of rows.
+    fn collect(&mut self, logits: &mut [f32]) -> Result<usize, EngineError>;
+    /// Submit then collect.
+    fn step(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<usize, EngineError> {
+        self.submit(chunks)?;
+        self.collect(logits)
+    }
 }
 
-/// The whole model in this process.
+/// Reuses a vector's allocation for chunks borrowing from another buffer: it is emptied
+/// first, so no borrow outlives its step (an in-place collect keeps the capacity), and a
+/// step allocates nothing.
+pub(crate) fn recycle<'a, 'b>(mut v: Vec<SeqChunk<'a>>) -> Vec<SeqChunk<'b>> {
+    v.clear();
+    v.into_iter().map(|_| unreachable!("emptied")).collect()
+}
+
+/// Logits rows a step produces.
+pub fn logit_rows(chunks: &[SeqChunk<'_>]) -> usize {
+    chunks.iter().map(|c| if c.logits == LogitsFor::All { c.tokens.len() } else { 1 }).sum()
+}
+
+/// The whole model in this process. A step runs at submit; its logits wait for collect.
 pub struct LocalStepper<'m> {
     model: &'m DenseTransformer,
     pool: ThreadPool,
     ws: Workspace,
-    cache: KvCache,
+    caches: Vec<KvCache>,
+    limits: StepLimits,
+    logits: Vec<f32>,
+    /// Rows of the step waiting to be collected.
+    pending: Option<usize>,
 }
 
 impl<'m> LocalStepper<'m> {
     pub fn new(model: &'m DenseTransformer, cfg: &EngineConfig) -> LocalStepper<'m> {
-        let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk, context_max: cfg.context_max, sequences_per_step_max: 1 };
+        let limits = cfg.step_limits();
         let pool = ThreadPool::new(cfg.threads);
-        LocalStepper { ws: model.new_workspace(limits, pool.n_threads()), cache: model.new_cache(limits), pool, model }
+        LocalStepper {
+            ws: model.new_workspace(limits, pool.n_threads()),
+            caches: (0..cfg.sequences_max).map(|_| model.new_cache(limits)).collect(),
+            // Untouched pages cost nothing: only the rows a step writes become resident.
+            logits: vec![0.0; limits.tokens_per_step_max.max(limits.sequences_per_step_max) * model.cfg.vocab],
+            pending: None,
+            limits,
+            pool,
+            model,
+        }
     }
 }
 
@@ -113,18 +172,59 @@ impl Stepper for LocalStepper<'_> {
     fn vocab(&self) -> usize {
         self.model.cfg.vocab
     }
-    fn cached(&self) -> usize {
-        self.cache.len()
+    fn sequences_max(&self) -> usize {
+        self.caches.len()
+    }
+    fn tokens_per_step_max(&self) -> usize {
+        self.limits.tokens_per_step_max
+    }
+    fn cached(&self, seq: usize) -> usize {
+        self.caches[seq].len()
     }
     fn capacity(&self) -> usize {
-        self.cache.capacity()
+        self.limits.context_max
     }
-    fn reset(&mut self) -> Result<(), EngineError> {
-        self.cache.clear();
+    fn in_flight_max(&self) -> usize {
+        1
+    }
+    fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
+        let n = self.caches.len();
+        self.caches.get_mut(seq).ok_or(StepError::NoSuchCache { index: seq, caches: n })?.clear();
         Ok(())
     }
-    fn step(&mut self, tokens: &[u32], want: LogitsFor, logits: &mut [f32]) -> Result<(), EngineError> {
-        Ok(self.model.forward(&self.pool, &mut self.ws, &mut self.cache, tokens, want, logits)?)
+    fn submit(&mut self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError> {
+        if self.pending.is_some() {
+            return Err(EngineError::Config("a step is already in flight: collect it first (in_flight_max 1)".into()));
+        }
+        let rows = logit_rows(chunks);
+        let v = self.model.cfg.vocab;
+        if rows * v > self.logits.len() {
+            return Err(StepError::TooManyTokens { tokens: rows, max: self.logits.len() / v }.into());
+        }
+        self.model.forward_batch(&self.pool, &mut self.ws, &mut self.caches, chunks, &mut self.logits[..rows * v])?;
+        self.pending = Some(rows);
+        Ok(())
+    }
+    fn collect(&mut self, logits: &mut [f32]) -> Result<usize, EngineError> {
+        let rows = self.pending.take().ok_or_else(|| EngineError::Config("collect without a submitted step".into()))?;
+        let n = rows * self.model.cfg.vocab;
+        if logits.len() < n {
+            return Err(StepError::LogitsBuffer { got: logits.len(), need: n }.into());
+        }
+        logits[..n].copy_from_slice(&self.logits[..n]);
+        Ok(rows)
+    }
+    fn step(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<usize, EngineError> {
+        // No copy: the forward pass writes straight into the caller's buffer.
+        if self.pending.is_some() {
+            return Err(EngineError::Config("a step is already in flight: collect it first".into()));
+        }
+        let n = logit_rows(chunks) * self.model.cfg.vocab;
+        if logits.len() < n {
+            return Err(StepError::LogitsBuffer { got: logits.len(), need: n }.into());
+        }
+        self.model.forward_batch(&self.pool, &mut self.ws, &mut self.caches, chunks, &mut logits[..n])?;
+        Ok(logit_rows(chunks))
     }
 }
 
@@ -154,14 +254,19 @@ impl<'m> Generator<'m> {
     pub fn logits_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         let v = self.stepper.vocab();
         let mut out = vec![0.0; tokens.len() * v];
-        self.stepper.reset()?;
+        self.stepper.reset(0)?;
         let mut done = 0;
         for chunk in tokens.chunks(self.cfg.prefill_chunk) {
             let dst = &mut out[done * v..(done + chunk.len()) * v];
-            self.stepper.step(chunk, LogitsFor::All, dst)?;
+            self.stepper.step(&[SeqChunk { cache: 0, tokens: chunk, logits: LogitsFor::All }], dst)?;
             done += chunk.len();
         }
         Ok(out)
+    }
+
+    /// The stepper, for several sequences at once (see [`crate::batch`]).
+    pub fn stepper(&mut self) -> &mut dyn Stepper {
+        &mut *self.stepper
     }
 
     /// Generates after `prompt` (a fresh sequence). `on_token` sees each sampled id
@@ -176,7 +281,7 @@ impl<'m> Generator<'m> {
     ) -> Result<(Vec<u32>, StopReason, GenerationStats), EngineError> {
         let mut sampler = Sampler::new(sampling.clone(), self.stepper.vocab())?;
         let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
-        self.stepper.reset()?;
+        self.stepper.reset(0)?;
         if prompt.is_empty() {
             return Err(StepError::Empty.into());
         }
@@ -187,7 +292,7 @@ impl<'m> Generator<'m> {
         history.extend_from_slice(prompt);
         let start = Instant::now();
         for chunk in prompt.chunks(self.cfg.prefill_chunk) {
-            self.stepper.step(chunk, LogitsFor::Last, &mut self.logits)?;
+            self.stepper.step(&[SeqChunk { cache: 0, tokens: chunk, logits: LogitsFor::Last }], &mut self.logits)?;
         }
         stats.prompt_secs = start.elapsed().as_secs_f64();
         let mut generated = Vec::with_capacity(max_tokens);
@@ -211,11 +316,11 @@ impl<'m> Generator<'m> {
             if generated.len() == max_tokens {
                 break;
             }
-            if self.stepper.cached() >= self.stepper.capacity() {
+            if self.stepper.cached(0) >= self.stepper.capacity() {
                 reason = StopReason::Context;
                 break;
             }
-            self.stepper.step(&[id], LogitsFor::Last, &mut self.logits)?;
+            self.stepper.step(&[SeqChunk { cache: 0, tokens: &[id], logits: LogitsFor::Last }], &mut self.logits)?;
         }
         stats.generated_tokens = generated.len();
         stats.decode_secs = decode_start.elapsed().as_secs_f64() - (stats.time_to_first_token_secs - stats.prompt_secs).max(0.0);

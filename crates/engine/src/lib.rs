@@ -4,11 +4,13 @@
 //! Invariants: the engine never parses checkpoints (that is `tessera-model`) and never
 //! prints; progress and text reach the caller through callbacks.
 
+pub mod batch;
 pub mod bench;
 pub mod dist;
 pub mod generate;
 pub mod sampling;
 
+pub use batch::{generate_batch, BatchStats, Completion, Request};
 pub use dist::{DistLeader, Placement, Rank};
 pub use generate::{EngineConfig, EngineError, Generator, GenerationStats, LocalStepper, StopReason, Stepper};
 pub use sampling::{Sampler, SamplingError, SamplingParams};

@@ -4,7 +4,7 @@
 //! SIMD kernels and with the scalar reference kernels.
 
 use std::path::{Path, PathBuf};
-use tessera_engine::{EngineConfig, Generator, SamplingParams};
+use tessera_engine::{generate_batch, EngineConfig, Generator, Request, SamplingParams};
 use tessera_kernels::{Isa, ThreadPool};
 use tessera_model::{load_model, LogitsFor, StepLimits};
 
@@ -92,12 +92,29 @@ fn check_with(name: &str, path: &Path, exp: Expected) {
     // The engine's greedy generation gives mlx-lm's ids exactly.
     model.set_isa(Isa::detect());
     for chunk in [3, 512] {
-        let cfg = EngineConfig { threads: 2, prefill_chunk: chunk, context_max: 64 };
+        let cfg = EngineConfig { threads: 2, prefill_chunk: chunk, context_max: 64, sequences_max: 1 };
         let mut gen = Generator::new(&model, cfg).unwrap();
         let (ids, _, stats) = gen.generate(&exp.prompt, exp.greedy.len(), &SamplingParams::default(), &[], |_| true).unwrap();
         assert_eq!(ids, exp.greedy, "{name}: greedy ids (prefill chunk {chunk})");
         assert_eq!(stats.generated_tokens, exp.greedy.len());
     }
+
+    // Several sequences in one batch (prompt chunks beside decodes, different lengths):
+    // each sequence's ids are what it gets alone.
+    let short = &exp.prompt[..exp.prompt.len().div_ceil(2)];
+    let alone = {
+        let cfg = EngineConfig { threads: 2, prefill_chunk: 512, context_max: 64, sequences_max: 1 };
+        Generator::new(&model, cfg).unwrap().generate(short, exp.greedy.len(), &SamplingParams::default(), &[], |_| true).unwrap().0
+    };
+    let request = |prompt: &[u32]| Request { prompt: prompt.to_vec(), max_tokens: exp.greedy.len(), sampling: SamplingParams::default() };
+    let requests = [request(&exp.prompt), request(short), request(&exp.prompt)];
+    let cfg = EngineConfig { threads: 2, prefill_chunk: 4, context_max: 64, sequences_max: 3 };
+    let mut gen = Generator::new(&model, cfg).unwrap();
+    let (done, stats) = generate_batch(gen.stepper(), &requests, &[], |_, _| true).unwrap();
+    assert_eq!(done[0].ids, exp.greedy, "{name}: batched greedy ids");
+    assert_eq!(done[1].ids, alone, "{name}: batched greedy ids of a shorter prompt");
+    assert_eq!(done[2].ids, exp.greedy, "{name}: batched greedy ids");
+    assert_eq!(stats.generated_tokens, 3 * exp.greedy.len());
 }
 
 #[test]
@@ -207,7 +224,7 @@ fn gguf_moe_q8_0_matches_llama_cpp() {
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let want: Vec<f32> =
         st.tensor("prompt_logits").unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-    let cfg = EngineConfig { threads: 2, prefill_chunk: 64, context_max: 64 };
+    let cfg = EngineConfig { threads: 2, prefill_chunk: 64, context_max: 64, sequences_max: 1 };
     let got = Generator::new(&model, cfg).unwrap().logits_all(&exp.prompt).unwrap();
     let d = max_abs_diff(&got, &want);
     let mag = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
