@@ -281,7 +281,8 @@ fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
         }
         return Ok(Loaded { model: load(path)?, cluster: None });
     };
-    let ckpt = Arc::new(Checkpoint::open(path).with_context(|| format!("loading {}", path.display()))?);
+    let open = manifest.as_ref().map_or(path, |m| m.checkpoint.as_path());
+    let ckpt = Arc::new(Checkpoint::open(open).with_context(|| format!("loading {}", open.display()))?);
     let cfg = ModelConfig::from_checkpoint(&ckpt)?;
     let placement = Placement::new(env.world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg)
         .map_err(|e| anyhow::anyhow!("placement refused before loading {}: {e}", path.display()))?;

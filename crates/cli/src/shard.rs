@@ -5,14 +5,18 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tessera_engine::Placement;
-use tessera_model::{Checkpoint, CheckpointKind, DenseTransformer, ModelConfig, TensorDtype};
+use tessera_model::{gguf, Checkpoint, CheckpointKind, DenseTransformer, ModelConfig, RecordedTensor, TensorDtype};
 
 pub const MANIFEST: &str = "tessera-shard.json";
+/// A GGUF source's shard: one GGUF file, its metadata (tokenizer, template) copied.
+const GGUF_FILE: &str = "model.gguf";
 
 /// The placement and rank a shard directory was written for.
 pub struct Manifest {
     pub rank: usize,
     pub placement: Placement,
+    /// What to open: the directory itself (safetensors + config.json) or its GGUF file.
+    pub checkpoint: PathBuf,
 }
 
 fn placement_json(p: &Placement) -> serde_json::Value {
@@ -32,7 +36,12 @@ pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
         .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<Vec<_>>>())
         .with_context(|| format!("{}: placement.pp_split missing", path.display()))?;
     let rank = v["rank"].as_u64().with_context(|| format!("{}: rank missing", path.display()))? as usize;
-    Ok(Some(Manifest { rank, placement: Placement { world: num("world")?, tp: num("tp")?, pp: num("pp")?, ep: num("ep")?, pp_split } }))
+    let checkpoint = match v["checkpoint"].as_str() {
+        None | Some("model.safetensors") => dir.to_path_buf(),
+        Some(GGUF_FILE) => dir.join(GGUF_FILE),
+        Some(other) => bail!("{}: unknown checkpoint {other:?} (written by a newer tessera?)", path.display()),
+    };
+    Ok(Some(Manifest { rank, placement: Placement { world: num("world")?, tp: num("tp")?, pp: num("pp")?, ep: num("ep")?, pp_split }, checkpoint }))
 }
 
 fn dtype_name(d: TensorDtype) -> Option<&'static str> {
@@ -43,16 +52,16 @@ fn dtype_name(d: TensorDtype) -> Option<&'static str> {
         TensorDtype::I32 => "I32",
         TensorDtype::U32 => "U32",
         TensorDtype::U8 => "U8",
+        TensorDtype::F8E4M3 => "F8_E4M3",
         _ => return None,
     })
 }
 
-/// Writes rank `rank`'s slice of `model` under `placement` into `out`.
+/// Writes rank `rank`'s slice of `model` under `placement` into `out`: safetensors
+/// (with config and tokenizer files) for a Hugging Face or MLX directory, a GGUF file
+/// (with all the source's metadata) for a GGUF source; and the manifest.
 pub fn write(model: &Path, placement: &Placement, rank: usize, out: &Path) -> Result<()> {
     let ckpt = Arc::new(Checkpoint::open(model).with_context(|| format!("loading {}", model.display()))?);
-    if ckpt.kind != CheckpointKind::HfDir {
-        bail!("{}: `tessera shard` writes safetensors and reads Hugging Face directories; GGUF sources are not supported yet", model.display());
-    }
     if read_manifest(model)?.is_some() {
         bail!("{} is already a shard", model.display());
     }
@@ -63,10 +72,40 @@ pub fn write(model: &Path, placement: &Placement, rank: usize, out: &Path) -> Re
     let spec = placement.spec(rank, &cfg);
     let (_, tensors) = DenseTransformer::load_recording(Arc::clone(&ckpt), cfg, spec).with_context(|| format!("reading rank {rank}'s slice"))?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    // Header, then data in the same order; offsets relative to the data section.
+    let bytes: usize = tensors.iter().map(|t| t.bytes.len()).sum();
+    let file = match ckpt.kind {
+        CheckpointKind::Gguf => {
+            let meta = &ckpt.gguf.as_ref().expect("a GGUF checkpoint has its header").metadata;
+            let list: Vec<gguf::TensorOut> =
+                tensors.iter().map(|t| gguf::TensorOut { name: &t.name, dtype: t.dtype, shape: &t.shape, data: &t.bytes }).collect();
+            gguf::write(&out.join(GGUF_FILE), meta, &list)?;
+            GGUF_FILE
+        }
+        CheckpointKind::HfDir => {
+            write_safetensors(&out.join("model.safetensors"), &tensors)?;
+            for name in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
+                let src = model.join(name);
+                if src.exists() {
+                    std::fs::copy(&src, out.join(name)).with_context(|| format!("copying {}", src.display()))?;
+                }
+            }
+            "model.safetensors"
+        }
+    };
+    let manifest = serde_json::json!({
+        "format": "tessera-shard", "version": 1, "rank": rank, "checkpoint": file,
+        "placement": placement_json(placement), "source": model.display().to_string(), "tensor_bytes": bytes,
+    });
+    std::fs::write(out.join(MANIFEST), serde_json::to_string_pretty(&manifest)?)?;
+    eprintln!("wrote rank {rank} of [{}]: {} tensors, {bytes} bytes, to {}", placement.describe(), tensors.len(), out.join(file).display());
+    Ok(())
+}
+
+/// One safetensors file: header, then the data in the same order.
+fn write_safetensors(path: &Path, tensors: &[RecordedTensor]) -> Result<()> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
-    for t in &tensors {
+    for t in tensors {
         let dtype = dtype_name(t.dtype).with_context(|| format!("tensor {}: dtype {:?} cannot be written to safetensors", t.name, t.dtype))?;
         header.insert(t.name.clone(), serde_json::json!({"dtype": dtype, "shape": t.shape, "data_offsets": [offset, offset + t.bytes.len()]}));
         offset += t.bytes.len();
@@ -75,28 +114,14 @@ pub fn write(model: &Path, placement: &Placement, rank: usize, out: &Path) -> Re
     while (8 + h.len()) % 8 != 0 {
         h.push(' ');
     }
-    let path = out.join("model.safetensors");
-    let mut f = std::io::BufWriter::new(std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?);
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?);
     use std::io::Write;
     f.write_all(&(h.len() as u64).to_le_bytes())?;
     f.write_all(h.as_bytes())?;
-    for t in &tensors {
+    for t in tensors {
         f.write_all(&t.bytes)?;
     }
-    f.flush()?;
-    for name in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
-        let src = model.join(name);
-        if src.exists() {
-            std::fs::copy(&src, out.join(name)).with_context(|| format!("copying {}", src.display()))?;
-        }
-    }
-    let manifest = serde_json::json!({
-        "format": "tessera-shard", "version": 1, "rank": rank,
-        "placement": placement_json(placement), "source": model.display().to_string(), "tensor_bytes": offset,
-    });
-    std::fs::write(out.join(MANIFEST), serde_json::to_string_pretty(&manifest)?)?;
-    eprintln!("wrote rank {rank} of [{}]: {} tensors, {} bytes, to {}", placement.describe(), tensors.len(), offset, out.display());
-    Ok(())
+    f.flush().with_context(|| format!("writing {}", path.display()))
 }
 
 /// `--model` may name each rank's own directory with `{rank}` (e.g. `shards/r{rank}`).

@@ -315,6 +315,39 @@ fn shards_on_disk_run_the_same_model() {
         let template = dir.join("r{rank}");
         assert_eq!(greedy(&template, 2, placement, &prompt, 16, &[]), want, "{placement:?} from shards");
     }
+    // GGUF, MLX-quantized and FP8 sources: their shards keep the source's formats (a GGUF
+    // file with all its metadata; packed MLX weights with scales and biases; E4M3 bytes
+    // with whole 128×128 scale blocks) and give the single-node ids.
+    let prompt = [1u32, 5, 9, 13, 17, 21];
+    for (source, placement) in [
+        ("gguf_moe/qwen3_moe.q8_0.gguf", &["--tp", "2"][..]),
+        ("gguf_moe/qwen3_moe.q8_0.gguf", &["--ep", "2"]),
+        ("gguf/llama_smol_tied.gguf", &["--tp", "2"]),
+        ("gguf_moe/deepseek_v3.f32.gguf", &["--pp", "2"]),
+        ("qwen3_moe_mlx_q8g32", &["--tp", "2"]),
+        ("qwen3_moe_mlx_mxfp4", &["--ep", "2"]),
+        ("deepseek_v3_mlx_q4g32", &["--tp", "2"]),
+        ("fp8/deepseek_v3_fp8", &["--pp", "2"]),
+    ] {
+        let src = fixture(source);
+        let dir = scratch(&format!("shard-{}{}", source.replace('/', "-"), placement.join("")));
+        for rank in 0..2 {
+            let mut args: Vec<String> = vec!["shard".into(), "--model".into(), src.to_string_lossy().into(), "--world".into(), "2".into()];
+            args.extend(placement.iter().map(|s| s.to_string()));
+            args.extend(["--rank".into(), rank.to_string(), "--out".into(), dir.join(format!("r{rank}")).to_string_lossy().into()]);
+            ok(&tessera(1, &args), &format!("shard {source} {placement:?}"));
+        }
+        let want = greedy(&src, 1, &[], &prompt, 10, &[]);
+        assert_eq!(greedy(&dir.join("r{rank}"), 2, placement, &prompt, 10, &[]), want, "{source} {placement:?} from shards");
+    }
+    // An FP8 split inside a 128×128 scale block cannot be written as a shard: refused.
+    let args: Vec<String> = ["shard", "--model", fixture("fp8/deepseek_v3_fp8").to_str().unwrap(), "--world", "2", "--tp", "2", "--rank", "0", "--out"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([scratch("shard-fp8-tp2").to_string_lossy().into_owned()])
+        .collect();
+    let out = tessera(1, &args);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("128×128 FP8 scale blocks"), "{out:?}");
     // A shard run as the wrong rank is refused with the reason.
     let m = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tessera-dist/shards--tp2/r1");
     let args: Vec<&str> = vec!["generate", "--model", m.to_str().unwrap(), "--prompt-ids", "1,2", "--tp", "2"];

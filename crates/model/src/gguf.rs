@@ -227,6 +227,115 @@ fn ggml_type(id: u32) -> Option<(TensorDtype, u64, u64)> {
     })
 }
 
+/// The ggml type id of a dtype this reader maps (the inverse of [`ggml_type`]).
+fn ggml_type_id(dtype: TensorDtype) -> Option<u32> {
+    (0..64).find(|&id| ggml_type(id).is_some_and(|(d, _, _)| d == dtype))
+}
+
+/// One tensor for [`write`]: its name, type, shape (outermost first, as the reader
+/// reports it) and data in that type's layout.
+pub struct TensorOut<'a> {
+    pub name: &'a str,
+    pub dtype: TensorDtype,
+    pub shape: &'a [usize],
+    pub data: &'a [u8],
+}
+
+fn put_string(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn value_type(v: &GgufValue) -> u32 {
+    match v {
+        GgufValue::U8(_) => 0,
+        GgufValue::I8(_) => 1,
+        GgufValue::U16(_) => 2,
+        GgufValue::I16(_) => 3,
+        GgufValue::U32(_) => 4,
+        GgufValue::I32(_) => 5,
+        GgufValue::F32(_) => 6,
+        GgufValue::Bool(_) => 7,
+        GgufValue::String(_) => 8,
+        GgufValue::Array(_) => 9,
+        GgufValue::U64(_) => 10,
+        GgufValue::I64(_) => 11,
+        GgufValue::F64(_) => 12,
+    }
+}
+
+fn put_value(out: &mut Vec<u8>, v: &GgufValue) {
+    match v {
+        GgufValue::U8(x) => out.push(*x),
+        GgufValue::I8(x) => out.push(*x as u8),
+        GgufValue::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
+        GgufValue::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
+        GgufValue::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
+        GgufValue::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
+        GgufValue::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
+        GgufValue::Bool(x) => out.push(u8::from(*x)),
+        GgufValue::String(x) => put_string(out, x),
+        GgufValue::Array(items) => {
+            // An empty array's element type is lost when read; u8 is as good as any.
+            out.extend_from_slice(&items.first().map_or(0, value_type).to_le_bytes());
+            out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+            for i in items {
+                put_value(out, i);
+            }
+        }
+        GgufValue::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
+        GgufValue::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
+        GgufValue::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
+    }
+}
+
+/// Writes a GGUF v3 file: `metadata` as given, then `tensors` in order, each aligned
+/// to `general.alignment` (32 when absent). Shapes are written innermost first, as
+/// the format wants. Used for one rank's shard of a GGUF checkpoint.
+pub fn write(path: &Path, metadata: &BTreeMap<String, GgufValue>, tensors: &[TensorOut<'_>]) -> Result<()> {
+    use std::io::Write;
+    let alignment = metadata.get("general.alignment").and_then(|v| v.as_u64()).unwrap_or(32) as usize;
+    let mut head = Vec::with_capacity(1 << 16);
+    head.extend_from_slice(b"GGUF");
+    head.extend_from_slice(&3u32.to_le_bytes());
+    head.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    head.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+    for (k, v) in metadata {
+        put_string(&mut head, k);
+        head.extend_from_slice(&value_type(v).to_le_bytes());
+        put_value(&mut head, v);
+    }
+    let mut offset = 0usize;
+    for t in tensors {
+        let ty = ggml_type_id(t.dtype)
+            .ok_or_else(|| LoadError::tensor(path, t.name, format!("{:?} has no ggml type", t.dtype)))?;
+        let (_, block, block_bytes) = ggml_type(ty).expect("a mapped type");
+        let elems: usize = t.shape.iter().product();
+        if elems as u64 % block != 0 || (elems as u64 / block * block_bytes) as usize != t.data.len() {
+            return Err(LoadError::tensor(path, t.name, format!("{} bytes for shape {:?} of {:?}", t.data.len(), t.shape, t.dtype)));
+        }
+        put_string(&mut head, t.name);
+        head.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
+        for &d in t.shape.iter().rev() {
+            head.extend_from_slice(&(d as u64).to_le_bytes());
+        }
+        head.extend_from_slice(&ty.to_le_bytes());
+        head.extend_from_slice(&(offset as u64).to_le_bytes());
+        offset = (offset + t.data.len()).div_ceil(alignment) * alignment;
+    }
+    head.resize(head.len().div_ceil(alignment) * alignment, 0);
+    let io = |source| LoadError::Io { path: path.into(), source };
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    f.write_all(&head).map_err(io)?;
+    let zeros = vec![0u8; alignment];
+    for t in tensors {
+        f.write_all(t.data).map_err(io)?;
+        let pad = t.data.len().div_ceil(alignment) * alignment - t.data.len();
+        f.write_all(&zeros[..pad]).map_err(io)?;
+    }
+    f.flush().map_err(io)
+}
+
 fn ggml_type_name(id: u32) -> &'static str {
     match id {
         6 => "Q5_0",

@@ -366,7 +366,29 @@ impl<'a> Loader<'a> {
             None => vec![sel.rows.len(), sel.cols.len()],
         };
         if self.record.is_some() && repacked {
-            return Err(LoadError::tensor(file, &t.name, "writing shards of MLX-quantized or FP8 tensors is not supported yet"));
+            self.record_repacked(hf, t, stack, rows, cols, sel)?;
+        }
+        if self.presliced && repacked {
+            // MLX/FP8 shards hold the stored tensors sliced; `matrix` checks their shapes
+            // against this rank's (the packed and scale shapes follow from them).
+            let want = if stack.is_some() && sel.stack.is_none() { vec![sel.rows.len(), sel.cols.len()] } else { sliced.clone() };
+            let k = want.len();
+            if want.contains(&0) {
+                // This rank's share of the matrix is empty (a width split with fewer
+                // quant groups than ranks): nothing stored, nothing to compute.
+                let rows = want[..k - 1].iter().product();
+                return Ok(Linear { name: t.name.clone(), format: WeightFormat::F32, rows, cols: want[k - 1], storage: Storage::Owned(Arc::new(Vec::new()), 0..0), bias: None });
+            }
+            let mut l = self.matrix(hf, (k == 3).then_some(want[0]), want[k - 2], want[k - 1]).map_err(|e| {
+                LoadError::tensor(file, &t.name, format!("{e}: was this shard written for another placement or rank?"))
+            })?;
+            l.rows = want[..k - 1].iter().product();
+            let mut read = t.range.len();
+            for suffix in ["scales", "biases", "weight_scale_inv"] {
+                read += self.find(&format!("{base}.{suffix}")).map_or(0, |s| s.range.len());
+            }
+            self.bytes_read.set(self.bytes_read.get() + read);
+            return Ok(l);
         }
         if self.presliced {
             let want = if stack.is_some() && sel.stack.is_none() { vec![sel.rows.len(), sel.cols.len()] } else { sliced.clone() };
@@ -440,7 +462,8 @@ impl<'a> Loader<'a> {
         if src.is_none() {
             self.bytes_read.set(self.bytes_read.get() + data.len());
         }
-        if let Some(rec) = &self.record {
+        // (Repacked tensors were recorded above, as stored.)
+        if let (Some(rec), false) = (&self.record, repacked) {
             rec.borrow_mut().push(RecordedTensor { name: t.name.clone(), dtype: t.dtype, shape: sliced, bytes: data.clone() });
         }
         let len = data.len();
@@ -454,12 +477,86 @@ impl<'a> Loader<'a> {
         })
     }
 
+    /// Records the stored tensors behind an MLX-quantized or FP8 matrix, sliced to `sel`,
+    /// for `tessera shard`: packed weight, scales and biases (MLX, whole groups), or E4M3
+    /// bytes and the 128×128 scale grid (FP8, whole scale blocks).
+    fn record_repacked(&self, hf: &str, t: &TensorInfo, stack: Option<usize>, rows: usize, cols: usize, sel: &Sel) -> Result<()> {
+        use crate::checkpoint::TensorDtype;
+        let file = self.c.file_of(t);
+        let base = hf.strip_suffix(".weight").unwrap_or(hf);
+        let n = stack.unwrap_or(1);
+        let elems = sel.stack.clone().unwrap_or(0..1);
+        let rec = self.record.as_ref().expect("recording");
+        // Rows `sel.rows` of each selected element of a row-major [n, rows, row_bytes]
+        // tensor, bytes `bytes` of each row.
+        let slice = |src: &TensorInfo, rows_of: usize, row_sel: Range<usize>, bytes: Range<usize>| -> Vec<u8> {
+            let data = self.c.bytes(src);
+            let rb = data.len() / (n * rows_of);
+            let mut out = Vec::with_capacity(elems.len() * row_sel.len() * bytes.len());
+            for e in elems.clone() {
+                for r in row_sel.clone() {
+                    let off = (e * rows_of + r) * rb;
+                    out.extend_from_slice(&data[off + bytes.start..off + bytes.end]);
+                }
+            }
+            out
+        };
+        let lead: Vec<usize> = if sel.stack.is_some() { vec![elems.len()] } else { vec![] };
+        let shape = |r: usize, c: usize| [lead.as_slice(), &[r, c]].concat();
+        let push = |name: &str, dtype: TensorDtype, shape: Vec<usize>, bytes: Vec<u8>| {
+            rec.borrow_mut().push(RecordedTensor { name: name.to_string(), dtype, shape, bytes });
+        };
+        if t.dtype == TensorDtype::F8E4M3 {
+            const BLOCK: usize = 128;
+            let s = self.require(&format!("{base}.weight_scale_inv"))?;
+            let inside = |r: &Range<usize>, total: usize| r.start % BLOCK != 0 || (r.end % BLOCK != 0 && r.end != total);
+            if stack.is_some() || inside(&sel.rows, rows) || inside(&sel.cols, cols) {
+                return Err(LoadError::tensor(
+                    file,
+                    &t.name,
+                    format!(
+                        "this placement cuts rows {:?} / columns {:?} inside its 128×128 FP8 scale blocks: a shard cannot hold part of a block (choose a placement whose splits fall on multiples of 128)",
+                        sel.rows, sel.cols
+                    ),
+                ));
+            }
+            push(&t.name, TensorDtype::F8E4M3, shape(sel.rows.len(), sel.cols.len()), slice(t, rows, sel.rows.clone(), sel.cols.clone()));
+            let (gr, gc) = (sel.rows.start / BLOCK..sel.rows.end.div_ceil(BLOCK), sel.cols.start / BLOCK..sel.cols.end.div_ceil(BLOCK));
+            push(&s.name, s.dtype, vec![gr.len(), gc.len()], slice(s, rows.div_ceil(BLOCK), gr, gc.start * 4..gc.end * 4));
+            return Ok(());
+        }
+        let scales = self.require(&format!("{base}.scales"))?;
+        let groups = *scales.shape.last().unwrap_or(&1);
+        let group = cols / groups.max(1);
+        let packed_cols = *t.shape.last().unwrap_or(&0);
+        let words_per_group = packed_cols / groups.max(1);
+        let (g0, g1) = (sel.cols.start / group, sel.cols.end.div_ceil(group));
+        push(&t.name, t.dtype, shape(sel.rows.len(), (g1 - g0) * words_per_group), slice(t, rows, sel.rows.clone(), g0 * words_per_group * 4..g1 * words_per_group * 4));
+        for aux in std::iter::once(scales).chain(self.find(&format!("{base}.biases"))) {
+            let es = aux.range.len() / aux.elements().max(1);
+            push(&aux.name, aux.dtype, shape(sel.rows.len(), g1 - g0), slice(aux, rows, sel.rows.clone(), g0 * es..g1 * es));
+        }
+        Ok(())
+    }
+
     /// Block size (elements) of matrix `hf` with `cols` columns, so width splits keep
     /// quant blocks whole (1 for plain floats).
     fn block_of(&self, hf: &str, cols: usize) -> usize {
         let base = hf.strip_suffix(".weight").unwrap_or(hf);
-        if let Some(&groups) = self.find(&format!("{base}.scales")).and_then(|s| s.shape.last()) {
-            return cols / groups.max(1);
+        if let Some(scales) = self.find(&format!("{base}.scales")) {
+            // A shard's scales cover only its slice: take the group size from the
+            // config's `quantization` (per module, else global), as mlx writes it.
+            if self.presliced {
+                let q = self.c.config.as_ref().map(|c| &c["quantization"]);
+                let group = q.and_then(|q| q[base]["group_size"].as_u64().or(q["group_size"].as_u64()));
+                if let Some(g) = group.filter(|_| scales.dtype != crate::checkpoint::TensorDtype::U8) {
+                    return g as usize;
+                }
+                if scales.dtype == crate::checkpoint::TensorDtype::U8 {
+                    return 32;
+                }
+            }
+            return cols / scales.shape.last().copied().unwrap_or(1).max(1);
         }
         match self.find(hf).map(|t| t.dtype) {
             Some(crate::checkpoint::TensorDtype::F8E4M3) => 32,
@@ -676,12 +773,19 @@ impl<'a> Loader<'a> {
                         self.part(&per_expert_name, None, *rows, *cols, &sels[k])?
                     } else {
                         let sel = Sel { stack: Some(i..i + 1), ..sels[k].clone() };
-                        let l = self.part(&format!("{prefix}.switch_mlp.{}.weight", stacked[k]), Some(e), *rows, *cols, &sel)?;
-                        // A shard stores each expert under its own HF name.
+                        let from = self.record.as_ref().map_or(0, |r| r.borrow().len());
+                        let stacked_base = format!("{prefix}.switch_mlp.{}", stacked[k]);
+                        let l = self.part(&format!("{stacked_base}.weight"), Some(e), *rows, *cols, &sel)?;
+                        // A shard stores each expert under its own HF name (with its
+                        // scales and biases when quantized).
                         if let Some(rec) = &self.record {
-                            if let Some(last) = rec.borrow_mut().last_mut() {
-                                last.name = per_expert_name;
-                                last.shape.remove(0);
+                            let base = format!("{prefix}.experts.{i}.{}", names[k]);
+                            for t in &mut rec.borrow_mut()[from..] {
+                                let stored_base = stored_name(self.c.kind, &stacked_base);
+                                if let Some(suffix) = t.name.strip_prefix(&stored_base) {
+                                    t.name = format!("{base}{suffix}");
+                                }
+                                t.shape.remove(0);
                             }
                         }
                         l
