@@ -218,6 +218,9 @@ fn quantized_checkpoints_every_placement() {
         let why = "choose a placement whose splits fall on multiples of 32";
         every_placement(name, &[("TP3", why), ("TP4", why)]);
     }
+    // FP8 splits anywhere: a rank reads the 128×128 scale blocks its part touches.
+    let heads = "more than the model's 2 attention heads";
+    every_placement("fp8/deepseek_v3_fp8", &[("TP3", heads), ("TP4", heads), ("PP3", "3 pipeline stages for 2 layers")]);
 }
 
 /// A 9,700-token prompt in 2,048-token chunks (the prefill that hung mlx-lm under TP)

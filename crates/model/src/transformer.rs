@@ -317,6 +317,28 @@ struct Loader<'a> {
     record: Option<std::cell::RefCell<Vec<RecordedTensor>>>,
 }
 
+/// DeepSeek's FP8 block-scale grid (spec §2.5).
+const FP8_BLOCK: usize = 128;
+
+/// An MLX module's quantization, inferred from its tensors' shapes.
+#[derive(Clone, Copy)]
+struct MlxLayout {
+    format: WeightFormat,
+    /// Columns per scale (and bias).
+    group: usize,
+    /// Packed u32 words per group.
+    words_per_group: usize,
+    /// Bytes per scale / bias element.
+    scale_bytes: usize,
+}
+
+/// A repacked FP8 matrix from its E4M3 bytes and f32 block scales.
+fn fp8_linear(name: &str, rows: usize, cols: usize, bytes: &[u8], scales: &[f32]) -> Linear {
+    let data = tessera_kernels::repack_fp8(rows, cols, bytes, scales, (FP8_BLOCK, FP8_BLOCK));
+    let len = data.len();
+    Linear { name: name.to_string(), format: WeightFormat::Fp8, rows, cols, storage: Storage::Owned(Arc::new(data), 0..len), bias: None }
+}
+
 /// One tensor as a shard holds it.
 pub struct RecordedTensor {
     pub name: String,
@@ -404,15 +426,18 @@ impl<'a> Loader<'a> {
             self.bytes_read.set(self.bytes_read.get() + t.range.len());
             return Ok(l);
         }
-        let (format, src): (WeightFormat, Option<Linear>) = if repacked {
-            // MLX and FP8 tensors are repacked at load: read whole (counted), then select.
-            let full = self.matrix(hf, stack, rows, cols)?;
-            let mut extra = 0;
-            for suffix in ["scales", "biases", "weight_scale_inv"] {
-                extra += self.find(&format!("{base}.{suffix}")).map_or(0, |s| s.range.len());
+        // MLX and FP8 tensors: read the bytes covering this part, repack them, and
+        // select from that cover (rows, cols and elements relative to it).
+        let cover = if repacked { Some(self.repacked_cover(hf, t, stack, rows, cols, sel)?) } else { None };
+        let (rows, cols, sel, elems) = match &cover {
+            Some((sub, rel)) => {
+                let elems = rel.stack.clone().unwrap_or(0..1);
+                (sub.rows / elems.len(), sub.cols, rel, elems)
             }
-            self.bytes_read.set(self.bytes_read.get() + t.range.len() + extra);
-            (full.format, Some(full))
+            None => (rows, cols, sel, elems),
+        };
+        let (format, src): (WeightFormat, Option<Linear>) = if let Some((sub, _)) = cover.as_ref() {
+            (sub.format, Some(sub.clone()))
         } else {
             let lead: Vec<usize> = stack.into_iter().collect();
             let want = [lead.as_slice(), &[rows, cols]].concat();
@@ -636,29 +661,38 @@ impl<'a> Loader<'a> {
     /// A DeepSeek/Kimi FP8 matrix: E4M3 weights with 128×128 block scales
     /// (`weight_scale_inv`, spec §2.5), repacked for the kernels; never dequantized.
     fn fp8(&self, w: &TensorInfo, scale_name: &str, rows: usize, cols: usize) -> Result<Linear> {
-        const BLOCK: usize = 128;
+        let s = self.fp8_scales(w, scale_name, rows, cols)?;
+        let mut scales = vec![0.0; s.elements()];
+        scalar::dequantize_row(WeightFormat::F32, self.c.bytes(s), &mut scales);
+        Ok(fp8_linear(&w.name, rows, cols, self.c.bytes(w), &scales))
+    }
+
+    /// The block-scale tensor of FP8 weight `w`, checked against its shape.
+    fn fp8_scales(&self, w: &TensorInfo, scale_name: &str, rows: usize, cols: usize) -> Result<&'a TensorInfo> {
         let err = |t: &TensorInfo, reason: String| LoadError::tensor(self.c.file_of(t), &t.name, reason);
         let s = self.find(scale_name).ok_or_else(|| err(w, format!("FP8 weights need their block scales `{scale_name}`, which are missing")))?;
-        let grid = [rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)];
+        let grid = [rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)];
         if s.shape != grid || s.dtype != crate::checkpoint::TensorDtype::F32 {
             return Err(err(s, format!("expected F32 {grid:?} block scales for a [{rows}, {cols}] FP8 weight, found {:?} {}", s.dtype, shape_str(&s.shape))));
         }
         if cols % 32 != 0 {
             return Err(err(w, format!("FP8 rows of {cols} columns are not a multiple of 32")));
         }
-        let mut scales = vec![0.0; s.elements()];
-        scalar::dequantize_row(WeightFormat::F32, self.c.bytes(s), &mut scales);
-        let data = tessera_kernels::repack_fp8(rows, cols, self.c.bytes(w), &scales, (BLOCK, BLOCK));
-        let len = data.len();
-        Ok(Linear { name: w.name.clone(), format: WeightFormat::Fp8, rows, cols, storage: Storage::Owned(Arc::new(data), 0..len), bias: None })
+        Ok(s)
     }
 
     /// An MLX-quantized module (spec §3–4.1): U32-packed `weight`, `scales` and (affine)
     /// `biases`; bits and group size inferred from the shapes, as mlx does.
     fn mlx_quantized(&self, w: &TensorInfo, scales: &TensorInfo, biases: Option<&TensorInfo>, lead: &[usize], rows: usize, cols: usize) -> Result<Linear> {
-        let file = self.c.file_of(w);
-        let err = |t: &TensorInfo, reason: String| LoadError::tensor(self.c.file_of(t), &t.name, reason);
+        let layout = self.mlx_layout(w, scales, biases, lead, rows, cols)?;
         let n: usize = lead.iter().product();
+        self.mlx_repack(w, layout, n * rows, cols, self.c.bytes(w), scales, self.c.bytes(scales), biases.map(|b| self.c.bytes(b)))
+    }
+
+    /// Checks an MLX-quantized module's tensors against `[lead.., rows, cols]` and infers
+    /// its format (bits, group size) from their shapes.
+    fn mlx_layout(&self, w: &TensorInfo, scales: &TensorInfo, biases: Option<&TensorInfo>, lead: &[usize], rows: usize, cols: usize) -> Result<MlxLayout> {
+        let err = |t: &TensorInfo, reason: String| LoadError::tensor(self.c.file_of(t), &t.name, reason);
         if w.dtype != crate::checkpoint::TensorDtype::U32 || w.shape.len() != lead.len() + 2 || w.shape[..lead.len() + 1] != [lead, &[rows]].concat()[..] {
             return Err(err(w, format!("quantized weight must be U32 {:?} + [packed]; found {:?} {}", [lead, &[rows]].concat(), w.dtype, shape_str(&w.shape))));
         }
@@ -666,6 +700,11 @@ impl<'a> Loader<'a> {
         let groups = *scales.shape.last().unwrap_or(&0);
         if scales.shape.len() != w.shape.len() || scales.shape[..lead.len() + 1] != w.shape[..lead.len() + 1] || groups == 0 || cols % groups != 0 {
             return Err(err(scales, format!("scales shape {} does not fit a [{rows}, {cols}] weight", shape_str(&scales.shape))));
+        }
+        if let Some(b) = biases {
+            if b.shape != scales.shape {
+                return Err(err(b, format!("biases shape {} differs from scales {}", shape_str(&b.shape), shape_str(&scales.shape))));
+            }
         }
         let group = cols / groups;
         let bits = packed_cols * 32 / cols;
@@ -688,25 +727,100 @@ impl<'a> Loader<'a> {
                 b => return Err(err(w, format!("{b}-bit MLX affine quantization is not supported yet (4 and 8 are)"))),
             }
         };
-        let floats = |t: &TensorInfo| -> Result<Vec<f32>> {
-            let f = t.dtype.weight_format().filter(|f| !f.is_quantized()).ok_or_else(|| err(t, format!("dtype {:?} is not a float type", t.dtype)))?;
-            let mut out = vec![0.0; t.elements()];
-            scalar::dequantize_row(f, self.c.bytes(t), &mut out);
+        let elem_bytes = |t: &TensorInfo| t.range.len() / t.elements().max(1);
+        Ok(MlxLayout { format, group, words_per_group: packed_cols / groups, scale_bytes: elem_bytes(scales) })
+    }
+
+    /// Repacks `rows` × `cols` of an MLX module from its stored bytes (whole, or a slice
+    /// of whole groups) for the kernels.
+    #[allow(clippy::too_many_arguments)]
+    fn mlx_repack(&self, w: &TensorInfo, layout: MlxLayout, rows: usize, cols: usize, packed: &[u8], scales: &TensorInfo, scale_bytes: &[u8], bias_bytes: Option<&[u8]>) -> Result<Linear> {
+        let err = |t: &TensorInfo, reason: String| LoadError::tensor(self.c.file_of(t), &t.name, reason);
+        let floats = |bytes: &[u8]| -> Result<Vec<f32>> {
+            let f = scales.dtype.weight_format().filter(|f| !f.is_quantized()).ok_or_else(|| err(scales, format!("dtype {:?} is not a float type", scales.dtype)))?;
+            let mut out = vec![0.0; bytes.len() / layout.scale_bytes];
+            scalar::dequantize_row(f, bytes, &mut out);
             Ok(out)
         };
-        let packed = self.c.bytes(w);
-        let data = if format == WeightFormat::Mxfp4 {
-            tessera_kernels::repack_mlx(format, n * rows, cols, packed, &[], &[], self.c.bytes(scales))
+        let data = if layout.format == WeightFormat::Mxfp4 {
+            tessera_kernels::repack_mlx(layout.format, rows, cols, packed, &[], &[], scale_bytes)
         } else {
-            let b = biases.ok_or_else(|| err(w, "affine quantization needs a `.biases` tensor beside `.scales`".into()))?;
-            if b.shape != scales.shape {
-                return Err(err(b, format!("biases shape {} differs from scales {}", shape_str(&b.shape), shape_str(&scales.shape))));
-            }
-            tessera_kernels::repack_mlx(format, n * rows, cols, packed, &floats(scales)?, &floats(b)?, &[])
+            let b = bias_bytes.ok_or_else(|| err(w, "affine quantization needs a `.biases` tensor beside `.scales`".into()))?;
+            tessera_kernels::repack_mlx(layout.format, rows, cols, packed, &floats(scale_bytes)?, &floats(b)?, &[])
         };
-        let _ = file;
         let len = data.len();
-        Ok(Linear { name: w.name.clone(), format, rows: n * rows, cols, storage: Storage::Owned(Arc::new(data), 0..len), bias: None })
+        Ok(Linear { name: w.name.clone(), format: layout.format, rows, cols, storage: Storage::Owned(Arc::new(data), 0..len), bias: None })
+    }
+
+    /// Rows `row_sel` of elements `elems` of a row-major `[n, rows_of, row bytes]`
+    /// tensor, bytes `bytes` of each row: positioned reads of exactly those bytes, counted.
+    #[allow(clippy::too_many_arguments)]
+    fn read_rows(&self, t: &TensorInfo, n: usize, rows_of: usize, elems: Range<usize>, row_sel: Range<usize>, bytes: Range<usize>) -> Result<Vec<u8>> {
+        let rb = t.range.len() / (n * rows_of).max(1);
+        let piece = bytes.len();
+        let mut out = vec![0u8; elems.len() * row_sel.len() * piece];
+        let mut at = 0;
+        for e in elems {
+            let first = t.range.start + (e * rows_of + row_sel.start) * rb;
+            if piece == rb {
+                let len = row_sel.len() * rb;
+                self.c.read_at(t.file, first, &mut out[at..at + len])?;
+                at += len;
+                continue;
+            }
+            for r in 0..row_sel.len() {
+                self.c.read_at(t.file, first + r * rb + bytes.start, &mut out[at..at + piece])?;
+                at += piece;
+            }
+        }
+        self.bytes_read.set(self.bytes_read.get() + out.len());
+        Ok(out)
+    }
+
+    /// This rank's part of an MLX or FP8 matrix, read with positioned reads of only the
+    /// bytes that cover it (MLX: its rows, whole groups of columns; FP8: the 128×128
+    /// scale blocks it touches) and repacked. Returns the repacked cover and `sel`
+    /// relative to it.
+    fn repacked_cover(&self, hf: &str, t: &TensorInfo, stack: Option<usize>, rows: usize, cols: usize, sel: &Sel) -> Result<(Linear, Sel)> {
+        let base = hf.strip_suffix(".weight").unwrap_or(hf);
+        let n = stack.unwrap_or(1);
+        let elems = sel.stack.clone().unwrap_or(0..1);
+        let lead: Vec<usize> = stack.into_iter().collect();
+        let (row_cover, col_cover, sub) = if t.dtype == crate::checkpoint::TensorDtype::F8E4M3 {
+            let s = self.fp8_scales(t, &format!("{base}.weight_scale_inv"), n * rows, cols)?;
+            if stack.is_some() {
+                return Err(LoadError::tensor(self.c.file_of(t), &t.name, "stacked FP8 experts are not supported"));
+            }
+            let cover = |r: &Range<usize>, total: usize| r.start / FP8_BLOCK * FP8_BLOCK..(r.end.div_ceil(FP8_BLOCK) * FP8_BLOCK).min(total);
+            let (rc, cc) = (cover(&sel.rows, rows), cover(&sel.cols, cols));
+            let w = self.read_rows(t, 1, rows, 0..1, rc.clone(), cc.clone())?;
+            let (gr, gc) = (rc.start / FP8_BLOCK..rc.end.div_ceil(FP8_BLOCK), cc.start / FP8_BLOCK..cc.end.div_ceil(FP8_BLOCK));
+            let sb = self.read_rows(s, 1, rows.div_ceil(FP8_BLOCK), 0..1, gr, gc.start * 4..gc.end * 4)?;
+            let mut scales = vec![0.0; sb.len() / 4];
+            scalar::dequantize_row(WeightFormat::F32, &sb, &mut scales);
+            let l = fp8_linear(&t.name, rc.len(), cc.len(), &w, &scales);
+            (rc, cc, l)
+        } else {
+            let scales = self.require(&format!("{base}.scales"))?;
+            let biases = self.find(&format!("{base}.biases"));
+            let layout = self.mlx_layout(t, scales, biases, &lead, rows, cols)?;
+            let (g0, g1) = (sel.cols.start / layout.group, sel.cols.end.div_ceil(layout.group));
+            let words = g0 * layout.words_per_group * 4..g1 * layout.words_per_group * 4;
+            let packed = self.read_rows(t, n, rows, elems.clone(), sel.rows.clone(), words)?;
+            let aux = g0 * layout.scale_bytes..g1 * layout.scale_bytes;
+            let sb = self.read_rows(scales, n, rows, elems.clone(), sel.rows.clone(), aux.clone())?;
+            let bb = biases.map(|b| self.read_rows(b, n, rows, elems.clone(), sel.rows.clone(), aux.clone())).transpose()?;
+            let cc = g0 * layout.group..g1 * layout.group;
+            let l = self.mlx_repack(t, layout, elems.len() * sel.rows.len(), cc.len(), &packed, scales, &sb, bb.as_deref())?;
+            (sel.rows.clone(), cc, l)
+        };
+        let shift = |r: &Range<usize>, by: usize| r.start - by..r.end - by;
+        let rel = Sel {
+            stack: sel.stack.as_ref().map(|_| 0..elems.len()),
+            rows: shift(&sel.rows, row_cover.start),
+            cols: shift(&sel.cols, col_cover.start),
+        };
+        Ok((sub, rel))
     }
 
     fn vector(&self, hf: &str, n: usize) -> Result<Vec<f32>> {
