@@ -1,0 +1,96 @@
+//! Kernel micro-benchmarks per weight format: decode (one token, a streaming matvec) and
+//! a 32-token GEMM, on one thread, over a matrix larger than the last-level caches of a
+//! small machine's share (so decode numbers are memory numbers), reported as bytes of
+//! weights per second. `cargo bench -p tessera-kernels` (divan; `-- --help` for filters).
+//!
+//! Weights are random bits with every block scale set to a normal value, so no format
+//! meets NaNs or subnormals (which would time something else).
+
+use tessera_kernels::{matmul, Isa, MatmulScratch, ThreadPool, WeightFormat, WeightRows};
+
+fn main() {
+    divan::main();
+}
+
+/// 4096 × 4096: 8–32 MiB of weights by format; larger than one core's L2 and near a
+/// small VM's L3 share, so repeated passes mostly stream.
+const ROWS: usize = 4096;
+const COLS: usize = 4096;
+
+const FORMATS: [WeightFormat; 9] = [
+    WeightFormat::Q4_0,
+    WeightFormat::Q4_1,
+    WeightFormat::Q8_0,
+    WeightFormat::Q4K,
+    WeightFormat::Q5K,
+    WeightFormat::Q6K,
+    WeightFormat::Mxfp4,
+    WeightFormat::F16,
+    WeightFormat::Bf16,
+];
+
+/// xorshift: deterministic bytes without a dependency.
+fn bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s as u8
+        })
+        .collect()
+}
+
+/// A `ROWS × COLS` matrix of `format` with sane scales (f16 0.01, e8m0 2^0) and, for
+/// float formats, small normal values.
+fn matrix(format: WeightFormat) -> Vec<u8> {
+    let row = format.row_bytes(COLS).expect("COLS fits every block size");
+    let mut data = bytes(ROWS * row, 7);
+    let f16 = half::f16::from_f32(0.01).to_le_bytes();
+    let bb = format.block_bytes();
+    match format {
+        WeightFormat::F16 => data.chunks_exact_mut(2).enumerate().for_each(|(i, c)| c.copy_from_slice(&half::f16::from_f32(((i % 97) as f32 - 48.0) / 64.0).to_le_bytes())),
+        WeightFormat::Bf16 => data.chunks_exact_mut(2).enumerate().for_each(|(i, c)| c.copy_from_slice(&half::bf16::from_f32(((i % 97) as f32 - 48.0) / 64.0).to_le_bytes())),
+        _ => {
+            for b in data.chunks_exact_mut(bb) {
+                match format {
+                    WeightFormat::Q4_0 | WeightFormat::Q8_0 => b[..2].copy_from_slice(&f16),
+                    WeightFormat::Q4_1 | WeightFormat::Q4K | WeightFormat::Q5K => {
+                        b[..2].copy_from_slice(&f16);
+                        b[2..4].copy_from_slice(&f16);
+                    }
+                    WeightFormat::Q6K => b[bb - 2..].copy_from_slice(&f16),
+                    WeightFormat::Mxfp4 => b[0] = 127,
+                    _ => unreachable!("not benchmarked"),
+                }
+            }
+        }
+    }
+    data
+}
+
+fn run(bencher: divan::Bencher, format: WeightFormat, tokens: usize) {
+    let data = matrix(format);
+    let w = WeightRows::new(format, ROWS, COLS, &data).expect("matrix shape");
+    let x: Vec<f32> = bytes(tokens * COLS, 3).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
+    let mut y = vec![0.0; tokens * ROWS];
+    let mut scratch = MatmulScratch::new(tokens, COLS);
+    let pool = ThreadPool::new(1);
+    let isa = Isa::detect();
+    bencher.counter(divan::counter::BytesCount::new(data.len())).bench_local(|| {
+        matmul(&pool, isa, w, divan::black_box(&x), tokens, &mut y, &mut scratch);
+    });
+}
+
+/// One token: the decode matvec (bytes/s ≈ this thread's weight streaming rate).
+#[divan::bench(args = FORMATS, sample_count = 20)]
+fn decode(bencher: divan::Bencher, format: WeightFormat) {
+    run(bencher, format, 1);
+}
+
+/// 32 tokens against each weight row: the batched-decode / prefill GEMM.
+#[divan::bench(args = FORMATS, sample_count = 5)]
+fn gemm32(bencher: divan::Bencher, format: WeightFormat) {
+    run(bencher, format, 32);
+}
