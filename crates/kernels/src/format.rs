@@ -114,7 +114,7 @@ impl WeightFormat {
     /// scheme for its block formats). Other formats compute with f32 activations, which
     /// is what mlx does for its own quantized formats.
     pub fn int8_activations(self) -> bool {
-        matches!(self, WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1)
+        matches!(self, WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K)
     }
 
     /// Elements per block (1 for plain float formats).

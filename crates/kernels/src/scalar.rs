@@ -254,6 +254,49 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                 acc += f16_at(b, 0) * xb.d * isum as f32 + f16_at(b, 2) * xb.sum;
             }
         }
+        WeightFormat::Q4K | WeightFormat::Q5K => {
+            // Per 32-wide sub-block s: w = d·sc_s·q − dmin·m_s, so
+            // Σ w·x = d·sc_s·x_d·Σ q·x_q − dmin·m_s·x_sum.
+            let five = format == WeightFormat::Q5K;
+            let bb = format.block_bytes();
+            for (b, xs) in row.chunks_exact(bb).zip(x.chunks_exact(8)) {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+                for (s, xb) in xs.iter().enumerate() {
+                    let (scale, min) = scale_min_k4(&b[4..16], s);
+                    let mut isum = 0i32;
+                    for l in 0..32 {
+                        let byte = qs[32 * (s / 2) + l];
+                        let mut q = if s % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                        if five {
+                            q |= ((qh[l] >> s) & 1) << 4;
+                        }
+                        isum += q as i32 * xb.qs[l] as i32;
+                    }
+                    acc += d * scale as f32 * xb.d * isum as f32 - dmin * min as f32 * xb.sum;
+                }
+            }
+        }
+        WeightFormat::Q6K => {
+            // Per 16 weights one i8 scale: two per q8 block.
+            for (b, xs) in row.chunks_exact(210).zip(x.chunks_exact(8)) {
+                let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+                let d = f16_at(b, 208);
+                for (k, xb) in xs.iter().enumerate() {
+                    let mut isum = [0i32; 2];
+                    for l in 0..32 {
+                        let n = 32 * k + l;
+                        let (h, j, ll) = (n / 128, (n % 128) / 32, n % 32);
+                        let byte = ql[64 * h + ll + 32 * (j % 2)];
+                        let nib = if j < 2 { byte & 0x0F } else { byte >> 4 };
+                        let hi = (qh[32 * h + ll] >> (2 * j)) & 3;
+                        isum[l / 16] += ((nib | (hi << 4)) as i32 - 32) * xb.qs[l] as i32;
+                    }
+                    let (sa, sb) = (sc[2 * k] as i8 as f32, sc[2 * k + 1] as i8 as f32);
+                    acc += d * xb.d * (sa * isum[0] as f32 + sb * isum[1] as f32);
+                }
+            }
+        }
         _ => unreachable!("{format} takes f32 activations (dot_f32)"),
     }
     acc

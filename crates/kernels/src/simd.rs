@@ -291,55 +291,202 @@ mod x86 {
         _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
     }
 
+    /// `[w_d·x_d, w_m·x_sum, ..]` for a block whose f16 scale `d` (and, for Q4_1, min
+    /// `m` right after it) start at `b`: both products in one vector op, since a q8
+    /// block stores `d` and `sum` side by side.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
+    unsafe fn scales(b: *const u8, xb: &BlockQ8) -> __m128 {
+        let wdm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(b as *const i32)));
+        let xds = _mm_castpd_ps(_mm_load_sd(&xb.d as *const f32 as *const f64));
+        _mm_mul_ps(wdm, xds)
+    }
+
+    /// One block's integer dot, as 8 f32 partial sums (before scaling).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn block_dot(format: WeightFormat, b: *const u8, xb: &BlockQ8) -> __m256 {
+        let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+        let ones = _mm256_set1_epi16(1);
+        match format {
+            WeightFormat::Q8_0 => mul_sum_i8(_mm256_loadu_si256(b.add(2) as *const __m256i), y),
+            WeightFormat::Q4_0 => mul_sum_i8(_mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8)), y),
+            // q is unsigned 0..15, y signed: maddubs cannot saturate (15·127·2).
+            WeightFormat::Q4_1 => _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(nibbles32(b.add(4)), y), ones)),
+            _ => unreachable!("float formats take f32 activations"),
+        }
+    }
+
+    /// Two blocks per iteration into two accumulators (the FMA chain's latency, not
+    /// the loads, bounded the one-accumulator loop); the scale products are vector ops.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_t(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
         let bb = format.block_bytes();
         assert!(row.len() >= x.len() * bb);
         let wp = row.as_ptr();
-        let mut acc = _mm256_setzero_ps();
-        let mut acc_m = 0.0f32;
+        let has_min = format == WeightFormat::Q4_1;
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut m0, mut m1) = (_mm_setzero_ps(), _mm_setzero_ps());
+        let n = x.len();
+        let mut i = 0;
+        while i + 2 <= n {
+            let (b0, b1) = (wp.add(i * bb), wp.add((i + 1) * bb));
+            let (s0, s1) = (scales(b0, &x[i]), scales(b1, &x[i + 1]));
+            acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s0), block_dot(format, b0, &x[i]), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s1), block_dot(format, b1, &x[i + 1]), acc1);
+            m0 = _mm_add_ps(m0, s0);
+            m1 = _mm_add_ps(m1, s1);
+            i += 2;
+        }
+        if i < n {
+            let b0 = wp.add(i * bb);
+            let s0 = scales(b0, &x[i]);
+            acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s0), block_dot(format, b0, &x[i]), acc0);
+            m0 = _mm_add_ps(m0, s0);
+        }
+        let mins = _mm_add_ps(m0, m1);
+        // Lane 1 holds Σ w_m·x_sum (Q4_1's offset term); other formats' lane 1 is junk.
+        let offset = if has_min { _mm_cvtss_f32(_mm_shuffle_ps(mins, mins, 1)) } else { 0.0 };
+        hsum(_mm256_add_ps(acc0, acc1)) + offset
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
         match format {
-            WeightFormat::Q8_0 => {
-                for (i, xb) in x.iter().enumerate() {
-                    let b = wp.add(i * bb);
-                    let d = _mm256_set1_ps(f16_at(b) * xb.d);
-                    let q = _mm256_loadu_si256(b.add(2) as *const __m256i);
-                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-                    acc = _mm256_fmadd_ps(d, mul_sum_i8(q, y), acc);
-                }
-            }
-            WeightFormat::Q4_0 => {
-                let eight = _mm256_set1_epi8(8);
-                for (i, xb) in x.iter().enumerate() {
-                    let b = wp.add(i * bb);
-                    let d = _mm256_set1_ps(f16_at(b) * xb.d);
-                    let q = _mm256_sub_epi8(nibbles32(b.add(2)), eight);
-                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-                    acc = _mm256_fmadd_ps(d, mul_sum_i8(q, y), acc);
-                }
-            }
-            WeightFormat::Q4_1 => {
-                let ones = _mm256_set1_epi16(1);
-                for (i, xb) in x.iter().enumerate() {
-                    let b = wp.add(i * bb);
-                    let d = _mm256_set1_ps(f16_at(b) * xb.d);
-                    acc_m += f16_at(b.add(2)) * xb.sum;
-                    let q = nibbles32(b.add(4));
-                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-                    // q is unsigned 0..15, y signed: maddubs cannot saturate (15·127·2).
-                    let s = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
-                    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
-                }
-            }
+            // One copy per format, so `block_dot`'s match folds away.
+            WeightFormat::Q8_0 => dot_q8_t(WeightFormat::Q8_0, row, x),
+            WeightFormat::Q4_0 => dot_q8_t(WeightFormat::Q4_0, row, x),
+            WeightFormat::Q4_1 => dot_q8_t(WeightFormat::Q4_1, row, x),
+            WeightFormat::Q4K => dot_q8_k4::<false>(row, x),
+            WeightFormat::Q5K => dot_q8_k4::<true>(row, x),
+            WeightFormat::Q6K => dot_q8_q6k(row, x),
             _ => unreachable!("float formats take f32 activations"),
         }
-        hsum(acc) + acc_m
+    }
+
+    /// The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block (12 packed bytes),
+    /// unpacked with word operations (llama.cpp's layout, spec'd by `scale_min_k4`).
+    #[inline]
+    fn k4_scales(p: &[u8]) -> ([u8; 8], [u8; 8]) {
+        const M1: u32 = 0x3f3f_3f3f;
+        const M2: u32 = 0x0f0f_0f0f;
+        const M3: u32 = 0x0303_0303;
+        let w = |i: usize| u32::from_le_bytes([p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]]);
+        let (u0, u1, u2) = (w(0), w(1), w(2));
+        let sc_hi = (u2 & M2) | (((u0 >> 6) & M3) << 4);
+        let m_hi = ((u2 >> 4) & M2) | (((u1 >> 6) & M3) << 4);
+        let (sc_lo, m_lo) = (u0 & M1, u1 & M1);
+        let join = |a: u32, b: u32| {
+            let (a, b) = (a.to_le_bytes(), b.to_le_bytes());
+            [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+        };
+        (join(sc_lo, sc_hi), join(m_lo, m_hi))
+    }
+
+    /// Q4_K (and, with `FIVE`, Q5_K) against q8 activations: per 32-wide sub-block an
+    /// integer dot, scaled by d·sc·x_d; the min term comes from the q8 block sums.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_k4<const FIVE: bool>(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let bb = if FIVE { 176 } else { 144 };
+        let supers = x.len() / 8;
+        assert!(x.len() % 8 == 0 && row.len() >= supers * bb);
+        let low = _mm256_set1_epi8(0x0F);
+        let one = _mm256_set1_epi8(1);
+        let ones = _mm256_set1_epi16(1);
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut acc_m = 0.0f32;
+        for sb in 0..supers {
+            let b = row.as_ptr().add(sb * bb);
+            let xs = &x[sb * 8..sb * 8 + 8];
+            let (d, dmin) = (f16_at(b), f16_at(b.add(2)));
+            let (sc, mn) = k4_scales(std::slice::from_raw_parts(b.add(4), 12));
+            let qs = b.add(if FIVE { 48 } else { 16 });
+            let qh = if FIVE { _mm256_loadu_si256(b.add(16) as *const __m256i) } else { _mm256_setzero_si256() };
+            for j in 0..4 {
+                let q = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
+                let mut q0 = _mm256_and_si256(q, low);
+                let mut q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                if FIVE {
+                    // Bit s of qh[l] is the fifth bit of sub-block s's weight l.
+                    let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j as i32));
+                    q0 = _mm256_or_si256(q0, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                    q1 = _mm256_or_si256(q1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                }
+                let (x0, x1) = (&xs[2 * j], &xs[2 * j + 1]);
+                let y0 = _mm256_loadu_si256(x0.qs.as_ptr() as *const __m256i);
+                let y1 = _mm256_loadu_si256(x1.qs.as_ptr() as *const __m256i);
+                let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q0, y0), ones));
+                let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q1, y1), ones));
+                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * j] as f32 * x0.d), p0, acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * j + 1] as f32 * x1.d), p1, acc1);
+            }
+            let mut m = 0.0f32;
+            for s in 0..8 {
+                m += mn[s] as f32 * xs[s].sum;
+            }
+            acc_m += dmin * m;
+        }
+        hsum(_mm256_add_ps(acc0, acc1)) - acc_m
+    }
+
+    /// Q6_K against q8 activations: each q8 block covers two 16-wide scale groups,
+    /// which are the low and high halves of the 8 i32 lanes of its integer dot.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_q6k(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let supers = x.len() / 8;
+        assert!(x.len() % 8 == 0 && row.len() >= supers * 210);
+        let low = _mm256_set1_epi8(0x0F);
+        let three = _mm256_set1_epi8(3);
+        let m32 = _mm256_set1_epi8(32);
+        let ones = _mm256_set1_epi16(1);
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for sb in 0..supers {
+            let b = row.as_ptr().add(sb * 210);
+            let xs = &x[sb * 8..sb * 8 + 8];
+            let d = f16_at(b.add(208));
+            let sc = std::slice::from_raw_parts(b.add(192) as *const i8, 16);
+            for h in 0..2 {
+                let ql0 = _mm256_loadu_si256(b.add(64 * h) as *const __m256i);
+                let ql1 = _mm256_loadu_si256(b.add(64 * h + 32) as *const __m256i);
+                let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+                let hi = |shift: i32| _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), three), 4);
+                let qs = [
+                    _mm256_or_si256(_mm256_and_si256(ql0, low), hi(0)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, low), hi(2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), hi(4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), hi(6)),
+                ];
+                for (k, q) in qs.into_iter().enumerate() {
+                    let blk = 4 * h + k;
+                    let xb = &xs[blk];
+                    let q = _mm256_sub_epi8(q, m32);
+                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                    // |q| ≤ 32: maddubs of |q| and sign-adjusted y cannot saturate.
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q)), ones);
+                    let dx = d * xb.d;
+                    let (sa, sb) = (dx * sc[2 * blk] as f32, dx * sc[2 * blk + 1] as f32);
+                    let scale = _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb);
+                    if k % 2 == 0 {
+                        acc0 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc0);
+                    } else {
+                        acc1 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc1);
+                    }
+                }
+            }
+        }
+        hsum(_mm256_add_ps(acc0, acc1))
     }
 
     /// Four tokens against one weight row: each weight block is loaded and unpacked
     /// once for all four (prefill and batched decode are compute-bound on the unpack).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_x4(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
+        if matches!(format, WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K) {
+            return xs.map(|x| dot_q8(format, row, x));
+        }
         let bb = format.block_bytes();
         let blocks = xs[0].len();
         assert!(row.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));

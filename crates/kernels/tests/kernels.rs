@@ -231,12 +231,12 @@ fn q8_quantize_simd_matches_scalar() {
 fn quantized_dot_simd_matches_scalar_and_exact() {
     let isa = Isa::detect();
     let mut rng = Rng(3);
-    for format in [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1] {
+    for format in WeightFormat::ALL.into_iter().filter(|f| f.int8_activations()) {
         for blocks in [1usize, 2, 3, 5, 9, 18, 37] {
-            let cols = blocks * 32;
+            let cols = blocks * format.block_elems();
             let row = random_row(&mut rng, format, cols);
             let x = random_vec(&mut rng, cols);
-            let mut xq = vec![BlockQ8::default(); blocks];
+            let mut xq = vec![BlockQ8::default(); cols / 32];
             quantize_row_scalar(&x, &mut xq);
             let want = scalar::dot_q8(format, &row, &xq);
             let got = isa.dot_q8(format, &row, &xq);
