@@ -113,6 +113,8 @@ fn several_sequences_in_flight_under_pp() {
     assert_eq!(alone[0], ids_of("greedy_ids", name)[..12].to_vec(), "single node vs mlx-lm");
     for (n, placement, micro) in [
         (1, &[][..], 1),
+        (2, &["--tp", "2"][..], 1),
+        (2, &["--ep", "2"][..], 1),
         (2, &["--pp", "2"][..], 2),
         (3, &["--pp", "3", "--pp-split", "1,1,1"][..], 3),
         (4, &["--pp", "2", "--tp", "2"][..], 2),
