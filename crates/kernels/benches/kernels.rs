@@ -17,9 +17,11 @@ fn main() {
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
-const FORMATS: [WeightFormat; 9] = [
+const FORMATS: [WeightFormat; 11] = [
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
+    WeightFormat::Q4_0x8,
+    WeightFormat::Q4_1x8,
     WeightFormat::Q8_0,
     WeightFormat::Q4K,
     WeightFormat::Q5K,
@@ -45,6 +47,10 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
 /// A `ROWS × COLS` matrix of `format` with sane scales (f16 0.01, e8m0 2^0) and, for
 /// float formats, small normal values.
 fn matrix(format: WeightFormat) -> Vec<u8> {
+    if format.rows_per_group() > 1 {
+        let source = [WeightFormat::Q4_0, WeightFormat::Q4_1].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
+        return tessera_kernels::repack_rows8(source, ROWS, COLS, &matrix(source));
+    }
     let row = format.row_bytes(COLS).expect("COLS fits every block size");
     let mut data = bytes(ROWS * row, 7);
     let f16 = half::f16::from_f32(0.01).to_le_bytes();

@@ -7,6 +7,13 @@
 //! Nibble order: element j < 16 is the low nibble of byte j, element j+16 the high one.
 //! - MXFP4: 32 weights in 17 bytes: u8 E8M0 exponent e, 16 bytes of E2M1 nibbles (same
 //!   order); w = e2m1(q)·2^(e−127). GGUF type 39; MLX `mxfp4` is repacked into it.
+//! - Q4_0x8 / Q4_1x8 (GGUF Q4_0 / Q4_1 repacked at load, groups of 8 rows): per
+//!   32-column block, the 8 rows' f16 d (then, Q4_1, their f16 m), then 128 bytes of
+//!   nibbles: byte 32·j + 4·r + e holds row r's element 4·j + e (low nibble) and element
+//!   4·(j + 4) + e (high nibble), j < 4. One 32-byte load is then four elements of all
+//!   eight rows, so an integer dot covers 8 rows per instruction and the 8 results land
+//!   in 8 lanes (no horizontal sums, scales applied 8 at a time). Same bytes per row as
+//!   the source format.
 //! - A4 / A8 (MLX affine, repacked at load): per group of g weights an f32 scale s, an
 //!   f32 bias b, then the quantized values (4-bit: per 32 values 16 bytes in the Q4_0
 //!   nibble order; 8-bit: one byte each); w = s·q + b.
@@ -32,6 +39,9 @@ pub enum WeightFormat {
     /// 128×128 `weight_scale_inv` blocks are repacked per 32 columns): f32 scale, then
     /// 32 E4M3 bytes; w = e4m3(q)·scale.
     Fp8,
+    /// Q4_0 / Q4_1 interleaved by groups of 8 rows (see the module docs).
+    Q4_0x8,
+    Q4_1x8,
     /// MLX affine 4-bit with `group` elements per scale/bias (32, 64 or 128).
     A4 { group: u16 },
     /// MLX affine 8-bit.
@@ -96,6 +106,8 @@ impl WeightFormat {
             WeightFormat::Q8_0 => "Q8_0",
             WeightFormat::Q4_0 => "Q4_0",
             WeightFormat::Q4_1 => "Q4_1",
+            WeightFormat::Q4_0x8 => "Q4_0x8",
+            WeightFormat::Q4_1x8 => "Q4_1x8",
             WeightFormat::Mxfp4 => "MXFP4",
             WeightFormat::Q4K => "Q4_K",
             WeightFormat::Q5K => "Q5_K",
@@ -114,7 +126,35 @@ impl WeightFormat {
     /// scheme for its block formats). Other formats compute with f32 activations, which
     /// is what mlx does for its own quantized formats.
     pub fn int8_activations(self) -> bool {
-        matches!(self, WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K)
+        matches!(
+            self,
+            WeightFormat::Q8_0
+                | WeightFormat::Q4_0
+                | WeightFormat::Q4_1
+                | WeightFormat::Q4_0x8
+                | WeightFormat::Q4_1x8
+                | WeightFormat::Q4K
+                | WeightFormat::Q5K
+                | WeightFormat::Q6K
+        )
+    }
+
+    /// Rows stored together (8 for the interleaved formats): matmul computes them
+    /// together, and row slices must fall on multiples of it.
+    pub fn rows_per_group(self) -> usize {
+        match self {
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 => 8,
+            _ => 1,
+        }
+    }
+
+    /// The interleaved layout this format is repacked into at load, if it has one.
+    pub fn interleaved(self) -> Option<WeightFormat> {
+        match self {
+            WeightFormat::Q4_0 => Some(WeightFormat::Q4_0x8),
+            WeightFormat::Q4_1 => Some(WeightFormat::Q4_1x8),
+            _ => None,
+        }
     }
 
     /// Elements per block (1 for plain float formats).
@@ -122,6 +162,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 => 32,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
@@ -133,8 +174,8 @@ impl WeightFormat {
             WeightFormat::F32 => 4,
             WeightFormat::F16 | WeightFormat::Bf16 => 2,
             WeightFormat::Q8_0 => 34,
-            WeightFormat::Q4_0 => 18,
-            WeightFormat::Q4_1 => 20,
+            WeightFormat::Q4_0 | WeightFormat::Q4_0x8 => 18,
+            WeightFormat::Q4_1 | WeightFormat::Q4_1x8 => 20,
             WeightFormat::Mxfp4 => 17,
             WeightFormat::Q4K => 144,
             WeightFormat::Q5K => 176,
@@ -158,6 +199,48 @@ impl WeightFormat {
         }
         Ok(cols / block * self.block_bytes())
     }
+}
+
+/// Repacks `rows` rows of Q4_0 / Q4_1 (GGUF layout) into groups of 8 interleaved rows
+/// ([`WeightFormat::interleaved`]; layout in the module docs). `rows` must be a multiple
+/// of 8. Lossless: the same scales and nibbles, moved.
+pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
+    let min = match format {
+        WeightFormat::Q4_0 => false,
+        WeightFormat::Q4_1 => true,
+        _ => panic!("repack_rows8: {format} has no interleaved layout"),
+    };
+    let (bb, blocks) = (format.block_bytes(), cols / 32);
+    assert!(rows % 8 == 0 && cols % 32 == 0 && data.len() == rows * blocks * bb, "repack_rows8: shape");
+    let mut out = Vec::with_capacity(data.len());
+    let q_at = if min { 4 } else { 2 };
+    for g in 0..rows / 8 {
+        for b in 0..blocks {
+            let src = |r: usize| &data[((g * 8 + r) * blocks + b) * bb..][..bb];
+            for r in 0..8 {
+                out.extend_from_slice(&src(r)[..2]);
+            }
+            if min {
+                for r in 0..8 {
+                    out.extend_from_slice(&src(r)[2..4]);
+                }
+            }
+            // Element i of a source block: low nibble of byte i (i < 16), else high
+            // nibble of byte i − 16.
+            let q = |r: usize, i: usize| {
+                let byte = src(r)[q_at + i % 16];
+                if i < 16 { byte & 0x0F } else { byte >> 4 }
+            };
+            for j in 0..4 {
+                for r in 0..8 {
+                    for e in 0..4 {
+                        out.push(q(r, 4 * j + e) | (q(r, 4 * (j + 4) + e) << 4));
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Repacks MLX-quantized rows into Tessera's block layout (see the module docs).

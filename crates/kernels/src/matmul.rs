@@ -34,9 +34,18 @@ impl<'a> WeightRows<'a> {
         &self.data[start..start + self.row_stride]
     }
 
-    /// Rows `range` of this matrix (a tensor-parallel or expert slice).
+    /// The bytes of rows `8·g .. 8·g + 8` of an interleaved format, stored together.
+    #[inline]
+    pub fn group8(&self, g: usize) -> &'a [u8] {
+        let start = 8 * g * self.row_stride;
+        &self.data[start..start + 8 * self.row_stride]
+    }
+
+    /// Rows `range` of this matrix (a tensor-parallel or expert slice); interleaved
+    /// formats slice on whole groups only.
     pub fn slice_rows(&self, range: std::ops::Range<usize>) -> WeightRows<'a> {
-        assert!(range.end <= self.rows);
+        let rpg = self.format.rows_per_group();
+        assert!(range.end <= self.rows && range.start % rpg == 0 && range.len() % rpg == 0, "slice_rows: {range:?} of {} rows in groups of {rpg}", self.rows);
         WeightRows {
             rows: range.len(),
             data: &self.data[range.start * self.row_stride..range.end * self.row_stride],
@@ -92,14 +101,19 @@ pub fn matmul_group(
     let cols = ws[0].cols;
     assert_eq!(x.len(), n_tokens * cols, "matmul_group: x is not n_tokens × cols");
     let mut outs = [SharedMut(std::ptr::null_mut::<f32>()); GROUP_MAX];
-    let mut starts = [0usize; GROUP_MAX + 1];
     for (i, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
         assert_eq!(w.cols, cols, "matmul_group: matrices must share the input width");
         assert_eq!(y.len(), n_tokens * w.rows, "matmul_group: output {i} is not n_tokens × rows");
         outs[i] = SharedMut(y.as_mut_ptr());
-        starts[i + 1] = starts[i] + w.rows;
     }
-    let total = starts[ws.len()];
+    // Work units: a row, or a group of 8 rows of an interleaved format.
+    let mut unit_starts = [0usize; GROUP_MAX + 1];
+    for (i, w) in ws.iter().enumerate() {
+        let rpg = w.format.rows_per_group();
+        assert_eq!(w.rows % rpg, 0, "matmul_group: {} rows of {} are not whole groups of {rpg}", w.rows, w.format);
+        unit_starts[i + 1] = unit_starts[i] + w.rows / rpg;
+    }
+    let total = unit_starts[ws.len()];
     let blocks = cols / QK;
     let xq: &[BlockQ8] = if ws.iter().any(|w| w.format.int8_activations()) {
         let need = n_tokens * blocks;
@@ -125,11 +139,24 @@ pub fn matmul_group(
     let grain = pool.grain(total, 8, 8);
     pool.parallel_for(total, grain, &|_, chunk| {
         for g in chunk {
-            let i = (0..ws.len()).rfind(|&i| starts[i] <= g).expect("row in range");
-            let (w, r) = (&ws[i], g - starts[i]);
-            let row = w.row(r);
+            let i = (0..ws.len()).rfind(|&i| unit_starts[i] <= g).expect("unit in range");
+            let (w, u) = (&ws[i], g - unit_starts[i]);
             let rows = w.rows;
             let y = outs[i];
+            if w.format.rows_per_group() == 8 {
+                // Eight rows at once; the group's bytes stay in L1 across tokens.
+                let group = w.group8(u);
+                for t in 0..n_tokens {
+                    let v = isa.dot_q8_rows8(w.format, group, &xq[t * blocks..(t + 1) * blocks]);
+                    for (k, vk) in v.into_iter().enumerate() {
+                        // SAFETY: the group's rows belong to this thread alone.
+                        unsafe { *y.ptr().add(t * rows + 8 * u + k) = vk };
+                    }
+                }
+                continue;
+            }
+            let r = u;
+            let row = w.row(r);
             let mut t = 0;
             if w.format.int8_activations() {
                 let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];

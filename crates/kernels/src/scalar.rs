@@ -110,6 +110,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
             let bb = format.block_bytes();
@@ -297,7 +298,52 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                 }
             }
         }
-        _ => unreachable!("{format} takes f32 activations (dot_f32)"),
+        _ => unreachable!("{format} takes f32 activations (dot_f32), or interleaves rows (dot_q8_rows8)"),
+    }
+    acc
+}
+
+/// The 8 rows of one group of an interleaved format (`Q4_0x8`, `Q4_1x8`) as f32,
+/// `out[r·cols + c]`.
+pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
+    let min = format == WeightFormat::Q4_1x8;
+    let bb = 8 * format.block_bytes();
+    let cols = out.len() / 8;
+    for (b, blk) in group.chunks_exact(bb).take(cols / 32).enumerate() {
+        let q0 = if min { 32 } else { 16 };
+        for r in 0..8 {
+            let d = f16_at(blk, 2 * r);
+            let m = if min { f16_at(blk, 16 + 2 * r) } else { -8.0 * d };
+            for i in 0..32 {
+                let (j, e, high) = ((i % 16) / 4, i % 4, i >= 16);
+                let byte = blk[q0 + 32 * j + 4 * r + e];
+                let q = if high { byte >> 4 } else { byte & 0x0F };
+                out[r * cols + 32 * b + i] = d * q as f32 + m;
+            }
+        }
+    }
+}
+
+/// Dot products of the 8 rows of one interleaved group with q8 activations, integer
+/// inner sums: what the SIMD kernel computes, written plainly.
+pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+    let min = format == WeightFormat::Q4_1x8;
+    let bb = 8 * format.block_bytes();
+    let q0 = if min { 32 } else { 16 };
+    let mut acc = [0.0f32; 8];
+    for (blk, xb) in group.chunks_exact(bb).zip(x) {
+        for (r, a) in acc.iter_mut().enumerate() {
+            let d = f16_at(blk, 2 * r);
+            let mut isum = 0i32;
+            for i in 0..32 {
+                let (j, e, high) = ((i % 16) / 4, i % 4, i >= 16);
+                let byte = blk[q0 + 32 * j + 4 * r + e];
+                let q = if high { byte >> 4 } else { byte & 0x0F };
+                isum += q as i32 * xb.qs[i] as i32;
+            }
+            let m = if min { f16_at(blk, 16 + 2 * r) } else { -8.0 * d };
+            *a += d * xb.d * isum as f32 + m * xb.sum;
+        }
     }
     acc
 }

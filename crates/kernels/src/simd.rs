@@ -65,6 +65,17 @@ impl Isa {
         }
     }
 
+    /// The 8 rows of one interleaved group (`Q4_0x8`, `Q4_1x8`) against q8 activations.
+    #[inline]
+    pub fn dot_q8_rows8(self, format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 => unsafe { x86::dot_q8_rows8(format, group, x) },
+            _ => scalar::dot_q8_rows8(format, group, x),
+        }
+    }
+
     /// [`Isa::dot_q8`] for four activation rows at once.
     #[inline]
     pub fn dot_q8_x4(self, format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
@@ -363,6 +374,53 @@ mod x86 {
             WeightFormat::Q6K => dot_q8_q6k(row, x),
             _ => unreachable!("float formats take f32 activations"),
         }
+    }
+
+    /// 8 interleaved rows against one token: per block, 8 unsigned×signed byte
+    /// products per 32-byte load cover 4 elements of all 8 rows; the 16-bit pair sums of
+    /// the 8 loads add without overflow (8·2·15·127 < 2^15), one `madd` makes 8 row
+    /// sums, and the 8 scales apply in one multiply.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        match format {
+            WeightFormat::Q4_0x8 => dot_q8_rows8_t::<false>(group, x),
+            WeightFormat::Q4_1x8 => dot_q8_rows8_t::<true>(group, x),
+            _ => unreachable!("{format} does not interleave rows"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_rows8_t<const MIN: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        let bb = if MIN { 160 } else { 144 };
+        assert!(group.len() >= x.len() * bb);
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for (b, xb) in x.iter().enumerate() {
+            let p = group.as_ptr().add(b * bb);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            let qp = p.add(if MIN { 32 } else { 16 });
+            let y = xb.qs.as_ptr() as *const i32;
+            let mut sum16 = _mm256_setzero_si256();
+            for j in 0..4 {
+                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                let lo = _mm256_and_si256(c, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
+                sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(lo, y_lo));
+                sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(hi, y_hi));
+            }
+            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc);
+            // w = d·q + m (Q4_0: m = −8·d): the m term is m · x_sum.
+            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
+            acc_m = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc_m);
+        }
+        let mut out = [0.0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
+        out
     }
 
     /// The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block (12 packed bytes),

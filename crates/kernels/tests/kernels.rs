@@ -65,6 +65,7 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 => panic!("interleaved formats are made by repack_rows8"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -282,6 +283,53 @@ fn matmul_matches_naive_loops_for_every_format_and_thread_count() {
                         let mag: f32 = wr.iter().zip(xs).map(|(a, b)| (a * b).abs()).sum();
                         assert!((got - want).abs() <= 1e-5 * mag + 1e-6, "{format} {rows}x{cols} t={t} r={r}: {got} vs {want}");
                     }
+                }
+            }
+        }
+    }
+}
+
+/// Q4_0 / Q4_1 repacked into groups of 8 interleaved rows: the same weights (every
+/// row dequantizes identically), the same dot products as the source rows (scalar and
+/// SIMD), and matmul over the repacked matrix equals matmul over the source.
+#[test]
+fn interleaved_rows_are_the_source_rows() {
+    let isa = Isa::detect();
+    let mut rng = Rng(6);
+    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1] {
+        let packed_format = format.interleaved().unwrap();
+        for (rows, cols) in [(8, 32), (16, 96), (24, 576)] {
+            let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+            let packed = tessera_kernels::repack_rows8(format, rows, cols, &data);
+            assert_eq!(packed.len(), data.len());
+            let src = WeightRows::new(format, rows, cols, &data).unwrap();
+            let dst = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
+            let x = random_vec(&mut rng, 3 * cols);
+            let mut xq = vec![BlockQ8::default(); cols / 32];
+            quantize_row_scalar(&x[..cols], &mut xq);
+            for g in 0..rows / 8 {
+                let mut w8 = vec![0.0; 8 * cols];
+                scalar::dequantize_rows8(packed_format, dst.group8(g), &mut w8);
+                let simd = isa.dot_q8_rows8(packed_format, dst.group8(g), &xq);
+                let reference = scalar::dot_q8_rows8(packed_format, dst.group8(g), &xq);
+                for r in 0..8 {
+                    let mut w = vec![0.0; cols];
+                    scalar::dequantize_row(format, src.row(8 * g + r), &mut w);
+                    assert_eq!(&w8[r * cols..(r + 1) * cols], &w[..], "{packed_format} {rows}x{cols} row {}", 8 * g + r);
+                    let want = scalar::dot_q8(format, src.row(8 * g + r), &xq);
+                    let mag: f32 = w.iter().zip(&x[..cols]).map(|(a, b)| (a * b).abs()).sum::<f32>() + 1.0;
+                    assert!((reference[r] - want).abs() <= 1e-5 * mag, "{packed_format} scalar row {r}: {} vs {want}", reference[r]);
+                    assert!((simd[r] - want).abs() <= 1e-5 * mag, "{packed_format} simd row {r}: {} vs {want}", simd[r]);
+                }
+            }
+            for threads in [1, 2] {
+                let pool = ThreadPool::new(threads);
+                let mut scratch = MatmulScratch::new(3, cols);
+                let (mut y0, mut y1) = (vec![0.0; 3 * rows], vec![0.0; 3 * rows]);
+                matmul(&pool, isa, src, &x, 3, &mut y0, &mut scratch);
+                matmul(&pool, isa, dst, &x, 3, &mut y1, &mut scratch);
+                for (a, b) in y0.iter().zip(&y1) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{packed_format} matmul: {a} vs {b}");
                 }
             }
         }

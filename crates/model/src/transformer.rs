@@ -64,6 +64,17 @@ impl Linear {
         Linear { name, format: WeightFormat::F32, rows, cols, storage: Storage::Owned(Arc::new(bytes), 0..len), bias: None }
     }
 
+    /// Repacks Q4_0 / Q4_1 into the 8-row interleaved layout the kernels run fastest
+    /// (same bytes; the mapped source pages are no longer touched). Matrices whose rows
+    /// do not come in whole groups of 8 stay as they are.
+    fn interleave(&mut self, ckpt: &Checkpoint) {
+        let Some(to) = self.format.interleaved().filter(|_| self.rows % 8 == 0 && self.rows > 0) else { return };
+        let data = tessera_kernels::repack_rows8(self.format, self.rows, self.cols, self.weights(ckpt).data);
+        let len = data.len();
+        self.format = to;
+        self.storage = Storage::Owned(Arc::new(data), 0..len);
+    }
+
     /// Rows `range` as their own matrix (one expert of a stack, one head).
     fn sub_rows(&self, range: Range<usize>, name: String) -> Linear {
         assert!(range.end <= self.rows);
@@ -1003,7 +1014,7 @@ impl DenseTransformer {
         let embed = need_embed
             .then(|| ld.part("model.embed_tokens.weight", None, v, h, &Sel::rows(vocab.clone(), h)))
             .transpose()?;
-        let head = match (spec.last_stage(), tied) {
+        let mut head = match (spec.last_stage(), tied) {
             (false, _) => None,
             (true, true) => embed.clone(),
             (true, false) => Some(ld.part("lm_head.weight", None, v, h, &Sel::rows(vocab.clone(), h))?),
@@ -1106,6 +1117,38 @@ impl DenseTransformer {
             }
         }
         let norm = spec.last_stage().then(|| ld.vector("model.norm.weight", h)).transpose()?;
+        // Matrices only ever multiplied (not the embedding, read by rows; not MLA's
+        // per-head matrices, sliced by head) take the kernels' interleaved layout.
+        if std::env::var("TESSERA_REPACK").map_or(true, |v| v != "0") {
+            let mut todo: Vec<&mut Linear> = Vec::new();
+            if let (Some(h), false) = (head.as_mut(), tied) {
+                todo.push(h);
+            }
+            for l in &mut layers {
+                match &mut l.attn {
+                    Attn::Gqa(g) => todo.extend([&mut g.q, &mut g.k, &mut g.v, &mut g.o]),
+                    Attn::Mla(m) => {
+                        todo.extend([&mut m.q, &mut m.kv_a, &mut m.o]);
+                        if let Some((qa, _)) = &mut m.q_a {
+                            todo.push(qa);
+                        }
+                    }
+                }
+                match &mut l.ffn {
+                    Ffn::Dense(m) => todo.extend([&mut m.gate, &mut m.up, &mut m.down]),
+                    Ffn::Moe(m) => {
+                        todo.push(&mut m.router);
+                        todo.extend(m.gate.iter_mut().chain(m.up.iter_mut()).chain(m.down.iter_mut()));
+                        if let Some(sh) = &mut m.shared {
+                            todo.extend([&mut sh.gate, &mut sh.up, &mut sh.down]);
+                        }
+                    }
+                }
+            }
+            for l in todo {
+                l.interleave(&ckpt);
+            }
+        }
         let bytes_loaded = ld.bytes_read.get();
         let recorded = ld.record.map(|r| r.into_inner()).unwrap_or_default();
         Ok((DenseTransformer { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa: Isa::detect(), bytes_loaded, ckpt }, recorded))
