@@ -47,6 +47,9 @@ pub struct BenchArgs {
     /// head, collectives): measured time, bandwidth-ideal time, overhead ratio.
     #[arg(long)]
     profile: bool,
+    /// Sequences per step in the --profile run (batched decode's per-module table).
+    #[arg(long, default_value_t = 1, requires = "profile")]
+    profile_batch: usize,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -76,8 +79,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let load_after = loadavg();
     print_table(&a.model.display().to_string(), &report);
     if a.profile {
-        let p = tessera_engine::bench::profile_decode(&model, &cfg, cfg.tg.max(1))?;
-        print_profile(&p, report.bandwidth_best_gb_s());
+        let p = tessera_engine::bench::profile_decode(&model, &cfg, cfg.tg.max(1), a.profile_batch)?;
+        print_profile(&p, report.bandwidth_best_gb_s(), a.profile_batch);
     }
     if let (Some(b), Some(e)) = (&load_before, &load_after) {
         println!("load average (1/5/15 min) before {b}, after {e}");
@@ -231,11 +234,11 @@ fn utc_now() -> String {
 
 /// The per-module table: measured time per token, the time its bytes would take at the
 /// measured bandwidth, and the ratio (what the seed's author had to build by hand).
-fn print_profile(p: &tessera_model::Profile, gb_s: f64) {
+fn print_profile(p: &tessera_model::Profile, gb_s: f64, batch: usize) {
     let steps = p.steps.max(1) as f64;
     let total: f64 = p.nanos.iter().map(|&n| n as f64).sum::<f64>() / steps / 1e6;
-    println!("\nper-module profile of batch-1 decode ({} tokens; bandwidth-ideal at {gb_s:.2} GB/s)\n", p.steps);
-    println!("| module | calls/token | ms/token | share | MB/token | ideal ms | overhead × |");
+    println!("\nper-module profile of batch-{batch} decode ({} steps of {batch} token(s); bandwidth-ideal at {gb_s:.2} GB/s)\n", p.steps);
+    println!("| module | calls/step | ms/step | share | MB/step | ideal ms | overhead × |");
     println!("|---|---|---|---|---|---|---|");
     for kind in tessera_model::ProfileKind::ALL {
         let i = kind as usize;

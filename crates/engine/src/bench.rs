@@ -450,23 +450,29 @@ fn sum_f32(x: &[f32]) -> f32 {
 
 /// Batch-1 decode with the per-module profiler on: where a token's time goes
 /// (`tessera bench --profile`). Runs after, and apart from, the timed measurements.
-pub fn profile_decode(model: &DenseTransformer, cfg: &BenchConfig, steps: usize) -> Result<tessera_model::Profile, EngineError> {
+pub fn profile_decode(model: &DenseTransformer, cfg: &BenchConfig, steps: usize, batch: usize) -> Result<tessera_model::Profile, EngineError> {
+    if batch == 0 || batch > BATCH_MAX {
+        return Err(EngineError::Config(format!("profile batch {batch} outside 1..={BATCH_MAX}")));
+    }
     let vocab = model.cfg.vocab;
     let context_max = cfg.decode_prompt + steps + 1;
-    let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk.max(1), context_max, sequences_per_step_max: 1 };
+    let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk.max(batch), context_max, sequences_per_step_max: batch };
     let pool = ThreadPool::new(cfg.threads);
     let mut ws = model.new_workspace(limits, pool.n_threads());
-    let mut cache = model.new_cache(limits);
-    let mut logits = vec![0.0; vocab];
+    let mut caches: Vec<_> = (0..batch).map(|_| model.new_cache(limits)).collect();
+    let mut logits = vec![0.0; batch * vocab];
     let mut rng = TokenRng(cfg.seed ^ 0x9e37);
-    let prompt = rng.ids(cfg.decode_prompt.max(1), vocab);
-    for chunk in prompt.chunks(limits.tokens_per_step_max) {
-        model.forward(&pool, &mut ws, &mut cache, chunk, LogitsFor::Last, &mut logits)?;
+    for cache in caches.iter_mut() {
+        let prompt = rng.ids(cfg.decode_prompt.max(1), vocab);
+        for chunk in prompt.chunks(limits.tokens_per_step_max) {
+            model.forward(&pool, &mut ws, cache, chunk, LogitsFor::Last, &mut logits[..vocab])?;
+        }
     }
-    let ids = rng.ids(steps, vocab);
+    let ids = rng.ids(steps * batch, vocab);
     ws.start_profile();
-    for id in ids {
-        model.forward(&pool, &mut ws, &mut cache, &[id], LogitsFor::Last, &mut logits)?;
+    for step in ids.chunks(batch) {
+        let chunks: Vec<SeqChunk> = step.iter().enumerate().map(|(i, t)| SeqChunk { cache: i, tokens: std::slice::from_ref(t), logits: LogitsFor::Last }).collect();
+        model.forward_batch(&pool, &mut ws, &mut caches, &chunks, &mut logits)?;
     }
     Ok(ws.take_profile().expect("profiling was started"))
 }

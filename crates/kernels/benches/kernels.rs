@@ -17,12 +17,13 @@ fn main() {
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
-const FORMATS: [WeightFormat; 11] = [
+const FORMATS: [WeightFormat; 12] = [
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
     WeightFormat::Q4_0x8,
     WeightFormat::Q4_1x8,
     WeightFormat::Q8_0,
+    WeightFormat::Q8_0x8,
     WeightFormat::Q4K,
     WeightFormat::Q5K,
     WeightFormat::Q6K,
@@ -48,7 +49,7 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
 /// float formats, small normal values.
 fn matrix(format: WeightFormat) -> Vec<u8> {
     if format.rows_per_group() > 1 {
-        let source = [WeightFormat::Q4_0, WeightFormat::Q4_1].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
+        let source = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
         return tessera_kernels::repack_rows8(source, ROWS, COLS, &matrix(source));
     }
     let row = format.row_bytes(COLS).expect("COLS fits every block size");

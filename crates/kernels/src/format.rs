@@ -14,6 +14,8 @@
 //!   eight rows, so an integer dot covers 8 rows per instruction and the 8 results land
 //!   in 8 lanes (no horizontal sums, scales applied 8 at a time). Same bytes per row as
 //!   the source format.
+//! - Q8_0x8 (GGUF Q8_0 repacked the same way): per 32-column block the 8 rows' f16 d,
+//!   then 256 bytes: byte 32·j + 4·r + e is row r's element 4·j + e, j < 8.
 //! - A4 / A8 (MLX affine, repacked at load): per group of g weights an f32 scale s, an
 //!   f32 bias b, then the quantized values (4-bit: per 32 values 16 bytes in the Q4_0
 //!   nibble order; 8-bit: one byte each); w = s·q + b.
@@ -42,6 +44,7 @@ pub enum WeightFormat {
     /// Q4_0 / Q4_1 interleaved by groups of 8 rows (see the module docs).
     Q4_0x8,
     Q4_1x8,
+    Q8_0x8,
     /// MLX affine 4-bit with `group` elements per scale/bias (32, 64 or 128).
     A4 { group: u16 },
     /// MLX affine 8-bit.
@@ -108,6 +111,7 @@ impl WeightFormat {
             WeightFormat::Q4_1 => "Q4_1",
             WeightFormat::Q4_0x8 => "Q4_0x8",
             WeightFormat::Q4_1x8 => "Q4_1x8",
+            WeightFormat::Q8_0x8 => "Q8_0x8",
             WeightFormat::Mxfp4 => "MXFP4",
             WeightFormat::Q4K => "Q4_K",
             WeightFormat::Q5K => "Q5_K",
@@ -133,6 +137,7 @@ impl WeightFormat {
                 | WeightFormat::Q4_1
                 | WeightFormat::Q4_0x8
                 | WeightFormat::Q4_1x8
+                | WeightFormat::Q8_0x8
                 | WeightFormat::Q4K
                 | WeightFormat::Q5K
                 | WeightFormat::Q6K
@@ -143,7 +148,7 @@ impl WeightFormat {
     /// together, and row slices must fall on multiples of it.
     pub fn rows_per_group(self) -> usize {
         match self {
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 => 8,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => 8,
             _ => 1,
         }
     }
@@ -153,6 +158,7 @@ impl WeightFormat {
         match self {
             WeightFormat::Q4_0 => Some(WeightFormat::Q4_0x8),
             WeightFormat::Q4_1 => Some(WeightFormat::Q4_1x8),
+            WeightFormat::Q8_0 => Some(WeightFormat::Q8_0x8),
             _ => None,
         }
     }
@@ -162,7 +168,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 => 32,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => 32,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
@@ -173,7 +179,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 => 4,
             WeightFormat::F16 | WeightFormat::Bf16 => 2,
-            WeightFormat::Q8_0 => 34,
+            WeightFormat::Q8_0 | WeightFormat::Q8_0x8 => 34,
             WeightFormat::Q4_0 | WeightFormat::Q4_0x8 => 18,
             WeightFormat::Q4_1 | WeightFormat::Q4_1x8 => 20,
             WeightFormat::Mxfp4 => 17,
@@ -201,15 +207,16 @@ impl WeightFormat {
     }
 }
 
-/// Repacks `rows` rows of Q4_0 / Q4_1 (GGUF layout) into groups of 8 interleaved rows
+/// Repacks `rows` rows of Q4_0 / Q4_1 / Q8_0 (GGUF layout) into groups of 8 interleaved rows
 /// ([`WeightFormat::interleaved`]; layout in the module docs). `rows` must be a multiple
 /// of 8. Lossless: the same scales and nibbles, moved.
 pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
     let min = match format {
-        WeightFormat::Q4_0 => false,
+        WeightFormat::Q4_0 | WeightFormat::Q8_0 => false,
         WeightFormat::Q4_1 => true,
         _ => panic!("repack_rows8: {format} has no interleaved layout"),
     };
+    let eight = format == WeightFormat::Q8_0;
     let (bb, blocks) = (format.block_bytes(), cols / 32);
     assert!(rows % 8 == 0 && cols % 32 == 0 && data.len() == rows * blocks * bb, "repack_rows8: shape");
     let mut out = Vec::with_capacity(data.len());
@@ -224,6 +231,14 @@ pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8])
                 for r in 0..8 {
                     out.extend_from_slice(&src(r)[2..4]);
                 }
+            }
+            if eight {
+                for j in 0..8 {
+                    for r in 0..8 {
+                        out.extend_from_slice(&src(r)[2 + 4 * j..2 + 4 * j + 4]);
+                    }
+                }
+                continue;
             }
             // Element i of a source block: low nibble of byte i (i < 16), else high
             // nibble of byte i − 16.

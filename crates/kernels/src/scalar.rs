@@ -110,7 +110,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
             let bb = format.block_bytes();
@@ -303,21 +303,33 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
     acc
 }
 
-/// The 8 rows of one group of an interleaved format (`Q4_0x8`, `Q4_1x8`) as f32,
-/// `out[r·cols + c]`.
+/// Row `r`'s quantized element `i` of one 8-row block of an interleaved format, and
+/// its offset `m` per unit of `d` (w = d·q + m·d; Q4_1's own m is separate).
+fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
+    match format {
+        WeightFormat::Q8_0x8 => (blk[16 + 32 * (i / 4) + 4 * r + i % 4] as i8 as i32, 0.0),
+        _ => {
+            let q0 = if format == WeightFormat::Q4_1x8 { 32 } else { 16 };
+            let (j, e, high) = ((i % 16) / 4, i % 4, i >= 16);
+            let byte = blk[q0 + 32 * j + 4 * r + e];
+            let q = if high { byte >> 4 } else { byte & 0x0F };
+            (q as i32, if format == WeightFormat::Q4_0x8 { -8.0 } else { 0.0 })
+        }
+    }
+}
+
+/// The 8 rows of one group of an interleaved format (`Q4_0x8`, `Q4_1x8`, `Q8_0x8`) as
+/// f32, `out[r·cols + c]`.
 pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
     let min = format == WeightFormat::Q4_1x8;
     let bb = 8 * format.block_bytes();
     let cols = out.len() / 8;
     for (b, blk) in group.chunks_exact(bb).take(cols / 32).enumerate() {
-        let q0 = if min { 32 } else { 16 };
         for r in 0..8 {
             let d = f16_at(blk, 2 * r);
-            let m = if min { f16_at(blk, 16 + 2 * r) } else { -8.0 * d };
             for i in 0..32 {
-                let (j, e, high) = ((i % 16) / 4, i % 4, i >= 16);
-                let byte = blk[q0 + 32 * j + 4 * r + e];
-                let q = if high { byte >> 4 } else { byte & 0x0F };
+                let (q, off) = rows8_q(format, blk, r, i);
+                let m = if min { f16_at(blk, 16 + 2 * r) } else { off * d };
                 out[r * cols + 32 * b + i] = d * q as f32 + m;
             }
         }
@@ -329,21 +341,37 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
 pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
     let min = format == WeightFormat::Q4_1x8;
     let bb = 8 * format.block_bytes();
-    let q0 = if min { 32 } else { 16 };
     let mut acc = [0.0f32; 8];
     for (blk, xb) in group.chunks_exact(bb).zip(x) {
         for (r, a) in acc.iter_mut().enumerate() {
             let d = f16_at(blk, 2 * r);
             let mut isum = 0i32;
+            let mut off = 0.0;
             for i in 0..32 {
-                let (j, e, high) = ((i % 16) / 4, i % 4, i >= 16);
-                let byte = blk[q0 + 32 * j + 4 * r + e];
-                let q = if high { byte >> 4 } else { byte & 0x0F };
-                isum += q as i32 * xb.qs[i] as i32;
+                let (q, o) = rows8_q(format, blk, r, i);
+                isum += q * xb.qs[i] as i32;
+                off = o;
             }
-            let m = if min { f16_at(blk, 16 + 2 * r) } else { -8.0 * d };
+            let m = if min { f16_at(blk, 16 + 2 * r) } else { off * d };
             *a += d * xb.d * isum as f32 + m * xb.sum;
         }
     }
     acc
+}
+
+/// One query head attending over `len` cached positions: `s_j = scale·q·k_j`, softmax,
+/// `out = Σ_j p_j·v_j`. Row `j` of K and V starts at `j·stride` (a head's slice of a
+/// cache row). `scores` holds at least `len` floats of scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(q: &[f32], k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    let d = q.len();
+    let s = &mut scores[..len];
+    for (j, sj) in s.iter_mut().enumerate() {
+        *sj = crate::ops::dot(q, &k[j * stride..j * stride + d]) * scale;
+    }
+    crate::ops::softmax(s);
+    out.fill(0.0);
+    for (j, &p) in s.iter().enumerate() {
+        crate::ops::axpy(out, p, &v[j * stride..j * stride + d]);
+    }
 }

@@ -98,6 +98,20 @@ impl Isa {
         }
     }
 
+    /// [`scalar::attend`]: one query head over `len` cached positions.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn attend(self, q: &[f32], k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        assert!(len == 0 || (k.len() >= (len - 1) * stride + q.len() && v.len() >= (len - 1) * stride + q.len()));
+        assert!(scores.len() >= len && out.len() == q.len());
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32; bounds asserted above.
+            Isa::Avx2 => unsafe { x86::attend(q, k, v, stride, len, scale, scores, out) },
+            _ => scalar::attend(q, k, v, stride, len, scale, scores, out),
+        }
+    }
+
     /// Quantize activations to q8 blocks.
     #[inline]
     pub fn quantize_q8(self, x: &[f32], out: &mut [BlockQ8]) {
@@ -385,6 +399,7 @@ mod x86 {
         match format {
             WeightFormat::Q4_0x8 => dot_q8_rows8_t::<false>(group, x),
             WeightFormat::Q4_1x8 => dot_q8_rows8_t::<true>(group, x),
+            WeightFormat::Q8_0x8 => dot_q8_rows8_q8(group, x),
             _ => unreachable!("{format} does not interleave rows"),
         }
     }
@@ -421,6 +436,114 @@ mod x86 {
         let mut out = [0.0f32; 8];
         _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
         out
+    }
+
+    /// Q8_0x8: signed weights, so each 4-column chunk takes the sign trick and widens
+    /// to 32 bits at once (two 16-bit pair sums of |w|·|y| could overflow).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_rows8_q8(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        assert!(group.len() >= x.len() * 272);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm256_setzero_ps();
+        for (b, xb) in x.iter().enumerate() {
+            let p = group.as_ptr().add(b * 272);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            let y = xb.qs.as_ptr() as *const i32;
+            let mut isum = _mm256_setzero_si256();
+            for j in 0..8 {
+                let w = _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i);
+                let yj = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                let dot = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(yj, w));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(dot, ones));
+            }
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
+        }
+        let mut out = [0.0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), acc);
+        out
+    }
+
+    /// e^x for 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, degree-5
+    /// polynomial; ~1 ulp on [-87, 88]; below that, 0).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.376_26)), _mm256_set1_ps(-87.336_55));
+        let fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+            y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+        }
+        let y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0)));
+        let pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attend(q: &[f32], k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let d = q.len();
+        let d8 = d / 8 * 8;
+        let (qp, kp, vp) = (q.as_ptr(), k.as_ptr(), v.as_ptr());
+        // Scores, and their max.
+        let mut max = f32::NEG_INFINITY;
+        for j in 0..len {
+            let row = kp.add(j * stride);
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut i = 0;
+            while i + 16 <= d8 {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), _mm256_loadu_ps(row.add(i)), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i + 8)), _mm256_loadu_ps(row.add(i + 8)), a1);
+                i += 16;
+            }
+            if i < d8 {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), _mm256_loadu_ps(row.add(i)), a0);
+            }
+            let mut sj = hsum(_mm256_add_ps(a0, a1));
+            for t in d8..d {
+                sj += q[t] * *row.add(t);
+            }
+            let sj = sj * scale;
+            scores[j] = sj;
+            max = max.max(sj);
+        }
+        // exp(s − max) in place, 8 at a time, and the sum.
+        let mut sum = 0.0f32;
+        let mut j = 0;
+        let vmax = _mm256_set1_ps(max);
+        let mut vsum = _mm256_setzero_ps();
+        while j + 8 <= len {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores.as_ptr().add(j)), vmax));
+            _mm256_storeu_ps(scores.as_mut_ptr().add(j), e);
+            vsum = _mm256_add_ps(vsum, e);
+            j += 8;
+        }
+        for s in &mut scores[j..len] {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / (sum + hsum(vsum));
+        // out = Σ p_j v_j, normalised once at the end.
+        out.fill(0.0);
+        let op = out.as_mut_ptr();
+        for j in 0..len {
+            let p = _mm256_set1_ps(scores[j]);
+            let row = vp.add(j * stride);
+            let mut i = 0;
+            while i < d8 {
+                _mm256_storeu_ps(op.add(i), _mm256_fmadd_ps(p, _mm256_loadu_ps(row.add(i)), _mm256_loadu_ps(op.add(i))));
+                i += 8;
+            }
+            for t in d8..d {
+                out[t] += scores[j] * *row.add(t);
+            }
+        }
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
     }
 
     /// The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block (12 packed bytes),

@@ -65,7 +65,7 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 => panic!("interleaved formats are made by repack_rows8"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => panic!("interleaved formats are made by repack_rows8"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -289,14 +289,14 @@ fn matmul_matches_naive_loops_for_every_format_and_thread_count() {
     }
 }
 
-/// Q4_0 / Q4_1 repacked into groups of 8 interleaved rows: the same weights (every
+/// Q4_0 / Q4_1 / Q8_0 repacked into groups of 8 interleaved rows: the same weights (every
 /// row dequantizes identically), the same dot products as the source rows (scalar and
 /// SIMD), and matmul over the repacked matrix equals matmul over the source.
 #[test]
 fn interleaved_rows_are_the_source_rows() {
     let isa = Isa::detect();
     let mut rng = Rng(6);
-    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1] {
+    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
         let packed_format = format.interleaved().unwrap();
         for (rows, cols) in [(8, 32), (16, 96), (24, 576)] {
             let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
@@ -332,6 +332,28 @@ fn interleaved_rows_are_the_source_rows() {
                     assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{packed_format} matmul: {a} vs {b}");
                 }
             }
+        }
+    }
+}
+
+/// Attention of one head over a cache (scores, softmax with the vector exp, weighted
+/// values) against the scalar twin (libm exp), on odd head sizes and lengths, with
+/// scores spread wide enough that the softmax is far from uniform.
+#[test]
+fn attend_simd_matches_scalar() {
+    let isa = Isa::detect();
+    let mut rng = Rng(7);
+    for (d, len, stride) in [(64, 1, 64), (64, 37, 192), (128, 300, 256), (13, 9, 20), (96, 8, 96), (64, 1000, 64)] {
+        let q: Vec<f32> = (0..d).map(|_| rng.f32() * 4.0).collect();
+        let k: Vec<f32> = (0..len * stride).map(|_| rng.f32() * 4.0).collect();
+        let v: Vec<f32> = (0..len * stride).map(|_| rng.f32()).collect();
+        let scale = 1.0 / (d as f32).sqrt();
+        let (mut s0, mut s1) = (vec![0.0; len], vec![0.0; len]);
+        let (mut o0, mut o1) = (vec![0.0; d], vec![0.0; d]);
+        scalar::attend(&q, &k, &v, stride, len, scale, &mut s0, &mut o0);
+        isa.attend(&q, &k, &v, stride, len, scale, &mut s1, &mut o1);
+        for (a, b) in o0.iter().zip(&o1) {
+            assert!((a - b).abs() <= 2e-6 * (1.0 + a.abs()), "d={d} len={len}: {a} vs {b}");
         }
     }
 }
