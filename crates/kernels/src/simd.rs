@@ -204,6 +204,11 @@ mod x86 {
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
+            let ahead = wp.wrapping_add((i + 32) * esize + PREFETCH_BYTES);
+            _mm_prefetch(ahead as *const i8, _MM_HINT_T0);
+            if esize == 4 {
+                _mm_prefetch(ahead.wrapping_add(64) as *const i8, _MM_HINT_T0);
+            }
             for (k, a) in acc.iter_mut().enumerate() {
                 let j = i + 8 * k;
                 *a = _mm256_fmadd_ps(L::load8(wp.add(j * esize)), _mm256_loadu_ps(xp.add(j)), *a);
@@ -357,6 +362,7 @@ mod x86 {
         let mut i = 0;
         while i + 2 <= n {
             let (b0, b1) = (wp.add(i * bb), wp.add((i + 1) * bb));
+            _mm_prefetch(b0.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
             let (s0, s1) = (scales(b0, &x[i]), scales(b1, &x[i + 1]));
             acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s0), block_dot(format, b0, &x[i]), acc0);
             acc1 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s1), block_dot(format, b1, &x[i + 1]), acc1);
@@ -390,6 +396,9 @@ mod x86 {
         }
     }
 
+    /// How far ahead the interleaved kernels prefetch (bytes).
+    const PREFETCH_BYTES: usize = 1024;
+
     /// 8 interleaved rows against one token: per block, 8 unsigned×signed byte
     /// products per 32-byte load cover 4 elements of all 8 rows; the 16-bit pair sums of
     /// the 8 loads add without overflow (8·2·15·127 < 2^15), one `madd` makes 8 row
@@ -414,6 +423,11 @@ mod x86 {
         let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (b, xb) in x.iter().enumerate() {
             let p = group.as_ptr().add(b * bb);
+            // Ask for the bytes a few blocks ahead: with both cores streaming, the
+            // hardware prefetcher alone leaves each core waiting on DRAM.
+            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
+            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 128) as *const i8, _MM_HINT_T0);
             let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
             let qp = p.add(if MIN { 32 } else { 16 });
             let y = xb.qs.as_ptr() as *const i32;
@@ -448,6 +462,9 @@ mod x86 {
         let mut acc = _mm256_setzero_ps();
         for (b, xb) in x.iter().enumerate() {
             let p = group.as_ptr().add(b * 272);
+            for line in 0..5 {
+                _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+            }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
             let y = xb.qs.as_ptr() as *const i32;
             let mut isum = _mm256_setzero_si256();
@@ -580,6 +597,9 @@ mod x86 {
         let mut acc_m = 0.0f32;
         for sb in 0..supers {
             let b = row.as_ptr().add(sb * bb);
+            for line in 0..3 {
+                _mm_prefetch(b.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+            }
             let xs = &x[sb * 8..sb * 8 + 8];
             let (d, dmin) = (f16_at(b), f16_at(b.add(2)));
             let (sc, mn) = k4_scales(std::slice::from_raw_parts(b.add(4), 12));
@@ -626,6 +646,9 @@ mod x86 {
         let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for sb in 0..supers {
             let b = row.as_ptr().add(sb * 210);
+            for line in 0..4 {
+                _mm_prefetch(b.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+            }
             let xs = &x[sb * 8..sb * 8 + 8];
             let d = f16_at(b.add(208));
             let sc = std::slice::from_raw_parts(b.add(192) as *const i8, 16);
