@@ -1,6 +1,9 @@
 //! Run-time selected SIMD kernels. `Isa::detect()` picks the best flavour this CPU
-//! supports; every entry point falls back to [`crate::scalar`] on other CPUs
-//! (aarch64 today: the portable path, which LLVM auto-vectorises for NEON).
+//! supports; every entry point falls back to [`crate::scalar`] where a flavour has no
+//! kernel of its own (which LLVM auto-vectorises for the baseline SIMD of the target).
+//! x86-64: AVX2 + FMA + F16C for every format. aarch64: NEON with the dot-product
+//! extension (every Apple M-series core) for float rows, the interleaved q8 formats
+//! and attention; other block formats take the portable path there.
 
 use crate::format::WeightFormat;
 use crate::q8::BlockQ8;
@@ -13,6 +16,8 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// aarch64 NEON with `dotprod` (SDOT).
+    Neon,
 }
 
 impl Isa {
@@ -31,6 +36,12 @@ impl Isa {
                 return Isa::Avx2;
             }
         }
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("neon") && std::arch::is_aarch64_feature_detected!("dotprod") {
+                return Isa::Neon;
+            }
+        }
         Isa::Scalar
     }
 
@@ -38,6 +49,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma+f16c",
+            Isa::Neon => "neon+dotprod",
         }
     }
 
@@ -49,6 +61,9 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: Avx2 is only constructed when the CPU supports avx2, fma and f16c.
             Isa::Avx2 => unsafe { x86::dot_float(format, row, x) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: Neon is only constructed when the CPU supports neon and dotprod.
+            Isa::Neon => unsafe { arm::dot_float(format, row, x) },
             _ => scalar::dot_f32(format, row, x),
         }
     }
@@ -72,6 +87,9 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
             Isa::Avx2 => unsafe { x86::dot_q8_rows8(format, group, x) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: see dot_f32.
+            Isa::Neon => unsafe { arm::dot_q8_rows8(format, group, x) },
             _ => scalar::dot_q8_rows8(format, group, x),
         }
     }
@@ -94,6 +112,9 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
             Isa::Avx2 => unsafe { x86::dot_float_x4(format, row, xs) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: see dot_f32.
+            Isa::Neon => xs.map(|x| unsafe { arm::dot_float(format, row, x) }),
             _ => xs.map(|x| scalar::dot_f32(format, row, x)),
         }
     }
@@ -108,6 +129,9 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32; bounds asserted above.
             Isa::Avx2 => unsafe { x86::attend(q, k, v, stride, len, scale, scores, out) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: see dot_f32; bounds asserted above.
+            Isa::Neon => unsafe { arm::attend(q, k, v, stride, len, scale, scores, out) },
             _ => scalar::attend(q, k, v, stride, len, scale, scores, out),
         }
     }
@@ -815,6 +839,172 @@ mod x86 {
             _mm256_storeu_si256(block.qs.as_mut_ptr() as *mut __m256i, i8s);
             block.d = d;
             block.sum = d * total as f32;
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use super::*;
+    use std::arch::aarch64::*;
+
+    /// `acc += a·b` per 4-byte group (SDOT). Inline assembly: the intrinsic is not
+    /// stable in Rust yet; the instruction is on every core `Isa::Neon` selects.
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+        let mut acc = acc;
+        std::arch::asm!("sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b", acc = inout(vreg) acc, a = in(vreg) a, b = in(vreg) b, options(pure, nomem, nostack));
+        acc
+    }
+
+    /// Four f16 (low half of `h`) widened to f32 (FCVTL; the f16 vector types are not
+    /// stable in Rust yet).
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn f16x4_to_f32(h: uint16x4_t) -> float32x4_t {
+        let out: float32x4_t;
+        std::arch::asm!("fcvtl {out:v}.4s, {h:v}.4h", out = out(vreg) out, h = in(vreg) h, options(pure, nomem, nostack));
+        out
+    }
+
+    /// 4 weights of a float format at `p` as f32.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn load4(format: WeightFormat, p: *const u8) -> float32x4_t {
+        match format {
+            WeightFormat::F32 => vld1q_f32(p as *const f32),
+            WeightFormat::Bf16 => vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(p as *const u16))),
+            _ => f16x4_to_f32(vld1_u16(p as *const u16)),
+        }
+    }
+
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn dot_float(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+        let es = match format {
+            WeightFormat::F32 => 4,
+            WeightFormat::F16 | WeightFormat::Bf16 => 2,
+            _ => return scalar::dot_f32(format, row, x),
+        };
+        let n = x.len();
+        assert!(row.len() >= n * es);
+        let (wp, xp) = (row.as_ptr(), x.as_ptr());
+        let mut acc = [vdupq_n_f32(0.0); 4];
+        let mut i = 0;
+        while i + 16 <= n {
+            for (k, a) in acc.iter_mut().enumerate() {
+                let j = i + 4 * k;
+                *a = vfmaq_f32(*a, load4(format, wp.add(j * es)), vld1q_f32(xp.add(j)));
+            }
+            i += 16;
+        }
+        while i + 4 <= n {
+            acc[0] = vfmaq_f32(acc[0], load4(format, wp.add(i * es)), vld1q_f32(xp.add(i)));
+            i += 4;
+        }
+        let mut total = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
+        if i < n {
+            total += scalar::dot_f32(format, &row[i * es..n * es], &x[i..]);
+        }
+        total
+    }
+
+    /// The interleaved formats with SDOT: each 16-byte half of a 32-byte chunk is four
+    /// elements of four rows, so one SDOT against the broadcast activation bytes gives
+    /// four rows' partial sums in four lanes (signed × signed: no sign trick needed).
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        let bb = 8 * format.block_bytes();
+        assert!(group.len() >= x.len() * bb);
+        let (min, eight) = (format == WeightFormat::Q4_1x8, format == WeightFormat::Q8_0x8);
+        let low = vdupq_n_u8(0x0F);
+        let mut acc = [vdupq_n_f32(0.0); 2];
+        let mut acc_m = [vdupq_n_f32(0.0); 2];
+        for (b, xb) in x.iter().enumerate() {
+            let p = group.as_ptr().add(b * bb);
+            let d = [f16x4_to_f32(vld1_u16(p as *const u16)), f16x4_to_f32(vld1_u16(p.add(8) as *const u16))];
+            let y = xb.qs.as_ptr() as *const i32;
+            let yb = |j: usize| vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))));
+            let mut isum = [vdupq_n_s32(0); 2];
+            if eight {
+                for j in 0..8 {
+                    let c = p.add(16 + 32 * j) as *const i8;
+                    for h in 0..2 {
+                        isum[h] = sdot(isum[h], vld1q_s8(c.add(16 * h)), yb(j));
+                    }
+                }
+            } else {
+                let q0 = p.add(if min { 32 } else { 16 });
+                for j in 0..4 {
+                    for h in 0..2 {
+                        let c = vld1q_u8(q0.add(32 * j + 16 * h));
+                        let lo = vreinterpretq_s8_u8(vandq_u8(c, low));
+                        let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(c));
+                        isum[h] = sdot(sdot(isum[h], lo, yb(j)), hi, yb(4 + j));
+                    }
+                }
+            }
+            let xd = vdupq_n_f32(xb.d);
+            let xs = vdupq_n_f32(xb.sum);
+            for h in 0..2 {
+                acc[h] = vfmaq_f32(acc[h], vmulq_f32(d[h], xd), vcvtq_f32_s32(isum[h]));
+                let m = if min {
+                    f16x4_to_f32(vld1_u16(p.add(16 + 8 * h) as *const u16))
+                } else if eight {
+                    vdupq_n_f32(0.0)
+                } else {
+                    vmulq_n_f32(d[h], -8.0)
+                };
+                acc_m[h] = vfmaq_f32(acc_m[h], m, xs);
+            }
+        }
+        let mut out = [0.0f32; 8];
+        vst1q_f32(out.as_mut_ptr(), vaddq_f32(acc[0], acc_m[0]));
+        vst1q_f32(out.as_mut_ptr().add(4), vaddq_f32(acc[1], acc_m[1]));
+        out
+    }
+
+    /// [`scalar::attend`] with NEON dot products and axpy (exp stays libm's).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn attend(q: &[f32], k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let d = q.len();
+        let d4 = d / 4 * 4;
+        let mut max = f32::NEG_INFINITY;
+        for j in 0..len {
+            let row = k.as_ptr().add(j * stride);
+            let mut a = vdupq_n_f32(0.0);
+            let mut i = 0;
+            while i < d4 {
+                a = vfmaq_f32(a, vld1q_f32(q.as_ptr().add(i)), vld1q_f32(row.add(i)));
+                i += 4;
+            }
+            let mut sj = vaddvq_f32(a);
+            for t in d4..d {
+                sj += q[t] * *row.add(t);
+            }
+            scores[j] = sj * scale;
+            max = max.max(scores[j]);
+        }
+        let mut sum = 0.0;
+        for s in &mut scores[..len] {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        out.fill(0.0);
+        for j in 0..len {
+            let p = vdupq_n_f32(scores[j] * inv);
+            let row = v.as_ptr().add(j * stride);
+            let mut i = 0;
+            while i < d4 {
+                let o = out.as_mut_ptr().add(i);
+                vst1q_f32(o, vfmaq_f32(vld1q_f32(o), p, vld1q_f32(row.add(i))));
+                i += 4;
+            }
+            for t in d4..d {
+                out[t] += scores[j] * inv * *row.add(t);
+            }
         }
     }
 }

@@ -358,6 +358,23 @@ fn attend_simd_matches_scalar() {
     }
 }
 
+/// The comparisons above test the SIMD flavour only if `detect` picks it: it must
+/// whenever the CPU has the features (aarch64 runs of this suite are under qemu).
+#[test]
+fn detect_picks_the_simd_flavour_the_cpu_has() {
+    if std::env::var("TESSERA_ISA").is_ok_and(|v| v == "scalar") {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+        assert_eq!(Isa::detect(), Isa::Avx2);
+    }
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("dotprod") {
+        assert_eq!(Isa::detect(), Isa::Neon);
+    }
+}
+
 #[test]
 fn weight_rows_rejects_wrong_sizes() {
     assert!(WeightRows::new(WeightFormat::Q4_0, 2, 32, &[0u8; 35]).is_none());
