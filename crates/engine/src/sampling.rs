@@ -134,7 +134,11 @@ impl Sampler {
     /// Picks the next token from `logits` (modified in place by the penalties);
     /// `history` is the sequence so far (prompt and generated).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> Result<u32, SamplingError> {
-        if let Some(index) = logits.iter().position(|v| v.is_nan()) {
+        // One vectorised pass finds both the maximum and whether any logit is NaN (two
+        // scalar scans of a 150k vocabulary cost ~0.5 ms, per token and per sequence).
+        let (max, nan) = max_and_nan(logits);
+        if nan {
+            let index = logits.iter().position(|v| v.is_nan()).expect("a NaN was seen");
             return Err(SamplingError::NaN { index });
         }
         let p = &self.params;
@@ -152,7 +156,9 @@ impl Sampler {
             }
         }
         if p.temperature == 0.0 {
-            return Ok(argmax(logits));
+            // The penalties may have lowered the maximum: find it again then.
+            let max = if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 { max_and_nan(logits).0 } else { max };
+            return Ok(logits.iter().position(|&v| v == max).unwrap_or(0) as u32);
         }
         let c = &mut self.candidates;
         c.clear();
@@ -204,20 +210,49 @@ impl Sampler {
     }
 }
 
-/// First index of the maximum.
-fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
+/// The maximum of `x` and whether it holds a NaN, in 8 independent lanes so LLVM
+/// vectorises the loop.
+fn max_and_nan(x: &[f32]) -> (f32, bool) {
+    let mut max = [f32::NEG_INFINITY; 8];
+    let mut nan = [false; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for k in 0..8 {
+            max[k] = if c[k] > max[k] { c[k] } else { max[k] };
+            nan[k] |= c[k].is_nan();
         }
     }
-    best as u32
+    let mut m = max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut any = nan.iter().any(|&b| b);
+    for &v in rest {
+        m = if v > m { v } else { m };
+        any |= v.is_nan();
+    }
+    (m, any)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Greedy picks the first index of the maximum, as a naive scan does, for lengths
+    /// around the 8-lane chunking and with ties and infinities.
+    #[test]
+    fn greedy_is_the_first_maximum() {
+        let mut rng = Rng::new(3);
+        for n in [1usize, 7, 8, 9, 17, 1000] {
+            for _ in 0..20 {
+                let mut x: Vec<f32> = (0..n).map(|_| ((rng.unit() * 8.0) as i32) as f32).collect();
+                if n > 3 {
+                    x[n / 2] = f32::NEG_INFINITY;
+                }
+                let want = (0..n).fold(0, |b, i| if x[i] > x[b] { i } else { b }) as u32;
+                let mut s = Sampler::new(SamplingParams::default(), n).unwrap();
+                assert_eq!(s.sample(&mut x.clone(), &[]).unwrap(), want, "{x:?}");
+            }
+        }
+    }
 
     fn params() -> SamplingParams {
         SamplingParams { temperature: 1.0, seed: 7, ..Default::default() }

@@ -146,7 +146,19 @@ pub fn matmul_group(
             if w.format.rows_per_group() == 8 {
                 // Eight rows at once; the group's bytes stay in L1 across tokens.
                 let group = w.group8(u);
-                for t in 0..n_tokens {
+                let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
+                let mut t = 0;
+                while t + 4 <= n_tokens {
+                    let v = isa.dot_q8_rows8_x4(w.format, group, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
+                    for (dt, vt) in v.iter().enumerate() {
+                        for (k, vk) in vt.iter().enumerate() {
+                            // SAFETY: the group's rows belong to this thread alone.
+                            unsafe { *y.ptr().add((t + dt) * rows + 8 * u + k) = *vk };
+                        }
+                    }
+                    t += 4;
+                }
+                for t in t..n_tokens {
                     let v = isa.dot_q8_rows8(w.format, group, &xq[t * blocks..(t + 1) * blocks]);
                     for (k, vk) in v.into_iter().enumerate() {
                         // SAFETY: the group's rows belong to this thread alone.

@@ -94,6 +94,18 @@ impl Isa {
         }
     }
 
+    /// [`Isa::dot_q8_rows8`] for four tokens at once: each block's nibbles are unpacked
+    /// once for all four (the batched-decode and prefill GEMM).
+    #[inline]
+    pub fn dot_q8_rows8_x4(self, format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 if format != WeightFormat::Q8_0x8 => unsafe { x86::dot_q8_rows8_x4(format, group, xs) },
+            _ => xs.map(|x| self.dot_q8_rows8(format, group, x)),
+        }
+    }
+
     /// [`Isa::dot_q8`] for four activation rows at once.
     #[inline]
     pub fn dot_q8_x4(self, format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
@@ -473,6 +485,55 @@ mod x86 {
         }
         let mut out = [0.0f32; 8];
         _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_rows8_x4(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        match format {
+            WeightFormat::Q4_0x8 => dot_q8_rows8_x4_t::<false>(group, xs),
+            WeightFormat::Q4_1x8 => dot_q8_rows8_x4_t::<true>(group, xs),
+            _ => unreachable!("{format}: no four-token interleaved kernel"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_rows8_x4_t<const MIN: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        let bb = if MIN { 160 } else { 144 };
+        let blocks = xs[0].len();
+        assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for b in 0..blocks {
+            let p = group.as_ptr().add(b * bb);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
+            let qp = p.add(if MIN { 32 } else { 16 });
+            let mut w = [_mm256_setzero_si256(); 8];
+            for j in 0..4 {
+                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                w[j] = _mm256_and_si256(c, low);
+                w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+            }
+            for t in 0..4 {
+                let xb = &xs[t][b];
+                let y = xb.qs.as_ptr() as *const i32;
+                let mut sum16 = _mm256_setzero_si256();
+                for (j, wj) in w.iter().enumerate() {
+                    let yj = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                    sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(*wj, yj));
+                }
+                let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc[t]);
+                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
+            }
+        }
+        let mut out = [[0.0f32; 8]; 4];
+        for t in 0..4 {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
         out
     }
 
