@@ -1,7 +1,7 @@
 //! `tessera bench`: parses flags, runs `tessera_engine::bench::run`, prints the table and
 //! writes the JSON report. The measuring is in the engine.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 use std::io::IsTerminal;
@@ -43,6 +43,21 @@ pub struct BenchArgs {
     /// Seed of the random token ids.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Tensor-parallel ranks (run under `tessera launch`; rank 0 measures and prints).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Expert-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
+    /// Pipeline stages (`--pp` is taken by the prompt lengths, as in llama-bench).
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
+    /// Layers per pipeline stage, e.g. 10,14 (default: even).
+    #[arg(long, value_delimiter = ',')]
+    pipeline_split: Option<Vec<usize>>,
+    /// File holding the cluster secret (else TESSERA_CLUSTER_SECRET).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
     /// Also profile batch-1 decode per module (router, attention, experts, norms, LM
     /// head, collectives): measured time, bandwidth-ideal time, overhead ratio.
     #[arg(long)]
@@ -54,25 +69,45 @@ pub struct BenchArgs {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     let load_before = loadavg();
-    let model = tessera_model::load_model(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
+    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let cfg = BenchConfig {
-        threads: a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
-        pp: a.pp,
+        threads,
+        pp: a.pp.clone(),
         tg: a.tg,
-        batch: a.batch,
+        batch: a.batch.clone(),
         repeat: a.repeat,
         prefill_chunk: a.prefill_chunk,
         decode_prompt: a.decode_prompt,
         context_max: a.ctx,
         seed: a.seed,
     };
+    // The same loading and engine as `generate`: alone, or this rank's shard.
+    let rt = crate::RuntimeArgs {
+        placement: crate::PlacementArgs { tp: a.tp, pp: a.pipeline, pp_split: a.pipeline_split.clone(), ep: a.ep },
+        secret_file: a.secret_file.clone(),
+        threads: Some(threads),
+        // KV caches exactly as long as this run needs, unless asked otherwise.
+        ctx: Some(a.ctx.unwrap_or(a.pp.iter().map(|&p| p + 1).max().unwrap_or(0).max(a.decode_prompt + a.tg + 1))),
+        prefill_chunk: a.prefill_chunk,
+    };
+    let need_ctx = a.pp.iter().map(|&p| p + 1).max().unwrap_or(0).max(a.decode_prompt + a.tg + 1);
+    let sequences = a.batch.iter().copied().max().unwrap_or(1).max(1);
+    let crate::Loaded { model, cluster } = crate::load_for(&a.model, &rt)?;
+    let ranks = cluster.as_ref().map_or(1, |(c, _)| c.world_size());
+    if a.profile && ranks > 1 {
+        bail!("--profile times one process's modules: run it without placement flags");
+    }
     let date = utc_now();
     let tty = std::io::stderr().is_terminal();
-    let report = tessera_engine::bench::run(&model, &cfg, &mut |what| {
+    let mut progress = |what: &str| {
         if tty {
             eprint!("\r\x1b[2K[bench] {what}");
         }
-    })?;
+    };
+    let report = match crate::engine_for(&model, cluster, &rt, need_ctx, sequences)? {
+        crate::Engine::Follow(rank) => return Ok(rank.follow()?),
+        crate::Engine::Drive(mut gen) => tessera_engine::bench::run_on(gen.stepper(), &model, ranks, &cfg, &mut progress)?,
+    };
     if tty {
         eprint!("\r\x1b[2K");
     }
@@ -105,13 +140,15 @@ fn stat(s: &Stat, digits: usize) -> String {
 fn print_table(model: &str, r: &BenchReport) {
     let mix: Vec<String> = r.formats.iter().map(|f| format!("{} {}", f.format, mib(f.bytes))).collect();
     println!("tessera bench  {model}");
+    let ranks = if r.ranks > 1 { format!("{} ranks × ", r.ranks) } else { String::new() };
     println!(
-        "{} | {} threads | {} | {} | {} read per decoded token | {} round(s), median [min–max]",
+        "{} | {ranks}{} threads | {} | {} | {} read per decoded token{} | {} round(s), median [min–max]",
         r.arch,
         r.threads,
         r.isa,
         mix.join(" + "),
         mib(r.bytes_per_token),
+        if r.ranks > 1 { " by rank 0" } else { "" },
         r.config.repeat
     );
     println!();
@@ -135,6 +172,12 @@ fn print_table(model: &str, r: &BenchReport) {
     };
     bw("before", &r.bandwidth_before);
     bw("after ", &r.bandwidth_after);
+    if r.ranks > 1 {
+        // Each rank reads its own share on its own machine: one machine's bandwidth and
+        // one rank's bytes do not make a cluster's roofline.
+        println!("roofline: not computed for {} ranks (rank 0 reads {} per token)", r.ranks, mib(r.bytes_per_token));
+        return;
+    }
     println!(
         "roofline: batch-1 decode moves {:.2} GB/s ({} × {:.1} tok/s) = {:.1} % of the best measured {:.2} GB/s (which would allow {:.1} tok/s)",
         r.decode_gb_s(),
@@ -177,6 +220,7 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
         "bytes_per_token": r.bytes_per_token,
         "machine": {
             "threads": r.threads,
+            "ranks": r.ranks,
             "isa": r.isa,
             "cpu": cpu_model(),
             "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),

@@ -86,16 +86,16 @@ enum Command {
 struct PlacementArgs {
     /// Tensor-parallel ranks per pipeline stage (attention heads, MLP width, vocabulary).
     #[arg(long, default_value_t = 1)]
-    tp: usize,
+    pub(crate) tp: usize,
     /// Pipeline stages (contiguous layer ranges).
     #[arg(long, default_value_t = 1)]
-    pp: usize,
+    pub(crate) pp: usize,
     /// Layers per pipeline stage, e.g. 10,14 (default: even).
     #[arg(long, value_delimiter = ',')]
-    pp_split: Option<Vec<usize>>,
+    pub(crate) pp_split: Option<Vec<usize>>,
     /// Expert-parallel ranks per stage (whole experts per rank).
     #[arg(long, default_value_t = 1)]
-    ep: usize,
+    pub(crate) ep: usize,
 }
 
 impl PlacementArgs {
@@ -105,21 +105,21 @@ impl PlacementArgs {
 }
 
 #[derive(Args)]
-struct RuntimeArgs {
+pub(crate) struct RuntimeArgs {
     #[command(flatten)]
-    placement: PlacementArgs,
+    pub(crate) placement: PlacementArgs,
     /// File holding the cluster secret (else TESSERA_CLUSTER_SECRET).
     #[arg(long)]
-    secret_file: Option<PathBuf>,
+    pub(crate) secret_file: Option<PathBuf>,
     /// Compute threads (default: all cores).
     #[arg(long)]
-    threads: Option<usize>,
+    pub(crate) threads: Option<usize>,
     /// KV-cache capacity in tokens (default: min(model limit, 4096)).
     #[arg(long)]
-    ctx: Option<usize>,
+    pub(crate) ctx: Option<usize>,
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 2048)]
-    prefill_chunk: usize,
+    pub(crate) prefill_chunk: usize,
 }
 
 #[derive(Args)]
@@ -253,9 +253,9 @@ fn engine_config(model: &DenseTransformer, rt: &RuntimeArgs) -> EngineConfig {
 
 /// A model loaded for this process: the whole of it, or this rank's shard with the
 /// cluster it belongs to.
-struct Loaded {
-    model: DenseTransformer,
-    cluster: Option<(Communicator, Placement)>,
+pub(crate) struct Loaded {
+    pub(crate) model: DenseTransformer,
+    pub(crate) cluster: Option<(Communicator, Placement)>,
 }
 
 fn shard_cmd(model: &Path, world: usize, p: &PlacementArgs, rank: usize, out: &Path) -> Result<()> {
@@ -265,7 +265,7 @@ fn shard_cmd(model: &Path, world: usize, p: &PlacementArgs, rank: usize, out: &P
     shard::write(model, &placement, rank, out)
 }
 
-fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
+pub(crate) fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
     let p = &rt.placement;
     let env = cluster::ClusterEnv::from_env(rt.secret_file.as_ref())?;
     let owned_path = shard::model_path(path, env.as_ref().map_or(0, |e| e.rank));
@@ -312,14 +312,14 @@ fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
     Ok(Loaded { model, cluster: Some((comm, placement)) })
 }
 
-enum Engine<'m> {
+pub(crate) enum Engine<'m> {
     /// This process drives generation (alone, or as the cluster's leader).
     Drive(Generator<'m>),
     /// A follower rank: runs the leader's plans.
     Follow(Rank<'m>),
 }
 
-fn engine_for<'m>(model: &'m DenseTransformer, cluster: Option<(Communicator, Placement)>, rt: &RuntimeArgs, min_ctx: usize, sequences: usize) -> Result<Engine<'m>> {
+pub(crate) fn engine_for<'m>(model: &'m DenseTransformer, cluster: Option<(Communicator, Placement)>, rt: &RuntimeArgs, min_ctx: usize, sequences: usize) -> Result<Engine<'m>> {
     let mut cfg = engine_config(model, rt);
     cfg.context_max = cfg.context_max.max(min_ctx);
     cfg.sequences_max = sequences;

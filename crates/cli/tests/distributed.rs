@@ -225,6 +225,24 @@ fn quantized_checkpoints_every_placement() {
     every_placement("fp8/deepseek_v3_fp8", &[("TP3", heads), ("TP4", heads), ("PP3", "3 pipeline stages for 2 layers")]);
 }
 
+/// `tessera bench` takes placement flags (its `--pp` is the prompt lengths, so pipeline
+/// stages are `--pipeline`): rank 0 measures and prints; per-module profiles stay
+/// single-process.
+#[test]
+fn bench_runs_under_every_kind_of_placement() {
+    let model = fixture("qwen3_moe");
+    let m = model.to_str().unwrap();
+    for flags in [&["--tp", "2"][..], &["--pipeline", "2"], &["--ep", "2"]] {
+        let mut args: Vec<String> = ["bench", "--model", m, "--pp", "8", "--tg", "4", "--batch", "1,3", "--repeat", "1", "--threads", "1"].iter().map(|s| s.to_string()).collect();
+        args.extend(flags.iter().map(|s| s.to_string()));
+        let out = ok(&tessera(2, &args), &format!("bench {flags:?}"));
+        for needle in ["2 ranks × 1 threads", "| pp8 |", "| tg4 (batch 1", "| batch 3 × tg4 |", "roofline: not computed for 2 ranks"] {
+            assert!(out.contains(needle), "bench {flags:?} output lacks {needle:?}:\n{out}");
+        }
+    }
+    fails(2, &["bench", "--model", m, "--tp", "2", "--profile", "--threads", "1"], &["--profile times one process"]);
+}
+
 /// A 9,700-token prompt in 2,048-token chunks (the prefill that hung mlx-lm under TP)
 /// completes under TP2 and PP2 with the single-node result.
 #[test]

@@ -19,7 +19,7 @@
 //!   passes of a multi-accumulator f32 sum over a buffer of at least the bytes read per
 //!   token (and ≥ 64 MiB, beyond any last-level cache), on the same threads.
 
-use crate::generate::EngineError;
+use crate::generate::{EngineConfig, EngineError, LocalStepper, Stepper};
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
@@ -90,6 +90,8 @@ pub enum BenchError {
     Step(#[from] StepError),
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
 }
 
 /// One quantity over the rounds.
@@ -153,6 +155,9 @@ pub struct FormatBytes {
 #[derive(Clone, Debug)]
 pub struct BenchReport {
     pub threads: usize,
+    /// Ranks the model ran on (1: this process); with more, `bytes_per_token` is rank
+    /// 0's share and the bandwidth rank 0's machine's.
+    pub ranks: usize,
     pub isa: &'static str,
     pub arch: &'static str,
     pub vocab: usize,
@@ -253,45 +258,48 @@ fn touch_weights(model: &DenseTransformer) -> u8 {
     sink
 }
 
-/// Runs every measurement of `cfg` on `model`. `progress` hears a short line before each
-/// phase (the engine never prints).
+/// Runs every measurement of `cfg` on `model`, in this process. `progress` hears a
+/// short line before each phase (the engine never prints).
 pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, BenchError> {
     let ctx = check(cfg, model)?;
+    let b_max = cfg.batch.iter().copied().max().unwrap_or(1).max(1);
+    let engine = EngineConfig { threads: cfg.threads, prefill_chunk: cfg.prefill_chunk, context_max: ctx, sequences_max: b_max };
+    let mut stepper = LocalStepper::new(model, &engine);
+    run_on(&mut stepper, model, 1, cfg, progress)
+}
+
+/// Runs every measurement of `cfg` through `stepper`: this process's model, or rank 0
+/// of a cluster (`model` is then rank 0's shard, `ranks` the cluster size; its bytes per
+/// token are that shard's). The stepper must hold `max(batch)` sequences.
+pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, BenchError> {
+    let ctx = check(cfg, model)?;
     let vocab = model.cfg.vocab;
+    let b_max = cfg.batch.iter().copied().max().unwrap_or(0);
+    if stepper.sequences_max() < b_max.max(1) || stepper.capacity() < ctx {
+        return Err(BenchError::Config(format!(
+            "the engine holds {} sequences of {} tokens; this run needs {} of {ctx}",
+            stepper.sequences_max(),
+            stepper.capacity(),
+            b_max.max(1)
+        )));
+    }
+    // Bandwidth runs on its own pool of the same size (the stepper's threads are idle then).
     let pool = ThreadPool::new(cfg.threads);
     let mut sampler = Sampler::new(SamplingParams::default(), vocab)?;
     let mut rng = TokenRng(cfg.seed);
     let mut checksum = 0u64;
+    let chunk_max = cfg.prefill_chunk.min(stepper.tokens_per_step_max()).max(1);
+    let step1 = |stepper: &mut dyn Stepper, tokens: &[u32], logits: &mut [f32]| -> Result<(), EngineError> {
+        stepper.step(&[SeqChunk { cache: 0, tokens, logits: LogitsFor::Last }], logits).map(|_| ())
+    };
 
     progress("touching weights");
     std::hint::black_box(touch_weights(model));
 
-    // Prompt processing: one workspace and cache for every prompt length.
-    let pp_max = cfg.pp.iter().copied().max().unwrap_or(1);
-    let pp_limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk.min(pp_max).max(1), context_max: ctx, sequences_per_step_max: 1 };
-    let mut pp_ws = model.new_workspace(pp_limits, pool.n_threads());
-    let mut pp_cache = model.new_cache(pp_limits);
     let prompts: Vec<Vec<u32>> = cfg.pp.iter().map(|&n| rng.ids(n, vocab)).collect();
     let mut logits = vec![0.0f32; vocab];
-
-    // Batch-1 decode.
-    let d_limits = StepLimits { tokens_per_step_max: cfg.decode_prompt.min(cfg.prefill_chunk), context_max: ctx, sequences_per_step_max: 1 };
-    let mut d_ws = model.new_workspace(d_limits, pool.n_threads());
-    let mut d_cache = model.new_cache(d_limits);
     let d_prompt = rng.ids(cfg.decode_prompt, vocab);
     let d_tokens = rng.ids(cfg.tg, vocab);
-
-    // Batched decode: caches only as long as the decode needs; one workspace for the
-    // largest batch (a prefill step takes up to decode_prompt tokens of one sequence).
-    let b_max = cfg.batch.iter().copied().max().unwrap_or(0);
-    let b_ctx = cfg.decode_prompt + cfg.tg + 1;
-    let b_limits = StepLimits {
-        tokens_per_step_max: b_max.max(cfg.decode_prompt.min(cfg.prefill_chunk)).max(1),
-        context_max: b_ctx,
-        sequences_per_step_max: b_max.max(1),
-    };
-    let mut b_ws = model.new_workspace(b_limits, pool.n_threads());
-    let mut b_caches: Vec<_> = (0..b_max).map(|_| model.new_cache(b_limits)).collect();
     let b_prompts: Vec<Vec<u32>> = (0..b_max).map(|_| rng.ids(cfg.decode_prompt, vocab)).collect();
     // Step s, sequence i feeds b_tokens[s * b_max + i].
     let b_tokens = rng.ids(cfg.tg * b_max, vocab);
@@ -304,10 +312,11 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
     let bw_buf: Vec<f32> = (0..bw_floats).map(|i| (i % 1024) as f32 * 1e-3).collect();
 
     progress("warm-up");
-    for chunk in d_prompt.chunks(d_limits.tokens_per_step_max) {
-        model.forward(&pool, &mut d_ws, &mut d_cache, chunk, LogitsFor::Last, &mut logits)?;
+    stepper.reset(0)?;
+    for chunk in d_prompt.chunks(chunk_max) {
+        step1(stepper, chunk, &mut logits)?;
     }
-    model.forward(&pool, &mut d_ws, &mut d_cache, &d_tokens[..1], LogitsFor::Last, &mut logits)?;
+    step1(stepper, &d_tokens[..1], &mut logits)?;
     read_bandwidth(&pool, &bw_buf, 1);
 
     progress("bandwidth (before)");
@@ -321,10 +330,10 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
     for round in 0..r {
         for (j, prompt) in prompts.iter().enumerate() {
             progress(&format!("round {}/{r}: prompt {} tokens", round + 1, prompt.len()));
-            pp_cache.clear();
+            stepper.reset(0)?;
             let start = Instant::now();
-            for chunk in prompt.chunks(pp_limits.tokens_per_step_max) {
-                model.forward(&pool, &mut pp_ws, &mut pp_cache, chunk, LogitsFor::Last, &mut logits)?;
+            for chunk in prompt.chunks(chunk_max) {
+                step1(stepper, chunk, &mut logits)?;
             }
             let prefill = start.elapsed().as_secs_f64();
             let id = sampler.sample(&mut logits, &[])?;
@@ -335,24 +344,23 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
         }
 
         progress(&format!("round {}/{r}: decode {} tokens", round + 1, cfg.tg));
-        d_cache.clear();
-        for chunk in d_prompt.chunks(d_limits.tokens_per_step_max) {
-            model.forward(&pool, &mut d_ws, &mut d_cache, chunk, LogitsFor::Last, &mut logits)?;
+        stepper.reset(0)?;
+        for chunk in d_prompt.chunks(chunk_max) {
+            step1(stepper, chunk, &mut logits)?;
         }
         let start = Instant::now();
         for t in d_tokens.chunks(1) {
             checksum = checksum.wrapping_add(sampler.sample(&mut logits, &[])? as u64);
-            model.forward(&pool, &mut d_ws, &mut d_cache, t, LogitsFor::Last, &mut logits)?;
+            step1(stepper, t, &mut logits)?;
         }
         d_secs.push(start.elapsed().as_secs_f64());
 
         for (j, &b) in cfg.batch.iter().enumerate() {
             progress(&format!("round {}/{r}: batch {b} × {} steps", round + 1, cfg.tg));
-            let caches = &mut b_caches[..b];
-            for (cache, p) in caches.iter_mut().zip(&b_prompts) {
-                cache.clear();
-                for chunk in p.chunks(b_limits.tokens_per_step_max) {
-                    model.forward(&pool, &mut b_ws, cache, chunk, LogitsFor::Last, &mut b_logits[..vocab])?;
+            for (i, p) in b_prompts[..b].iter().enumerate() {
+                stepper.reset(i)?;
+                for chunk in p.chunks(chunk_max) {
+                    stepper.step(&[SeqChunk { cache: i, tokens: chunk, logits: LogitsFor::Last }], &mut b_logits[..vocab])?;
                 }
             }
             let logits_b = &mut b_logits[..b * vocab];
@@ -363,7 +371,7 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
                 }
                 b_chunks.clear();
                 b_chunks.extend(step[..b].chunks(1).enumerate().map(|(i, t)| SeqChunk { cache: i, tokens: t, logits: LogitsFor::Last }));
-                model.forward_batch(&pool, &mut b_ws, caches, &b_chunks, logits_b)?;
+                stepper.step(&b_chunks, logits_b)?;
             }
             b_secs[j].push(start.elapsed().as_secs_f64());
         }
@@ -392,13 +400,14 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
     formats.sort_by_key(|f| std::cmp::Reverse(f.bytes));
     Ok(BenchReport {
         threads: pool.n_threads(),
+        ranks,
         isa: model.isa().name(),
         arch: model.cfg.arch.name(),
         vocab,
         bytes_per_token: bpt,
         formats,
         config: cfg.clone(),
-        context_max: ctx.max(b_ctx),
+        context_max: ctx,
         prompt: cfg
             .pp
             .iter()
