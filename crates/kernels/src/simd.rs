@@ -2,8 +2,9 @@
 //! supports; every entry point falls back to [`crate::scalar`] where a flavour has no
 //! kernel of its own (which LLVM auto-vectorises for the baseline SIMD of the target).
 //! x86-64: AVX2 + FMA + F16C for every format. aarch64: NEON with the dot-product
-//! extension (every Apple M-series core) for float rows, the interleaved q8 formats
-//! and attention; other block formats take the portable path there.
+//! extension (every Apple M-series core) for float rows, MLX affine and MXFP4 rows, the
+//! interleaved q8 formats and attention; the K-quants and the plain GGUF q8 rows take
+//! the portable path there.
 
 use crate::format::WeightFormat;
 use crate::q8::BlockQ8;
@@ -940,12 +941,89 @@ mod arm {
         }
     }
 
+    /// 16 bytes widened to four f32x4 (unsigned or signed).
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn widen16(v: uint8x16_t, signed: bool) -> [float32x4_t; 4] {
+        if signed {
+            let s = vreinterpretq_s8_u8(v);
+            let (lo, hi) = (vmovl_s8(vget_low_s8(s)), vmovl_high_s8(s));
+            [
+                vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
+                vcvtq_f32_s32(vmovl_high_s16(lo)),
+                vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+                vcvtq_f32_s32(vmovl_high_s16(hi)),
+            ]
+        } else {
+            let (lo, hi) = (vmovl_u8(vget_low_u8(v)), vmovl_high_u8(v));
+            [
+                vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))),
+                vcvtq_f32_u32(vmovl_high_u16(lo)),
+                vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))),
+                vcvtq_f32_u32(vmovl_high_u16(hi)),
+            ]
+        }
+    }
+
+    /// MLX affine (A4/A8) and MXFP4 rows with f32 activations, dequantized in registers
+    /// (the formats mlx-community checkpoints ship in).
+    #[target_feature(enable = "neon")]
+    unsafe fn dot_block(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+        let (g, bb) = (format.block_elems(), format.block_bytes());
+        assert!(x.len() % g == 0 && row.len() >= x.len() / g * bb, "{format}: row is not whole blocks");
+        let xp = x.as_ptr();
+        let low = vdupq_n_u8(0x0F);
+        let mut acc = [vdupq_n_f32(0.0); 2];
+        // 32 weights from their 32 values (two 16-byte vectors) against x[at..at + 32].
+        let mut fma32 = |q: [uint8x16_t; 2], signed: bool, scale: float32x4_t, bias: float32x4_t, at: usize| {
+            for (h, qh) in q.into_iter().enumerate() {
+                for (k, w) in widen16(qh, signed).into_iter().enumerate() {
+                    let xv = vld1q_f32(xp.add(at + 16 * h + 4 * k));
+                    acc[k % 2] = vfmaq_f32(acc[k % 2], vfmaq_f32(bias, w, scale), xv);
+                }
+            }
+        };
+        match format {
+            WeightFormat::Mxfp4 => {
+                // Doubled E2M1 values as i8: value = lut[q] / 2.
+                let lut: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+                let lut = vld1q_s8(lut.as_ptr());
+                for bi in 0..x.len() / 32 {
+                    let b = row.as_ptr().add(bi * bb);
+                    let d = vdupq_n_f32(scalar::e8m0(*b) * 0.5);
+                    let c = vld1q_u8(b.add(1));
+                    let q = [vandq_u8(c, low), vshrq_n_u8::<4>(c)].map(|n| vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)));
+                    fma32(q, true, d, vdupq_n_f32(0.0), bi * 32);
+                }
+            }
+            WeightFormat::A4 { .. } | WeightFormat::A8 { .. } => {
+                let four = matches!(format, WeightFormat::A4 { .. });
+                for gi in 0..x.len() / g {
+                    let b = row.as_ptr().add(gi * bb);
+                    let sc = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32));
+                    let bias = vdupq_n_f32(std::ptr::read_unaligned(b.add(4) as *const f32));
+                    for sub in 0..g / 32 {
+                        let q = if four {
+                            let c = vld1q_u8(b.add(8 + sub * 16));
+                            [vandq_u8(c, low), vshrq_n_u8::<4>(c)]
+                        } else {
+                            [vld1q_u8(b.add(8 + sub * 32)), vld1q_u8(b.add(8 + sub * 32 + 16))]
+                        };
+                        fma32(q, false, sc, bias, gi * g + sub * 32);
+                    }
+                }
+            }
+            _ => return scalar::dot_f32(format, row, x),
+        }
+        vaddvq_f32(vaddq_f32(acc[0], acc[1]))
+    }
+
     #[target_feature(enable = "neon,dotprod")]
     pub unsafe fn dot_float(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
         let es = match format {
             WeightFormat::F32 => 4,
             WeightFormat::F16 | WeightFormat::Bf16 => 2,
-            _ => return scalar::dot_f32(format, row, x),
+            _ => return dot_block(format, row, x),
         };
         let n = x.len();
         assert!(row.len() >= n * es);
