@@ -2,9 +2,8 @@
 //! supports; every entry point falls back to [`crate::scalar`] where a flavour has no
 //! kernel of its own (which LLVM auto-vectorises for the baseline SIMD of the target).
 //! x86-64: AVX2 + FMA + F16C for every format. aarch64: NEON with the dot-product
-//! extension (every Apple M-series core) for float rows, MLX affine and MXFP4 rows, the
-//! interleaved q8 formats and attention; the K-quants and the plain GGUF q8 rows take
-//! the portable path there.
+//! extension (every Apple M-series core) for every format but FP8 (which takes the
+//! portable path there).
 
 use crate::format::WeightFormat;
 use crate::q8::BlockQ8;
@@ -77,6 +76,9 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
             Isa::Avx2 => unsafe { x86::dot_q8(format, row, x) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: see dot_f32.
+            Isa::Neon => unsafe { arm::dot_q8(format, row, x) },
             _ => scalar::dot_q8(format, row, x),
         }
     }
@@ -114,7 +116,7 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
             Isa::Avx2 => unsafe { x86::dot_q8_x4(format, row, xs) },
-            _ => xs.map(|x| scalar::dot_q8(format, row, x)),
+            _ => xs.map(|x| self.dot_q8(format, row, x)),
         }
     }
 
@@ -160,6 +162,26 @@ impl Isa {
         }
     }
 }
+
+/// The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block (12 packed bytes),
+/// unpacked with word operations (llama.cpp's layout, spec'd by `scale_min_k4`).
+#[inline]
+fn k4_scales(p: &[u8]) -> ([u8; 8], [u8; 8]) {
+    const M1: u32 = 0x3f3f_3f3f;
+    const M2: u32 = 0x0f0f_0f0f;
+    const M3: u32 = 0x0303_0303;
+    let w = |i: usize| u32::from_le_bytes([p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]]);
+    let (u0, u1, u2) = (w(0), w(1), w(2));
+    let sc_hi = (u2 & M2) | (((u0 >> 6) & M3) << 4);
+    let m_hi = ((u2 >> 4) & M2) | (((u1 >> 6) & M3) << 4);
+    let (sc_lo, m_lo) = (u0 & M1, u1 & M1);
+    let join = |a: u32, b: u32| {
+        let (a, b) = (a.to_le_bytes(), b.to_le_bytes());
+        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+    };
+    (join(sc_lo, sc_hi), join(m_lo, m_hi))
+}
+
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -649,25 +671,6 @@ mod x86 {
         }
     }
 
-    /// The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block (12 packed bytes),
-    /// unpacked with word operations (llama.cpp's layout, spec'd by `scale_min_k4`).
-    #[inline]
-    fn k4_scales(p: &[u8]) -> ([u8; 8], [u8; 8]) {
-        const M1: u32 = 0x3f3f_3f3f;
-        const M2: u32 = 0x0f0f_0f0f;
-        const M3: u32 = 0x0303_0303;
-        let w = |i: usize| u32::from_le_bytes([p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]]);
-        let (u0, u1, u2) = (w(0), w(1), w(2));
-        let sc_hi = (u2 & M2) | (((u0 >> 6) & M3) << 4);
-        let m_hi = ((u2 >> 4) & M2) | (((u1 >> 6) & M3) << 4);
-        let (sc_lo, m_lo) = (u0 & M1, u1 & M1);
-        let join = |a: u32, b: u32| {
-            let (a, b) = (a.to_le_bytes(), b.to_le_bytes());
-            [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
-        };
-        (join(sc_lo, sc_hi), join(m_lo, m_hi))
-    }
-
     /// Q4_K (and, with `FIVE`, Q5_K) against q8 activations: per 32-wide sub-block an
     /// integer dot, scaled by d·sc·x_d; the min term comes from the q8 block sums.
     #[inline]
@@ -1046,6 +1049,95 @@ mod arm {
             total += scalar::dot_f32(format, &row[i * es..n * es], &x[i..]);
         }
         total
+    }
+
+    /// Σ over 32 signed bytes of a·b, with SDOT (two 16-byte halves).
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn dot32(a: [int8x16_t; 2], y: *const i8) -> i32 {
+        let acc = sdot(sdot(vdupq_n_s32(0), a[0], vld1q_s8(y)), a[1], vld1q_s8(y.add(16)));
+        vaddvq_s32(acc)
+    }
+
+    /// GGUF block formats against q8 activations (integer dots with SDOT); the
+    /// arithmetic is [`scalar::dot_q8`]'s.
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
+        let low = vdupq_n_u8(0x0F);
+        let nib = |p: *const u8| {
+            let c = vld1q_u8(p);
+            [vreinterpretq_s8_u8(vandq_u8(c, low)), vreinterpretq_s8_u8(vshrq_n_u8::<4>(c))]
+        };
+        let f16 = |p: *const u8| half::f16::from_bits(std::ptr::read_unaligned(p as *const u16)).to_f32();
+        let bb = format.block_bytes();
+        let mut acc = 0.0f32;
+        match format {
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
+                assert!(row.len() >= x.len() * bb);
+                for (i, xb) in x.iter().enumerate() {
+                    let b = row.as_ptr().add(i * bb);
+                    let q = match format {
+                        WeightFormat::Q8_0 => [vld1q_s8(b.add(2) as *const i8), vld1q_s8(b.add(18) as *const i8)],
+                        WeightFormat::Q4_0 => nib(b.add(2)).map(|v| vsubq_s8(v, vdupq_n_s8(8))),
+                        _ => nib(b.add(4)),
+                    };
+                    let isum = dot32(q, xb.qs.as_ptr());
+                    acc += f16(b) * xb.d * isum as f32;
+                    if format == WeightFormat::Q4_1 {
+                        acc += f16(b.add(2)) * xb.sum;
+                    }
+                }
+            }
+            WeightFormat::Q4K | WeightFormat::Q5K => {
+                let five = format == WeightFormat::Q5K;
+                assert!(x.len() % 8 == 0 && row.len() >= x.len() / 8 * bb);
+                let one = vdupq_n_u8(1);
+                for (sb, xs) in x.chunks_exact(8).enumerate() {
+                    let b = row.as_ptr().add(sb * bb);
+                    let (d, dmin) = (f16(b), f16(b.add(2)));
+                    let (sc, mn) = k4_scales(std::slice::from_raw_parts(b.add(4), 12));
+                    let qs = b.add(if five { 48 } else { 16 });
+                    for (s, xb) in xs.iter().enumerate() {
+                        // Sub-block s: nibble s % 2 of bytes 32·(s / 2) .. + 32.
+                        let halves = [0, 16].map(|o| {
+                            let c = vld1q_u8(qs.add(32 * (s / 2) + o));
+                            let mut q = if s % 2 == 0 { vandq_u8(c, low) } else { vshrq_n_u8::<4>(c) };
+                            if five {
+                                let h = vshlq_u8(vld1q_u8(b.add(16 + o)), vdupq_n_s8(-(s as i8)));
+                                q = vorrq_u8(q, vshlq_n_u8::<4>(vandq_u8(h, one)));
+                            }
+                            vreinterpretq_s8_u8(q)
+                        });
+                        let isum = dot32(halves, xb.qs.as_ptr());
+                        acc += d * sc[s] as f32 * xb.d * isum as f32 - dmin * mn[s] as f32 * xb.sum;
+                    }
+                }
+            }
+            WeightFormat::Q6K => {
+                assert!(x.len() % 8 == 0 && row.len() >= x.len() / 8 * 210);
+                let three = vdupq_n_u8(3);
+                for (sb, xs) in x.chunks_exact(8).enumerate() {
+                    let b = row.as_ptr().add(sb * 210);
+                    let d = f16(b.add(208));
+                    let sc = std::slice::from_raw_parts(b.add(192) as *const i8, 16);
+                    for (k, xb) in xs.iter().enumerate() {
+                        // Values 32k..32k+32: half h = k / 4, quarter j = k % 4.
+                        let (h, j) = (k / 4, k % 4);
+                        let mut isum = [0i32; 2];
+                        for (part, o) in [0usize, 16].into_iter().enumerate() {
+                            let ql = vld1q_u8(b.add(64 * h + 32 * (j % 2) + o));
+                            let nib = if j < 2 { vandq_u8(ql, low) } else { vshrq_n_u8::<4>(ql) };
+                            let qh = vshlq_u8(vld1q_u8(b.add(128 + 32 * h + o)), vdupq_n_s8(-2 * j as i8));
+                            let q = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(nib, vshlq_n_u8::<4>(vandq_u8(qh, three)))), vdupq_n_s8(32));
+                            isum[part] = vaddvq_s32(sdot(vdupq_n_s32(0), q, vld1q_s8(xb.qs.as_ptr().add(o))));
+                        }
+                        acc += d * xb.d * (sc[2 * k] as f32 * isum[0] as f32 + sc[2 * k + 1] as f32 * isum[1] as f32);
+                    }
+                }
+            }
+            _ => return scalar::dot_q8(format, row, x),
+        }
+        acc
     }
 
     /// The interleaved formats with SDOT: each 16-byte half of a 32-byte chunk is four
