@@ -136,7 +136,11 @@ pub fn matmul_group(
     } else {
         &[]
     };
-    let grain = pool.grain(total, 8, 8);
+    // ~8 chunks per thread; an 8-row group is already 8 rows of work, so its chunks
+    // may be as small as 2 groups (a 576-row projection is 72 groups: 9 chunks of 8
+    // would leave one thread a chunk behind the other).
+    let min_units = if ws.iter().all(|w| w.format.rows_per_group() == 8) { 2 } else { 8 };
+    let grain = pool.grain(total, 8, min_units);
     pool.parallel_for(total, grain, &|_, chunk| {
         for g in chunk {
             let i = (0..ws.len()).rfind(|&i| unit_starts[i] <= g).expect("unit in range");
