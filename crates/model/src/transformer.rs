@@ -1147,9 +1147,16 @@ impl DenseTransformer {
                     }
                 }
             }
-            for l in todo {
-                l.interleave(&ckpt);
-            }
+            // A copy of every matrix: spread it over the cores (each matrix is repacked by
+            // one thread; big models have thousands of them).
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(todo.len().max(1));
+            let per = todo.len().div_ceil(threads).max(1);
+            let ckpt_ref = &*ckpt;
+            std::thread::scope(|scope| {
+                for part in todo.chunks_mut(per) {
+                    scope.spawn(move || part.iter_mut().for_each(|l| l.interleave(ckpt_ref)));
+                }
+            });
         }
         let bytes_loaded = ld.bytes_read.get();
         let recorded = ld.record.map(|r| r.into_inner()).unwrap_or_default();
