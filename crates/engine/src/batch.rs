@@ -96,7 +96,7 @@ pub fn generate_batch(
         return Err(StepError::Empty.into());
     }
     if n > stepper.sequences_max() {
-        return Err(EngineError::Config(format!(
+        return Err(EngineError::Request(format!(
             "{n} sequences, but the engine holds {} at once (raise the sequence limit)",
             stepper.sequences_max()
         )));
@@ -104,10 +104,16 @@ pub fn generate_batch(
     let mut seqs = Vec::with_capacity(n);
     for (i, r) in requests.iter().enumerate() {
         if r.prompt.is_empty() {
-            return Err(EngineError::Config(format!("sequence {i}: empty prompt")));
+            return Err(EngineError::Request(format!("sequence {i}: empty prompt")));
+        }
+        if let Some((j, &id)) = r.prompt.iter().enumerate().find(|(_, &id)| id as usize >= v) {
+            return Err(EngineError::Request(format!("sequence {i}: token id {id} at position {j} is outside the vocabulary of {v}")));
         }
         if r.prompt.len() >= capacity {
-            return Err(StepError::ContextFull { used: 0, tokens: r.prompt.len(), max: capacity }.into());
+            return Err(EngineError::Request(format!(
+                "sequence {i}: a prompt of {} tokens leaves no room in a {capacity}-token context (raise --ctx)",
+                r.prompt.len()
+            )));
         }
         let mut history = Vec::with_capacity(r.prompt.len() + r.max_tokens);
         history.extend_from_slice(&r.prompt);

@@ -58,6 +58,9 @@ pub enum EngineError {
     Sampling(#[from] SamplingError),
     #[error("invalid engine config: {0}")]
     Config(String),
+    /// A request the engine cannot run (names the sequence and what is wrong).
+    #[error("{0}")]
+    Request(String),
     #[error("{0}")]
     Dist(String),
 }
