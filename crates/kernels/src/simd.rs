@@ -151,6 +151,18 @@ impl Isa {
         }
     }
 
+    /// `gate[i] = silu(gate[i]) · up[i]` ([`crate::ops::silu_mul`], with the vector exp).
+    #[inline]
+    pub fn silu_mul(self, gate: &mut [f32], up: &[f32]) {
+        assert_eq!(gate.len(), up.len());
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 => unsafe { x86::silu_mul(gate, up) },
+            _ => crate::ops::silu_mul(gate, up),
+        }
+    }
+
     /// Quantize activations to q8 blocks.
     #[inline]
     pub fn quantize_q8(self, x: &[f32], out: &mut [BlockQ8]) {
@@ -605,6 +617,21 @@ mod x86 {
         let y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0)));
         let pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
         _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+        let n8 = gate.len() / 8 * 8;
+        let one = _mm256_set1_ps(1.0);
+        let mut i = 0;
+        while i < n8 {
+            let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            let s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(s, _mm256_loadu_ps(up.as_ptr().add(i))));
+            i += 8;
+        }
+        crate::ops::silu_mul(&mut gate[n8..], &up[n8..]);
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -359,6 +359,24 @@ fn attend_simd_matches_scalar() {
     }
 }
 
+/// SwiGLU's silu with the vector exp against the scalar one, over the range where
+/// activations live and past the exp clamps.
+#[test]
+fn silu_mul_simd_matches_scalar() {
+    let isa = Isa::detect();
+    let mut rng = Rng(8);
+    for n in [1usize, 7, 8, 9, 100, 1537] {
+        let gate: Vec<f32> = (0..n).map(|i| if i % 17 == 0 { 120.0 * rng.f32() } else { 12.0 * rng.f32() }).collect();
+        let up: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+        let (mut a, mut b) = (gate.clone(), gate);
+        tessera_kernels::ops::silu_mul(&mut a, &up);
+        isa.silu_mul(&mut b, &up);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 2e-6 * (1.0 + x.abs()), "n={n}: {x} vs {y}");
+        }
+    }
+}
+
 /// The comparisons above test the SIMD flavour only if `detect` picks it: it must
 /// whenever the CPU has the features (aarch64 runs of this suite are under qemu).
 #[test]

@@ -1854,7 +1854,7 @@ impl Run<'_> {
                 ops::add_bias(y, b);
             }
         }
-        ops::silu_mul(&mut gate[..n * w], &up[..n * w]);
+        self.isa.silu_mul(&mut gate[..n * w], &up[..n * w]);
         self.linear(d, &gate[..n * w], n, out, mm);
     }
 
