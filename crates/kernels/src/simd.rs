@@ -104,7 +104,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
-            Isa::Avx2 if format != WeightFormat::Q8_0x8 => unsafe { x86::dot_q8_rows8_x4(format, group, xs) },
+            Isa::Avx2 => unsafe { x86::dot_q8_rows8_x4(format, group, xs) },
             _ => xs.map(|x| self.dot_q8_rows8(format, group, x)),
         }
     }
@@ -528,6 +528,7 @@ mod x86 {
         match format {
             WeightFormat::Q4_0x8 => dot_q8_rows8_x4_t::<false>(group, xs),
             WeightFormat::Q4_1x8 => dot_q8_rows8_x4_t::<true>(group, xs),
+            WeightFormat::Q8_0x8 => dot_q8_rows8_x4_q8(group, xs),
             _ => unreachable!("{format}: no four-token interleaved kernel"),
         }
     }
@@ -563,6 +564,39 @@ mod x86 {
                 let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc[t]);
                 acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
+            }
+        }
+        let mut out = [[0.0f32; 8]; 4];
+        for t in 0..4 {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+        out
+    }
+
+    /// Q8_0x8 for four tokens: the block's weights and their magnitudes are loaded once
+    /// for all four; each token pays the sign of its activations and the byte dots.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_rows8_x4_q8(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        let blocks = xs[0].len();
+        assert!(group.len() >= blocks * 272 && xs.iter().all(|x| x.len() == blocks));
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for b in 0..blocks {
+            let p = group.as_ptr().add(b * 272);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            let w: [__m256i; 8] = std::array::from_fn(|j| _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i));
+            let aw: [__m256i; 8] = std::array::from_fn(|j| _mm256_sign_epi8(w[j], w[j]));
+            for (t, a) in acc.iter_mut().enumerate() {
+                let xb = &xs[t][b];
+                let y = xb.qs.as_ptr() as *const i32;
+                let mut isum = _mm256_setzero_si256();
+                for j in 0..8 {
+                    let yj = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                    let dot = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(yj, w[j]));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(dot, ones));
+                }
+                *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), *a);
             }
         }
         let mut out = [[0.0f32; 8]; 4];
