@@ -87,10 +87,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         secret_file: a.secret_file.clone(),
         threads: Some(threads),
         // KV caches exactly as long as this run needs, unless asked otherwise.
-        ctx: Some(a.ctx.unwrap_or(a.pp.iter().map(|&p| p + 1).max().unwrap_or(0).max(a.decode_prompt + a.tg + 1))),
+        ctx: Some(a.ctx.unwrap_or(cfg.context_needed())),
         prefill_chunk: a.prefill_chunk,
     };
-    let need_ctx = a.pp.iter().map(|&p| p + 1).max().unwrap_or(0).max(a.decode_prompt + a.tg + 1);
     let sequences = a.batch.iter().copied().max().unwrap_or(1).max(1);
     let crate::Loaded { model, cluster } = crate::load_for(&a.model, &rt)?;
     let ranks = cluster.as_ref().map_or(1, |(c, _)| c.world_size());
@@ -104,7 +103,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             eprint!("\r\x1b[2K[bench] {what}");
         }
     };
-    let report = match crate::engine_for(&model, cluster, &rt, need_ctx, sequences)? {
+    let report = match crate::engine_for(&model, cluster, &rt, cfg.context_needed(), sequences)? {
         crate::Engine::Follow(rank) => return Ok(rank.follow()?),
         crate::Engine::Drive(mut gen) => tessera_engine::bench::run_on(gen.stepper(), &model, ranks, &cfg, &mut progress)?,
     };

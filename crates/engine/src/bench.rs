@@ -66,6 +66,12 @@ pub struct BenchConfig {
 }
 
 impl BenchConfig {
+    /// KV-cache tokens this run needs: a prompt of pp tokens plus the sampled token's
+    /// step; the decode prompt plus tg steps.
+    pub fn context_needed(&self) -> usize {
+        self.pp.iter().map(|&p| p + 1).max().unwrap_or(0).max(self.decode_prompt + self.tg + 1)
+    }
+
     /// llama-bench-like defaults: pp 128 and 512, tg 128, batches 1/4/16/32, 3 rounds.
     pub fn new(threads: usize) -> BenchConfig {
         BenchConfig {
@@ -216,8 +222,7 @@ fn check(cfg: &BenchConfig, model: &DenseTransformer) -> Result<usize, BenchErro
     if let Some(&b) = cfg.batch.iter().find(|&&b| b == 0 || b > BATCH_MAX) {
         return bad(format!("batch size {b} outside 1..={BATCH_MAX}"));
     }
-    // A prompt of pp tokens plus the sampled token's step; the decode prompt plus tg steps.
-    let need = cfg.pp.iter().map(|&p| p + 1).max().unwrap_or(0).max(cfg.decode_prompt + cfg.tg + 1);
+    let need = cfg.context_needed();
     let ctx = cfg.context_max.unwrap_or(need);
     if ctx < need {
         return bad(format!("--ctx {ctx} is below the {need} tokens this run needs (largest pp + 1, or decode prompt {} + tg {} + 1)", cfg.decode_prompt, cfg.tg));

@@ -215,6 +215,8 @@ pub struct Rank<'m> {
     /// The current plan (u32 words) and its wire form (i32, same bits): reused every step.
     plan: Vec<u32>,
     plan_wire: Vec<i32>,
+    /// The current plan's wire header: magic, words, digest, step.
+    head: [i32; WIRE_HEAD],
     /// Chunks of the current plan, kept for their allocation (empty between steps).
     chunk_buf: Vec<SeqChunk<'static>>,
     /// The step this rank expects next.
@@ -286,6 +288,7 @@ impl<'m> Rank<'m> {
             logits: vec![0.0; t * model.cfg.vocab],
             plan: Vec::with_capacity(max_words),
             plan_wire: Vec::with_capacity(max_words),
+            head: [0; WIRE_HEAD],
             chunk_buf: Vec::with_capacity(cfg.sequences_max),
             step_no: 0,
             in_flight: VecDeque::with_capacity(placement.pp),
@@ -321,39 +324,41 @@ impl<'m> Rank<'m> {
         }
     }
 
-    /// Sends the current plan to a pair-group peer (header, then words).
-    fn send_plan(&mut self, link: (usize, usize), peer: usize) -> Result<(), EngineError> {
+    /// Sends the current plan to a pair-group peer: the header and wire words
+    /// `receive_plan` left in `head` and `plan_wire`.
+    fn send_plan(&self, link: (usize, usize), peer: usize) -> Result<(), EngineError> {
         let mut tag = [0u8; TAG_BYTES_MAX];
         let step = self.plan[PLAN_STEP];
-        let head = [PLAN_MAGIC as i32, self.plan.len() as i32, plan_digest(&self.plan) as i32, step as i32];
-        self.plan_wire.clear();
-        self.plan_wire.extend(self.plan.iter().map(|&w| w as i32));
         let g = &self.pairs[&link];
-        g.send(&head, peer, step_tag(&mut tag, "plan header", step)).map_err(dist_err)?;
+        g.send(&self.head, peer, step_tag(&mut tag, "plan header", step)).map_err(dist_err)?;
         g.send(&self.plan_wire, peer, step_tag(&mut tag, "plan", step)).map_err(dist_err)
     }
 
     /// Receives the next plan: stage 0 from the leader (a broadcast in the stage; the
     /// leader itself already holds it), later stages from the previous stage. Checks that
     /// it is well formed, is the step this rank expects, and that its words are the
-    /// leader's (the digest the leader computed travels with it).
+    /// leader's (the digest the leader computed travels with it). Afterwards `head` and
+    /// `plan_wire` hold the plan as sent, ready to pass on.
     fn receive_plan(&mut self) -> Result<(), EngineError> {
         let max_words = self.max_plan_words();
         let g = self.placement.stage_size();
-        let mut head = [0i32; WIRE_HEAD];
         let mut tag = [0u8; TAG_BYTES_MAX];
         let expect = self.step_no;
+        if self.rank == 0 {
+            // The leader wrote the plan: its header and wire form, once.
+            self.plan_wire.clear();
+            self.plan_wire.extend(self.plan.iter().map(|&w| w as i32));
+            self.head = [PLAN_MAGIC as i32, self.plan.len() as i32, plan_digest(&self.plan) as i32, expect as i32];
+        }
         if self.stage == 0 {
-            if self.rank == 0 {
-                head = [PLAN_MAGIC as i32, self.plan.len() as i32, plan_digest(&self.plan) as i32, expect as i32];
-            }
             if let Some(sg) = &self.coll.stage {
-                sg.broadcast(&mut head, 0, step_tag(&mut tag, "plan header", expect)).map_err(dist_err)?;
+                sg.broadcast(&mut self.head, 0, step_tag(&mut tag, "plan header", expect)).map_err(dist_err)?;
             }
         } else {
             let link = &self.pairs[&(self.rank - g, self.rank)];
-            link.recv(&mut head, 0, step_tag(&mut tag, "plan header", expect)).map_err(dist_err)?;
+            link.recv(&mut self.head, 0, step_tag(&mut tag, "plan header", expect)).map_err(dist_err)?;
         }
+        let head = self.head;
         let len = head[1] as usize;
         if head[0] != PLAN_MAGIC as i32 || !(PLAN_HEAD_WORDS..=max_words).contains(&len) {
             return Err(dist_err(format!(
@@ -367,22 +372,21 @@ impl<'m> Rank<'m> {
         if self.rank != 0 {
             self.plan_wire.clear();
             self.plan_wire.resize(len, 0);
-            if self.stage == 0 {
-                let sg = self.coll.stage.as_ref().expect("a stage of several ranks");
+        }
+        if self.stage == 0 {
+            if let Some(sg) = &self.coll.stage {
                 sg.broadcast(&mut self.plan_wire, 0, step_tag(&mut tag, "plan", expect)).map_err(dist_err)?;
-            } else {
-                let link = &self.pairs[&(self.rank - g, self.rank)];
-                link.recv(&mut self.plan_wire, 0, step_tag(&mut tag, "plan", expect)).map_err(dist_err)?;
             }
+        } else {
+            let link = &self.pairs[&(self.rank - g, self.rank)];
+            link.recv(&mut self.plan_wire, 0, step_tag(&mut tag, "plan", expect)).map_err(dist_err)?;
+        }
+        if self.rank != 0 {
             self.plan.clear();
             self.plan.extend(self.plan_wire.iter().map(|&w| w as u32));
-        } else if let Some(sg) = &self.coll.stage {
-            self.plan_wire.clear();
-            self.plan_wire.extend(self.plan.iter().map(|&w| w as i32));
-            sg.broadcast(&mut self.plan_wire, 0, step_tag(&mut tag, "plan", expect)).map_err(dist_err)?;
-        }
-        if plan_digest(&self.plan) as i32 != head[2] {
-            return Err(dist_err(format!("rank {}: step {expect}'s plan differs from the leader's (digest mismatch)", self.rank)));
+            if plan_digest(&self.plan) as i32 != head[2] {
+                return Err(dist_err(format!("rank {}: step {expect}'s plan differs from the leader's (digest mismatch)", self.rank)));
+            }
         }
         self.check_plan()?;
         self.step_no = self.step_no.wrapping_add(1);

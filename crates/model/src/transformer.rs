@@ -401,40 +401,29 @@ impl<'a> Loader<'a> {
         if self.record.is_some() && repacked {
             self.record_repacked(hf, t, stack, rows, cols, sel)?;
         }
-        if self.presliced && repacked {
-            // MLX/FP8 shards hold the stored tensors sliced; `matrix` checks their shapes
-            // against this rank's (the packed and scale shapes follow from them).
+        if self.presliced {
+            // A shard holds this rank's part as its own tensor: read it whole. Plain and
+            // GGUF tensors must have exactly the part's shape; MLX/FP8 ones are checked by
+            // `matrix` (their packed and scale shapes follow from it).
             let want = if stack.is_some() && sel.stack.is_none() { vec![sel.rows.len(), sel.cols.len()] } else { sliced.clone() };
             let k = want.len();
-            if want.contains(&0) {
+            let rows = want[..k - 1].iter().product();
+            let wrong_shard = |e: String| LoadError::tensor(file, &t.name, format!("{e}: was this shard written for another placement or rank?"));
+            if !repacked && t.shape != want {
+                return Err(wrong_shard(format!("this shard holds {} but this rank needs {}", shape_str(&t.shape), shape_str(&want))));
+            }
+            if repacked && want.contains(&0) {
                 // This rank's share of the matrix is empty (a width split with fewer
                 // quant groups than ranks): nothing stored, nothing to compute.
-                let rows = want[..k - 1].iter().product();
                 return Ok(Linear { name: t.name.clone(), format: WeightFormat::F32, rows, cols: want[k - 1], storage: Storage::Owned(Arc::new(Vec::new()), 0..0), bias: None });
             }
-            let mut l = self.matrix(hf, (k == 3).then_some(want[0]), want[k - 2], want[k - 1]).map_err(|e| {
-                LoadError::tensor(file, &t.name, format!("{e}: was this shard written for another placement or rank?"))
-            })?;
-            l.rows = want[..k - 1].iter().product();
+            let mut l = self.matrix(hf, (k == 3).then_some(want[0]), want[k - 2], want[k - 1]).map_err(|e| wrong_shard(e.to_string()))?;
+            l.rows = rows;
             let mut read = t.range.len();
-            for suffix in ["scales", "biases", "weight_scale_inv"] {
+            for suffix in ["scales", "biases", "weight_scale_inv"].iter().filter(|_| repacked) {
                 read += self.find(&format!("{base}.{suffix}")).map_or(0, |s| s.range.len());
             }
             self.bytes_read.set(self.bytes_read.get() + read);
-            return Ok(l);
-        }
-        if self.presliced {
-            let want = if stack.is_some() && sel.stack.is_none() { vec![sel.rows.len(), sel.cols.len()] } else { sliced.clone() };
-            if t.shape != want {
-                return Err(LoadError::tensor(
-                    file,
-                    &t.name,
-                    format!("this shard holds {} but this rank needs {}: was it written for another placement or rank?", shape_str(&t.shape), shape_str(&want)),
-                ));
-            }
-            let mut l = self.matrix(hf, (want.len() == 3).then_some(want[0]), want[want.len() - 2], want[want.len() - 1])?;
-            l.rows = want[..want.len() - 1].iter().product();
-            self.bytes_read.set(self.bytes_read.get() + t.range.len());
             return Ok(l);
         }
         // MLX and FP8 tensors: read the bytes covering this part, repack them, and
@@ -523,20 +512,9 @@ impl<'a> Loader<'a> {
         let n = stack.unwrap_or(1);
         let elems = sel.stack.clone().unwrap_or(0..1);
         let rec = self.record.as_ref().expect("recording");
-        // Rows `sel.rows` of each selected element of a row-major [n, rows, row_bytes]
-        // tensor, bytes `bytes` of each row.
-        let slice = |src: &TensorInfo, rows_of: usize, row_sel: Range<usize>, bytes: Range<usize>| -> Vec<u8> {
-            let data = self.c.bytes(src);
-            let rb = data.len() / (n * rows_of);
-            let mut out = Vec::with_capacity(elems.len() * row_sel.len() * bytes.len());
-            for e in elems.clone() {
-                for r in row_sel.clone() {
-                    let off = (e * rows_of + r) * rb;
-                    out.extend_from_slice(&data[off + bytes.start..off + bytes.end]);
-                }
-            }
-            out
-        };
+        // Rows `row_sel` of each selected element, bytes `bytes` of each row (a shard
+        // is written offline: these reads are not counted as the rank's).
+        let slice = |src: &TensorInfo, rows_of: usize, row_sel: Range<usize>, bytes: Range<usize>| self.gather_rows(src, n, rows_of, elems.clone(), row_sel, bytes);
         let lead: Vec<usize> = if sel.stack.is_some() { vec![elems.len()] } else { vec![] };
         let shape = |r: usize, c: usize| [lead.as_slice(), &[r, c]].concat();
         let push = |name: &str, dtype: TensorDtype, shape: Vec<usize>, bytes: Vec<u8>| {
@@ -556,9 +534,9 @@ impl<'a> Loader<'a> {
                     ),
                 ));
             }
-            push(&t.name, TensorDtype::F8E4M3, shape(sel.rows.len(), sel.cols.len()), slice(t, rows, sel.rows.clone(), sel.cols.clone()));
+            push(&t.name, TensorDtype::F8E4M3, shape(sel.rows.len(), sel.cols.len()), slice(t, rows, sel.rows.clone(), sel.cols.clone())?);
             let (gr, gc) = (sel.rows.start / BLOCK..sel.rows.end.div_ceil(BLOCK), sel.cols.start / BLOCK..sel.cols.end.div_ceil(BLOCK));
-            push(&s.name, s.dtype, vec![gr.len(), gc.len()], slice(s, rows.div_ceil(BLOCK), gr, gc.start * 4..gc.end * 4));
+            push(&s.name, s.dtype, vec![gr.len(), gc.len()], slice(s, rows.div_ceil(BLOCK), gr, gc.start * 4..gc.end * 4)?);
             return Ok(());
         }
         let scales = self.require(&format!("{base}.scales"))?;
@@ -567,10 +545,10 @@ impl<'a> Loader<'a> {
         let packed_cols = *t.shape.last().unwrap_or(&0);
         let words_per_group = packed_cols / groups.max(1);
         let (g0, g1) = (sel.cols.start / group, sel.cols.end.div_ceil(group));
-        push(&t.name, t.dtype, shape(sel.rows.len(), (g1 - g0) * words_per_group), slice(t, rows, sel.rows.clone(), g0 * words_per_group * 4..g1 * words_per_group * 4));
+        push(&t.name, t.dtype, shape(sel.rows.len(), (g1 - g0) * words_per_group), slice(t, rows, sel.rows.clone(), g0 * words_per_group * 4..g1 * words_per_group * 4)?);
         for aux in std::iter::once(scales).chain(self.find(&format!("{base}.biases"))) {
             let es = aux.range.len() / aux.elements().max(1);
-            push(&aux.name, aux.dtype, shape(sel.rows.len(), g1 - g0), slice(aux, rows, sel.rows.clone(), g0 * es..g1 * es));
+            push(&aux.name, aux.dtype, shape(sel.rows.len(), g1 - g0), slice(aux, rows, sel.rows.clone(), g0 * es..g1 * es)?);
         }
         Ok(())
     }
@@ -767,6 +745,14 @@ impl<'a> Loader<'a> {
     /// tensor, bytes `bytes` of each row: positioned reads of exactly those bytes, counted.
     #[allow(clippy::too_many_arguments)]
     fn read_rows(&self, t: &TensorInfo, n: usize, rows_of: usize, elems: Range<usize>, row_sel: Range<usize>, bytes: Range<usize>) -> Result<Vec<u8>> {
+        let out = self.gather_rows(t, n, rows_of, elems, row_sel, bytes)?;
+        self.bytes_read.set(self.bytes_read.get() + out.len());
+        Ok(out)
+    }
+
+    /// [`Self::read_rows`] without counting the bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_rows(&self, t: &TensorInfo, n: usize, rows_of: usize, elems: Range<usize>, row_sel: Range<usize>, bytes: Range<usize>) -> Result<Vec<u8>> {
         let rb = t.range.len() / (n * rows_of).max(1);
         let piece = bytes.len();
         let mut out = vec![0u8; elems.len() * row_sel.len() * piece];
@@ -784,7 +770,6 @@ impl<'a> Loader<'a> {
                 at += piece;
             }
         }
-        self.bytes_read.set(self.bytes_read.get() + out.len());
         Ok(out)
     }
 
