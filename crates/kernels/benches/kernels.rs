@@ -101,3 +101,18 @@ fn decode(bencher: divan::Bencher, format: WeightFormat) {
 fn gemm32(bencher: divan::Bencher, format: WeightFormat) {
     run(bencher, format, 32);
 }
+
+/// GQA attention of one kv group (`g` query heads, head size 64) over 512 cached
+/// positions of a 3-kv-head cache (SmolLM2's shape), per call.
+#[divan::bench(args = [1, 3, 4], sample_count = 50)]
+fn attend_group(bencher: divan::Bencher, g: usize) {
+    let (d, stride, len) = (64, 192, 512);
+    let f = |n: usize, seed: u64| -> Vec<f32> { bytes(n, seed).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect() };
+    let (q, k, v) = (f(g * d, 1), f(len * stride, 2), f(len * stride, 3));
+    let mut scores = vec![0.0; g * len];
+    let mut out = vec![0.0; g * d];
+    let isa = Isa::detect();
+    bencher.counter(divan::counter::ItemsCount::new(g * len)).bench_local(|| {
+        isa.attend_group(divan::black_box(&q), d, &k, &v, stride, len, 0.125, &mut scores, &mut out);
+    });
+}

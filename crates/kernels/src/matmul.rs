@@ -58,12 +58,14 @@ impl<'a> WeightRows<'a> {
 /// path never allocates.
 pub struct MatmulScratch {
     q8: Vec<BlockQ8>,
+    /// First work unit of each [`matmul_jobs`] job (capacity `JOBS_MAX + 1`).
+    unit_starts: Vec<usize>,
 }
 
 impl MatmulScratch {
     /// Room for `tokens_max` activation rows of up to `cols_max` elements.
     pub fn new(tokens_max: usize, cols_max: usize) -> Self {
-        MatmulScratch { q8: vec![BlockQ8::default(); tokens_max * cols_max.div_ceil(QK)] }
+        MatmulScratch { q8: vec![BlockQ8::default(); tokens_max * cols_max.div_ceil(QK)], unit_starts: Vec::with_capacity(JOBS_MAX + 1) }
     }
 }
 
@@ -114,28 +116,8 @@ pub fn matmul_group(
         unit_starts[i + 1] = unit_starts[i] + w.rows / rpg;
     }
     let total = unit_starts[ws.len()];
-    let blocks = cols / QK;
-    let xq: &[BlockQ8] = if ws.iter().any(|w| w.format.int8_activations()) {
-        let need = n_tokens * blocks;
-        assert!(need <= scratch.q8.len(), "matmul scratch sized for fewer tokens/cols than this step uses");
-        let xq = &mut scratch.q8[..need];
-        if n_tokens == 1 {
-            // One token: ~cols/32 blocks, cheaper here than a region of its own.
-            isa.quantize_q8(x, xq);
-        } else {
-            let xq_ptr = SharedMut(xq.as_mut_ptr());
-            pool.parallel_for(n_tokens, 1, &|_, tokens| {
-                for t in tokens {
-                    // SAFETY: each token's blocks are written by exactly one thread.
-                    let out = unsafe { std::slice::from_raw_parts_mut(xq_ptr.ptr().add(t * blocks), blocks) };
-                    isa.quantize_q8(&x[t * cols..(t + 1) * cols], out);
-                }
-            });
-        }
-        &scratch.q8[..need]
-    } else {
-        &[]
-    };
+    let q8 = ws.iter().any(|w| w.format.int8_activations());
+    let xq = quantize_rows(pool, isa, x, n_tokens, cols, q8, scratch);
     // ~8 chunks per thread; an 8-row group is already 8 rows of work, so its chunks
     // may be as small as 2 groups (a 576-row projection is 72 groups: 9 chunks of 8
     // would leave one thread a chunk behind the other).
@@ -144,65 +126,170 @@ pub fn matmul_group(
     pool.parallel_for(total, grain, &|_, chunk| {
         for g in chunk {
             let i = (0..ws.len()).rfind(|&i| unit_starts[i] <= g).expect("unit in range");
-            let (w, u) = (&ws[i], g - unit_starts[i]);
-            let rows = w.rows;
-            let y = outs[i];
-            if w.format.rows_per_group() == 8 {
-                // Eight rows at once; the group's bytes stay in L1 across tokens.
-                let group = w.group8(u);
-                let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
-                let mut t = 0;
-                while t + 4 <= n_tokens {
-                    let v = isa.dot_q8_rows8_x4(w.format, group, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
-                    for (dt, vt) in v.iter().enumerate() {
-                        for (k, vk) in vt.iter().enumerate() {
-                            // SAFETY: the group's rows belong to this thread alone.
-                            unsafe { *y.ptr().add((t + dt) * rows + 8 * u + k) = *vk };
-                        }
-                    }
-                    t += 4;
-                }
-                for t in t..n_tokens {
-                    let v = isa.dot_q8_rows8(w.format, group, &xq[t * blocks..(t + 1) * blocks]);
-                    for (k, vk) in v.into_iter().enumerate() {
-                        // SAFETY: the group's rows belong to this thread alone.
-                        unsafe { *y.ptr().add(t * rows + 8 * u + k) = vk };
-                    }
-                }
-                continue;
-            }
-            let r = u;
-            let row = w.row(r);
-            let mut t = 0;
-            if w.format.int8_activations() {
-                let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
-                while t + 4 <= n_tokens {
-                    let v = isa.dot_q8_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
-                    for (k, vk) in v.into_iter().enumerate() {
-                        // SAFETY: global row g belongs to this thread alone.
-                        unsafe { *y.ptr().add((t + k) * rows + r) = vk };
-                    }
-                    t += 4;
-                }
-                for t in t..n_tokens {
-                    // SAFETY: as above.
-                    unsafe { *y.ptr().add(t * rows + r) = isa.dot_q8(w.format, row, x_of(t)) };
-                }
-            } else {
-                let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
-                while t + 4 <= n_tokens {
-                    let v = isa.dot_f32_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
-                    for (k, vk) in v.into_iter().enumerate() {
-                        // SAFETY: as above.
-                        unsafe { *y.ptr().add((t + k) * rows + r) = vk };
-                    }
-                    t += 4;
-                }
-                for t in t..n_tokens {
-                    // SAFETY: as above.
-                    unsafe { *y.ptr().add(t * rows + r) = isa.dot_f32(w.format, row, x_of(t)) };
-                }
-            }
+            run_unit(isa, &ws[i], g - unit_starts[i], x, xq, n_tokens, outs[i]);
         }
     });
+}
+
+/// `x` (`n_rows × cols`) as q8 blocks in `scratch` when `q8` (else empty): one region
+/// over the rows, or inline for a single row (cheaper than a region).
+fn quantize_rows<'s>(pool: &ThreadPool, isa: Isa, x: &[f32], n_rows: usize, cols: usize, q8: bool, scratch: &'s mut MatmulScratch) -> &'s [BlockQ8] {
+    if !q8 {
+        return &[];
+    }
+    let blocks = cols / QK;
+    let need = n_rows * blocks;
+    assert!(need <= scratch.q8.len(), "matmul scratch sized for {} q8 blocks; this call needs {need} ({n_rows} rows × {cols})", scratch.q8.len());
+    let xq = &mut scratch.q8[..need];
+    if n_rows == 1 {
+        isa.quantize_q8(x, xq);
+    } else {
+        let xq_ptr = SharedMut(xq.as_mut_ptr());
+        pool.parallel_for(n_rows, 1, &|_, rows| {
+            for t in rows {
+                // SAFETY: each row's blocks are written by exactly one thread.
+                let out = unsafe { std::slice::from_raw_parts_mut(xq_ptr.ptr().add(t * blocks), blocks) };
+                isa.quantize_q8(&x[t * cols..(t + 1) * cols], out);
+            }
+        });
+    }
+    &scratch.q8[..need]
+}
+
+/// Matrices per [`matmul_jobs`] call (a job per active expert and projection: 256
+/// experts × gate and up, with room to spare).
+pub const JOBS_MAX: usize = 1024;
+
+/// One matrix applied to a run of input rows, for [`matmul_jobs`].
+#[derive(Clone, Debug)]
+pub struct RowsJob<'a> {
+    pub w: WeightRows<'a>,
+    /// Input rows (of `x`) this matrix applies to; output rows are the same indices.
+    pub rows: std::ops::Range<usize>,
+    /// Which of the outputs receives the result.
+    pub out: usize,
+}
+
+/// Many matrices, each on its own run of input rows, in one parallel region:
+/// `ys[job.out][row·w.rows + r] = W[r]·x[row]` for every `row in job.rows`. This is a
+/// sparse MoE layer's experts (each on the tokens routed to it) in one region instead
+/// of one per expert: at batch-1 decode with top-8 that is 2 regions per layer, not
+/// 16. `x` is `n_rows × cols`, quantized once; `job(i)` describes job `i < jobs`.
+pub fn matmul_jobs<'w>(
+    pool: &ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    cols: usize,
+    jobs: usize,
+    job: &(dyn Fn(usize) -> RowsJob<'w> + Sync),
+    ys: &mut [&mut [f32]],
+    scratch: &mut MatmulScratch,
+) {
+    assert!(jobs <= JOBS_MAX, "matmul_jobs: {jobs} matrices in one call (limit {JOBS_MAX})");
+    assert!(cols > 0 && x.len() % cols == 0, "matmul_jobs: x is not rows × {cols}");
+    let n_rows = x.len() / cols;
+    let mut outs = [SharedMut(std::ptr::null_mut::<f32>()); GROUP_MAX];
+    assert!(ys.len() <= GROUP_MAX, "matmul_jobs: at most {GROUP_MAX} outputs");
+    for (o, y) in outs.iter_mut().zip(ys.iter_mut()) {
+        *o = SharedMut(y.as_mut_ptr());
+    }
+    let mut q8 = false;
+    let mut total = 0;
+    let mut all_grouped = true;
+    scratch.unit_starts.clear();
+    for i in 0..jobs {
+        let j = job(i);
+        let rpg = j.w.format.rows_per_group();
+        assert!(j.w.cols == cols && j.w.rows % rpg == 0, "matmul_jobs: job {i} is {}×{} in groups of {rpg}, input width {cols}", j.w.rows, j.w.cols);
+        assert!(j.rows.end <= n_rows && j.out < ys.len() && ys[j.out].len() >= j.rows.end * j.w.rows, "matmul_jobs: job {i} rows {:?} or output {} out of bounds", j.rows, j.out);
+        q8 |= j.w.format.int8_activations();
+        all_grouped &= rpg == 8;
+        scratch.unit_starts.push(total);
+        total += j.w.rows / rpg;
+    }
+    scratch.unit_starts.push(total);
+    let starts = std::mem::take(&mut scratch.unit_starts);
+    let xq = quantize_rows(pool, isa, x, n_rows, cols, q8, scratch);
+    let grain = pool.grain(total, 8, if all_grouped { 2 } else { 8 });
+    let blocks = cols / QK;
+    pool.parallel_for(total, grain, &|_, chunk| {
+        let mut i = starts.partition_point(|&s| s <= chunk.start) - 1;
+        let mut j = job(i);
+        for g in chunk {
+            while g >= starts[i + 1] {
+                i += 1;
+                j = job(i);
+            }
+            let r = j.rows.clone();
+            let xq_j = if xq.is_empty() { xq } else { &xq[r.start * blocks..r.end * blocks] };
+            // SAFETY: the output pointer is offset inside ys[j.out] (bounds asserted above).
+            let y = SharedMut(unsafe { outs[j.out].ptr().add(r.start * j.w.rows) });
+            run_unit(isa, &j.w, g - starts[i], &x[r.start * cols..r.end * cols], xq_j, r.len(), y);
+        }
+    });
+    scratch.unit_starts = starts;
+}
+
+/// One work unit of `w` (a row, or a group of 8 interleaved rows) for `n_tokens`
+/// tokens: `y[t·rows + r]` from `x` (f32) or `xq` (its q8 blocks).
+#[inline]
+fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n_tokens: usize, y: SharedMut<f32>) {
+    let (rows, cols) = (w.rows, w.cols);
+    let blocks = cols / QK;
+    if w.format.rows_per_group() == 8 {
+        // Eight rows at once; the group's bytes stay in L1 across tokens.
+        let group = w.group8(u);
+        let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
+        let mut t = 0;
+        while t + 4 <= n_tokens {
+            let v = isa.dot_q8_rows8_x4(w.format, group, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
+            for (dt, vt) in v.iter().enumerate() {
+                for (k, vk) in vt.iter().enumerate() {
+                    // SAFETY: the group's rows belong to this thread alone.
+                    unsafe { *y.ptr().add((t + dt) * rows + 8 * u + k) = *vk };
+                }
+            }
+            t += 4;
+        }
+        for t in t..n_tokens {
+            let v = isa.dot_q8_rows8(w.format, group, x_of(t));
+            for (k, vk) in v.into_iter().enumerate() {
+                // SAFETY: the group's rows belong to this thread alone.
+                unsafe { *y.ptr().add(t * rows + 8 * u + k) = vk };
+            }
+        }
+        return;
+    }
+    let r = u;
+    let row = w.row(r);
+    let mut t = 0;
+    if w.format.int8_activations() {
+        let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
+        while t + 4 <= n_tokens {
+            let v = isa.dot_q8_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
+            for (k, vk) in v.into_iter().enumerate() {
+                // SAFETY: row r belongs to this thread alone.
+                unsafe { *y.ptr().add((t + k) * rows + r) = vk };
+            }
+            t += 4;
+        }
+        for t in t..n_tokens {
+            // SAFETY: as above.
+            unsafe { *y.ptr().add(t * rows + r) = isa.dot_q8(w.format, row, x_of(t)) };
+        }
+    } else {
+        let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
+        while t + 4 <= n_tokens {
+            let v = isa.dot_f32_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
+            for (k, vk) in v.into_iter().enumerate() {
+                // SAFETY: as above.
+                unsafe { *y.ptr().add((t + k) * rows + r) = vk };
+            }
+            t += 4;
+        }
+        for t in t..n_tokens {
+            // SAFETY: as above.
+            unsafe { *y.ptr().add(t * rows + r) = isa.dot_f32(w.format, row, x_of(t)) };
+        }
+    }
 }

@@ -22,6 +22,43 @@ use std::thread::JoinHandle;
 
 /// Spin iterations before a waiting worker parks (~50–100 µs on current CPUs).
 const SPIN_ITERS_MAX: u32 = 20_000;
+/// Threads whose shares [`ThreadPool::parallel_for`] tracks on the stack; beyond
+/// this, chunks come from one shared counter.
+const SHARES_MAX: usize = 64;
+
+/// One thread's share of a region's chunks, `[front, back)` packed in one word: the
+/// owner takes from the front, others from the back.
+struct Share(AtomicU64);
+
+impl Share {
+    fn new(r: std::ops::Range<usize>) -> Share {
+        Share(AtomicU64::new(((r.start as u64) << 32) | r.end as u64))
+    }
+
+    fn take(&self, front: bool) -> Option<usize> {
+        let mut v = self.0.load(Ordering::Relaxed);
+        loop {
+            let (f, b) = (v >> 32, v & 0xFFFF_FFFF);
+            if f >= b {
+                return None;
+            }
+            let (next, got) = if front { (((f + 1) << 32) | b, f) } else { ((f << 32) | (b - 1), b - 1) };
+            match self.0.compare_exchange_weak(v, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Some(got as usize),
+                Err(now) => v = now,
+            }
+        }
+    }
+
+    fn take_front(&self) -> Option<usize> {
+        self.take(true)
+    }
+
+    fn take_back(&self) -> Option<usize> {
+        self.take(false)
+    }
+}
+
 /// Upper bound on threads: a sanity limit, far above any machine we target.
 pub const THREADS_MAX: usize = 256;
 
@@ -138,6 +175,11 @@ impl ThreadPool {
     /// covering `0..n`, each exactly once, on whichever threads are running.
     /// `thread_index < n_threads()` is unique among concurrent calls (for per-thread
     /// scratch).
+    ///
+    /// Each thread first takes the chunks of its own contiguous share, in order, so
+    /// it streams one run of weights (the prefetchers keep up with one stream; every
+    /// jump costs a DRAM latency before they do); a thread out of work takes chunks
+    /// from the back of another's share, so a slow or absent thread is covered.
     pub fn parallel_for(&self, n: usize, grain: usize, f: &(dyn Fn(usize, std::ops::Range<usize>) + Sync)) {
         let grain = grain.max(1);
         if n <= grain || self.n_threads == 1 {
@@ -146,13 +188,31 @@ impl ThreadPool {
             }
             return;
         }
-        let next = AtomicUsize::new(0);
-        self.run(&|tid, _| loop {
-            let start = next.fetch_add(grain, Ordering::Relaxed);
-            if start >= n {
-                break;
+        let chunks = n.div_ceil(grain);
+        let threads = self.n_threads;
+        if threads > SHARES_MAX || chunks > u32::MAX as usize {
+            let next = AtomicUsize::new(0);
+            self.run(&|tid, _| loop {
+                let start = next.fetch_add(grain, Ordering::Relaxed);
+                if start >= n {
+                    break;
+                }
+                f(tid, start..(start + grain).min(n));
+            });
+            return;
+        }
+        let shares: [Share; SHARES_MAX] = std::array::from_fn(|t| if t < threads { Share::new(split_range(chunks, t, threads)) } else { Share::new(0..0) });
+        let shares = &shares[..threads];
+        let run_chunk = |tid: usize, c: usize| f(tid, c * grain..((c + 1) * grain).min(n));
+        self.run(&|tid, _| {
+            while let Some(c) = shares[tid].take_front() {
+                run_chunk(tid, c);
             }
-            f(tid, start..(start + grain).min(n));
+            for victim in (1..threads).map(|k| (tid + k) % threads) {
+                while let Some(c) = shares[victim].take_back() {
+                    run_chunk(tid, c);
+                }
+            }
         });
     }
 

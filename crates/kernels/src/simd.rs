@@ -9,6 +9,9 @@ use crate::format::WeightFormat;
 use crate::q8::BlockQ8;
 use crate::scalar;
 
+/// Query heads [`Isa::attend_group`] takes in one pass over the keys and values.
+pub const ATTEND_GROUP_MAX: usize = 4;
+
 /// Instruction-set flavour for the kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
@@ -148,6 +151,35 @@ impl Isa {
             // SAFETY: see dot_f32; bounds asserted above.
             Isa::Neon => unsafe { arm::attend(q, k, v, stride, len, scale, scores, out) },
             _ => scalar::attend(q, k, v, stride, len, scale, scores, out),
+        }
+    }
+
+    /// The query heads `q` (`g` heads of `head_dim`, one after another) that share one
+    /// kv head, attending over the same `len` cached positions: each key and value row
+    /// is read once for all `g` heads. `scores` holds `g × len`; `out` is `g × head_dim`.
+    /// Equal to [`Isa::attend`] per head (up to float summation order).
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn attend_group(self, q: &[f32], head_dim: usize, k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let d = head_dim;
+        assert!(d > 0 && q.len() % d == 0 && out.len() == q.len(), "attend_group: {} query floats for head_dim {d}", q.len());
+        let g = q.len() / d;
+        assert!(len == 0 || (k.len() >= (len - 1) * stride + d && v.len() >= (len - 1) * stride + d));
+        assert!(scores.len() >= g.min(ATTEND_GROUP_MAX) * len);
+        // At most `ATTEND_GROUP_MAX` heads per pass: their accumulators fill the registers.
+        for h0 in (0..g).step_by(ATTEND_GROUP_MAX) {
+            let h1 = (h0 + ATTEND_GROUP_MAX).min(g);
+            let (qh, oh) = (&q[h0 * d..h1 * d], &mut out[h0 * d..h1 * d]);
+            match self {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: see dot_f32; bounds asserted above.
+                Isa::Avx2 if d % 8 == 0 => unsafe { x86::attend_group(qh, d, k, v, stride, len, scale, scores, oh) },
+                _ => {
+                    for (qv, o) in qh.chunks_exact(d).zip(oh.chunks_exact_mut(d)) {
+                        self.attend(qv, k, v, stride, len, scale, scores, o);
+                    }
+                }
+            }
         }
     }
 
@@ -468,7 +500,7 @@ mod x86 {
     }
 
     /// How far ahead the interleaved kernels prefetch (bytes).
-    const PREFETCH_BYTES: usize = 1024;
+    const PREFETCH_BYTES: usize = 2048;
 
     /// 8 interleaved rows against one token: per block, 8 unsigned×signed byte
     /// products per 32-byte load cover 4 elements of all 8 rows; the 16-bit pair sums of
@@ -533,6 +565,9 @@ mod x86 {
         }
     }
 
+    /// Per 32-byte chunk of the block (4 columns of 8 rows, low and high nibbles), the
+    /// four tokens' byte dots accumulate in 16-bit lanes (8 dots per lane at most:
+    /// 8·2·15·127 < 2^15): 14 live registers, none spilled.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q8_rows8_x4_t<const MIN: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
@@ -542,26 +577,30 @@ mod x86 {
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); 4];
+        let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+        // Token t's quants of block b, addressed as i32 words (a BlockQ8 is d, sum, qs).
+        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
         for b in 0..blocks {
             let p = group.as_ptr().add(b * bb);
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
             let qp = p.add(if MIN { 32 } else { 16 });
-            let mut w = [_mm256_setzero_si256(); 8];
+            let mut sum16 = [_mm256_setzero_si256(); 4];
             for j in 0..4 {
                 let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                w[j] = _mm256_and_si256(c, low);
-                w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                let lo = _mm256_and_si256(c, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                for t in 0..4 {
+                    let y = ys[t].add(b * STRIDE + QS);
+                    let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                    let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
+                    sum16[t] = _mm256_add_epi16(sum16[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, y_lo), _mm256_maddubs_epi16(hi, y_hi)));
+                }
             }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
             for t in 0..4 {
                 let xb = &xs[t][b];
-                let y = xb.qs.as_ptr() as *const i32;
-                let mut sum16 = _mm256_setzero_si256();
-                for (j, wj) in w.iter().enumerate() {
-                    let yj = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
-                    sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(*wj, yj));
-                }
-                let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));
+                let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[t], ones));
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc[t]);
                 acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
             }
@@ -729,6 +768,144 @@ mod x86 {
         }
         for o in out.iter_mut() {
             *o *= inv;
+        }
+    }
+
+    /// Sums of four vectors' lanes: `[Σa, Σb, Σc, Σd]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+        let t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+        _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1))
+    }
+
+    /// Prefetch the cache lines of `floats` f32 from `p` (a hint: any address is safe).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch_row(p: *const f32, floats: usize) {
+        for line in (0..floats).step_by(16) {
+            _mm_prefetch(p.wrapping_add(line) as *const i8, _MM_HINT_T0);
+        }
+    }
+
+    /// `G` query heads (1..=4) sharing one kv head; `head_dim % 8 == 0`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attend_group(q: &[f32], d: usize, k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        // Tiles of about 8 independent accumulators: enough FMA chains to hide latency,
+        // few enough to stay in the 16 registers.
+        match q.len() / d {
+            1 => attend_group_t::<1, 8, 8>(q, d, k, v, stride, len, scale, scores, out),
+            2 => attend_group_t::<2, 4, 4>(q, d, k, v, stride, len, scale, scores, out),
+            3 => attend_group_t::<3, 2, 2>(q, d, k, v, stride, len, scale, scores, out),
+            4 => attend_group_t::<4, 2, 2>(q, d, k, v, stride, len, scale, scores, out),
+            g => unreachable!("attend_group: {g} heads per pass"),
+        }
+    }
+
+    /// `G` heads; scores in tiles of `KJ` keys; values in tiles of `W` vectors of 8.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn attend_group_t<const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let (qp, kp, vp, sp) = (q.as_ptr(), k.as_ptr(), v.as_ptr(), scores.as_mut_ptr());
+        // Scores: s[h][j] = scale · q_h · k_j.
+        let mut j = 0;
+        while j < len {
+            let kj = KJ.min(len - j);
+            // Cached rows are strided (all kv heads of a position sit together), which
+            // the hardware prefetcher follows poorly: ask for rows two tiles ahead.
+            for r in 0..KJ {
+                prefetch_row(kp.wrapping_add((j + 2 * KJ + r) * stride), d);
+            }
+            let mut acc = [[_mm256_setzero_ps(); G]; KJ];
+            let mut i = 0;
+            while i < d {
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    // Past the last key, reread it: the lanes are dropped below.
+                    let kv = _mm256_loadu_ps(kp.add((j + r.min(kj - 1)) * stride + i));
+                    for (h, a) in acc_r.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * d + i)), kv, *a);
+                    }
+                }
+                i += 8;
+            }
+            let lanes = G * KJ;
+            let flat = |l: usize| if l < lanes { acc[l / G][l % G] } else { _mm256_setzero_ps() };
+            let mut sums = [0.0f32; 8];
+            _mm_storeu_ps(sums.as_mut_ptr(), hsum4(flat(0), flat(1), flat(2), flat(3)));
+            if lanes > 4 {
+                _mm_storeu_ps(sums.as_mut_ptr().add(4), hsum4(flat(4), flat(5), flat(6), flat(7)));
+            }
+            for r in 0..kj {
+                for h in 0..G {
+                    *sp.add(h * len + j + r) = sums[r * G + h] * scale;
+                }
+            }
+            j += kj;
+        }
+        // Softmax per head, unnormalised: exp(s − max); 1/Σ applies to the output.
+        let mut inv = [0.0f32; G];
+        for (h, inv_h) in inv.iter_mut().enumerate() {
+            let s = std::slice::from_raw_parts_mut(sp.add(h * len), len);
+            let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
+            let mut j = 0;
+            while j + 8 <= len {
+                vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s.as_ptr().add(j)));
+                j += 8;
+            }
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
+            let max = s[j..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let vmax = _mm256_set1_ps(max);
+            let mut vsum = _mm256_setzero_ps();
+            let mut j = 0;
+            while j + 8 <= len {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(j)), vmax));
+                _mm256_storeu_ps(s.as_mut_ptr().add(j), e);
+                vsum = _mm256_add_ps(vsum, e);
+                j += 8;
+            }
+            let mut sum = hsum(vsum);
+            for x in &mut s[j..] {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            *inv_h = 1.0 / sum;
+        }
+        // Values: out[h] = Σ_j p[h][j]·v_j, in column tiles of W vectors (then 1).
+        let mut c = 0;
+        while c + 8 * W <= d {
+            values_tile::<G, W>(vp, sp, stride, len, c, &inv, out.as_mut_ptr(), d);
+            c += 8 * W;
+        }
+        while c < d {
+            values_tile::<G, 1>(vp, sp, stride, len, c, &inv, out.as_mut_ptr(), d);
+            c += 8;
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values_tile<const G: usize, const W: usize>(vp: *const f32, sp: *const f32, stride: usize, len: usize, c: usize, inv: &[f32; G], op: *mut f32, d: usize) {
+        let mut acc = [[_mm256_setzero_ps(); W]; G];
+        for j in 0..len {
+            prefetch_row(vp.wrapping_add((j + 8) * stride + c), 8 * W);
+            let row = vp.add(j * stride + c);
+            let vv: [__m256; W] = std::array::from_fn(|w| _mm256_loadu_ps(row.add(8 * w)));
+            for (h, acc_h) in acc.iter_mut().enumerate() {
+                let p = _mm256_broadcast_ss(&*sp.add(h * len + j));
+                for (a, x) in acc_h.iter_mut().zip(&vv) {
+                    *a = _mm256_fmadd_ps(p, *x, *a);
+                }
+            }
+        }
+        for (h, acc_h) in acc.iter().enumerate() {
+            let s = _mm256_set1_ps(inv[h]);
+            for (w, a) in acc_h.iter().enumerate() {
+                _mm256_storeu_ps(op.add(h * d + c + 8 * w), _mm256_mul_ps(*a, s));
+            }
         }
     }
 

@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 use tessera_kernels::q8::{quantize_row_scalar, BlockQ8};
-use tessera_kernels::{matmul, scalar, Isa, MatmulScratch, ThreadPool, WeightFormat, WeightRows};
+use tessera_kernels::{matmul, matmul_jobs, scalar, Isa, MatmulScratch, RowsJob, ThreadPool, WeightFormat, WeightRows};
 
 /// SplitMix64: deterministic test data without a dependency.
 struct Rng(u64);
@@ -289,6 +289,50 @@ fn matmul_matches_naive_loops_for_every_format_and_thread_count() {
     }
 }
 
+/// Many matrices on their own runs of input rows in one region (a MoE layer's experts)
+/// give exactly what one `matmul` per matrix gives on those rows (the same kernels and
+/// per-row quantization), for plain and interleaved formats, runs of 0–6 rows, two
+/// outputs and 1–3 threads.
+#[test]
+fn matmul_jobs_equals_one_matmul_per_job() {
+    let isa = Isa::detect();
+    let mut rng = Rng(9);
+    let (cols, rows) = (96, 24);
+    let runs = [0..2, 2..3, 3..3, 3..9, 9..10];
+    for format in [WeightFormat::Q4_0, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::F16] {
+        let cols = if matches!(format, WeightFormat::Q4K) { 256 } else { cols };
+        let packed = format.interleaved();
+        // Two matrices per run (gate and up), each stored in the loaded layout.
+        let mats: Vec<(WeightFormat, Vec<u8>)> = (0..2 * runs.len())
+            .map(|_| {
+                let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+                match packed {
+                    Some(p) => (p, tessera_kernels::repack_rows8(format, rows, cols, &data)),
+                    None => (format, data),
+                }
+            })
+            .collect();
+        let x = random_vec(&mut rng, 10 * cols);
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            let mut scratch = MatmulScratch::new(10, cols);
+            let (mut y0, mut y1) = (vec![f32::NAN; 10 * rows], vec![f32::NAN; 10 * rows]);
+            let job = |i: usize| {
+                let (f, data) = &mats[i];
+                RowsJob { w: WeightRows::new(*f, rows, cols, data).unwrap(), rows: runs[i / 2].clone(), out: i % 2 }
+            };
+            matmul_jobs(&pool, isa, &x, cols, mats.len(), &job, &mut [&mut y0, &mut y1], &mut scratch);
+            for (i, (f, data)) in mats.iter().enumerate() {
+                let r = runs[i / 2].clone();
+                let mut want = vec![0.0; r.len() * rows];
+                matmul(&pool, isa, WeightRows::new(*f, rows, cols, data).unwrap(), &x[r.start * cols..r.end * cols], r.len(), &mut want, &mut scratch);
+                let got = if i % 2 == 0 { &y0 } else { &y1 };
+                assert_eq!(&got[r.start * rows..r.end * rows], &want[..], "{f} job {i} rows {r:?}, {threads} threads");
+            }
+        }
+    }
+}
+
 /// Q4_0 / Q4_1 / Q8_0 repacked into groups of 8 interleaved rows: the same weights (every
 /// row dequantizes identically), the same dot products as the source rows (scalar and
 /// SIMD), and matmul over the repacked matrix (5 tokens: the four-token kernel and the
@@ -355,6 +399,31 @@ fn attend_simd_matches_scalar() {
         isa.attend(&q, &k, &v, stride, len, scale, &mut s1, &mut o1);
         for (a, b) in o0.iter().zip(&o1) {
             assert!((a - b).abs() <= 2e-6 * (1.0 + a.abs()), "d={d} len={len}: {a} vs {b}");
+        }
+    }
+}
+
+/// Several query heads sharing one kv head (GQA) in one pass against the scalar
+/// per-head reference: group sizes 1–9 (past the per-pass maximum), head sizes that
+/// are and are not multiples of 8, lengths around the key tiles.
+#[test]
+fn attend_group_matches_per_head_scalar() {
+    let isa = Isa::detect();
+    let mut rng = Rng(11);
+    for (g, d, len, stride) in [(1, 64, 1, 64), (1, 64, 13, 192), (2, 64, 7, 128), (3, 64, 37, 192), (4, 128, 300, 256), (5, 64, 9, 64), (9, 96, 17, 96), (3, 13, 5, 20), (3, 64, 1000, 64), (4, 8, 3, 8)] {
+        let q: Vec<f32> = (0..g * d).map(|_| rng.f32() * 4.0).collect();
+        let k: Vec<f32> = (0..len * stride).map(|_| rng.f32() * 4.0).collect();
+        let v: Vec<f32> = (0..len * stride).map(|_| rng.f32()).collect();
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut scores = vec![f32::NAN; g * len];
+        let mut out = vec![f32::NAN; g * d];
+        isa.attend_group(&q, d, &k, &v, stride, len, scale, &mut scores, &mut out);
+        for h in 0..g {
+            let (mut s0, mut o0) = (vec![0.0; len], vec![0.0; d]);
+            scalar::attend(&q[h * d..(h + 1) * d], &k, &v, stride, len, scale, &mut s0, &mut o0);
+            for (a, b) in o0.iter().zip(&out[h * d..(h + 1) * d]) {
+                assert!((a - b).abs() <= 2e-6 * (1.0 + a.abs()), "g={g} d={d} len={len} head {h}: {a} vs {b}");
+            }
         }
     }
 }

@@ -428,3 +428,34 @@ fn moe_checkpoints_that_disagree_with_their_config_are_clear_errors() {
         &["model.layers.1.mlp.experts.0.gate_proj.weight", "missing", "makes this layer MoE", "switch_mlp"],
     );
 }
+
+/// A MoE layer runs its experts fused (every expert in two regions) up to
+/// `EXPERT_SLOTS_FUSED_MAX` slots, expert by expert above that. A 160-token prompt
+/// (320 slots at top-2) in one step takes the per-expert path; the same tokens decoded
+/// one by one take the fused path: every position's logits agree.
+#[test]
+fn moe_fused_and_per_expert_paths_agree() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+    let model = load_model(&dir).unwrap();
+    let top_k = model.cfg.moe.as_ref().unwrap().top_k;
+    let n = 160;
+    assert!(n * top_k > tessera_model::EXPERT_SLOTS_FUSED_MAX && top_k <= tessera_model::EXPERT_SLOTS_FUSED_MAX);
+    let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % 256).collect();
+    let limits = StepLimits { tokens_per_step_max: n, context_max: n, sequences_per_step_max: 1 };
+    let pool = ThreadPool::new(2);
+    let vocab = model.cfg.vocab;
+    let mut ws = model.new_workspace(limits, pool.n_threads());
+    let mut cache = model.new_cache(limits);
+    let mut whole = vec![0.0; n * vocab];
+    model.forward(&pool, &mut ws, &mut cache, &tokens, LogitsFor::All, &mut whole).unwrap();
+    let mut cache = model.new_cache(limits);
+    let mut one = vec![0.0; vocab];
+    for (i, t) in tokens.iter().enumerate() {
+        model.forward(&pool, &mut ws, &mut cache, &[*t], LogitsFor::All, &mut one).unwrap();
+        let want = &whole[i * vocab..(i + 1) * vocab];
+        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let d = want.iter().zip(&one).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        // Four-token and one-token kernels sum in different orders: ~1e-6 relative.
+        assert!(d <= 1e-4 * scale, "position {i}: fused and per-expert logits differ by {d} (max |logit| {scale})");
+    }
+}
