@@ -4,7 +4,7 @@
 /// `out = x · rsqrt(mean(x²) + eps) · w` (no `1 + w`; eps inside the root).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     debug_assert_eq!(x.len(), w.len());
-    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let ss = dot(x, x) / x.len() as f32;
     let scale = 1.0 / (ss + eps).sqrt();
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         *o = v * scale * g;
@@ -15,7 +15,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rms_norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
     let d = w.len();
     for head in x.chunks_exact_mut(d) {
-        let ss: f32 = head.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let ss = dot(head, head) / d as f32;
         let scale = 1.0 / (ss + eps).sqrt();
         for (v, &g) in head.iter_mut().zip(w) {
             *v = *v * scale * g;
@@ -92,7 +92,7 @@ pub fn axpy(acc: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// `Σ a[i]·b[i]` with four independent sums (vectorises; order differs from a naive loop).
+/// `Σ a[i]·b[i]` in eight lane sums (vectorises; order differs from a naive loop).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
