@@ -37,6 +37,9 @@ pub struct BenchArgs {
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    /// Element type of cached keys and values (f16 or f32).
+    #[arg(long, default_value = "f16")]
+    kv_cache: tessera_model::KvDtype,
     /// Prompt tokens before the decode measurements.
     #[arg(long, default_value_t = 16)]
     decode_prompt: usize,
@@ -80,6 +83,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         decode_prompt: a.decode_prompt,
         context_max: a.ctx,
         seed: a.seed,
+        kv_cache: a.kv_cache,
     };
     // The same loading and engine as `generate`: alone, or this rank's shard.
     let rt = crate::RuntimeArgs {
@@ -89,6 +93,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         // KV caches exactly as long as this run needs, unless asked otherwise.
         ctx: Some(a.ctx.unwrap_or(cfg.context_needed())),
         prefill_chunk: a.prefill_chunk,
+        kv_cache: a.kv_cache,
     };
     let sequences = a.batch.iter().copied().max().unwrap_or(1).max(1);
     let crate::Loaded { model, cluster } = crate::load_for(&a.model, &rt)?;
@@ -141,13 +146,14 @@ fn print_table(model: &str, r: &BenchReport) {
     println!("tessera bench  {model}");
     let ranks = if r.ranks > 1 { format!("{} ranks × ", r.ranks) } else { String::new() };
     println!(
-        "{} | {ranks}{} threads | {} | {} | {} read per decoded token{} | {} round(s), median [min–max]",
+        "{} | {ranks}{} threads | {} | {} | {} read per decoded token{} | KV cache {} | {} round(s), median [min–max]",
         r.arch,
         r.threads,
         r.isa,
         mix.join(" + "),
         mib(r.bytes_per_token),
         if r.ranks > 1 { " by rank 0" } else { "" },
+        r.config.kv_cache.name(),
         r.config.repeat
     );
     println!();
@@ -217,6 +223,7 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
         "vocab": r.vocab,
         "formats": r.formats.iter().map(|f| json!({ "format": f.format, "tensors": f.tensors, "bytes": f.bytes })).collect::<Vec<_>>(),
         "bytes_per_token": r.bytes_per_token,
+        "kv_cache": r.config.kv_cache.name(),
         "machine": {
             "threads": r.threads,
             "ranks": r.ranks,

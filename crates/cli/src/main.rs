@@ -15,7 +15,7 @@ use std::time::Instant;
 use std::sync::Arc;
 use tessera_comm::Communicator;
 use tessera_engine::{EngineConfig, Generator, Placement, Rank, SamplingParams, StopReason};
-use tessera_model::{ChatTemplate, Checkpoint, DenseTransformer, Message, ModelConfig, Tokenizer};
+use tessera_model::{ChatTemplate, Checkpoint, DenseTransformer, KvDtype, Message, ModelConfig, Tokenizer};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Run large language models on one machine or many.")]
@@ -120,6 +120,10 @@ pub(crate) struct RuntimeArgs {
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 2048)]
     pub(crate) prefill_chunk: usize,
+    /// Element type of cached keys and values: f16 (half the memory and attention
+    /// reads) or f32 (exact float32 attention). MLA's latent cache is always f32.
+    #[arg(long, default_value = "f16")]
+    pub(crate) kv_cache: KvDtype,
 }
 
 #[derive(Args)]
@@ -248,6 +252,7 @@ fn engine_config(model: &DenseTransformer, rt: &RuntimeArgs) -> EngineConfig {
         cfg.context_max = c;
     }
     cfg.prefill_chunk = rt.prefill_chunk;
+    cfg.kv_cache = rt.kv_cache;
     cfg
 }
 
@@ -600,8 +605,11 @@ fn inspect(path: &Path, placement: &PlacementArgs) -> Result<()> {
         println!("  {f:<6} {n:>5} tensors {:>12} params {:>11}", elems, human_bytes(*bytes));
     }
     println!("bytes read per decoded token   {} ({})", per_tok, human_bytes(per_tok));
-    let kv = model.kv_floats_per_token() * 4;
-    let what = if c.mla.is_some() { "f32 latent + rope key" } else { "f32 keys and values" };
+    let (kv, what) = if c.mla.is_some() {
+        (model.kv_floats_per_token() * 4, "f32 latent + rope key")
+    } else {
+        (model.kv_floats_per_token() * KvDtype::F16.bytes(), "f16 keys and values; twice that with --kv-cache f32")
+    };
     println!("KV cache per token of context  {} ({what})", human_bytes(kv));
     match Tokenizer::from_checkpoint(ckpt) {
         Ok(t) => println!(
@@ -643,7 +651,7 @@ fn inspect_placement(path: &Path, p: &PlacementArgs) -> Result<()> {
             spec.layers,
             human_bytes(shard.bytes_loaded()),
             human_bytes(shard.bytes_per_token()),
-            human_bytes(shard.kv_floats_per_token() * 4)
+            human_bytes(shard.kv_floats_per_token() * if shard.cfg.mla.is_some() { 4 } else { KvDtype::F16.bytes() })
         );
     }
     Ok(())

@@ -11,6 +11,11 @@ use std::process::{Command, Output};
 /// still far below any real error (a wrong split shows up at ≥ 1e-2).
 const LOGIT_TOL: f32 = 1e-4;
 
+/// The tests compare float32 runs (mlx-lm's references are float32): an f16 KV cache
+/// would round keys and values that differ in their last float32 bit between placements
+/// (partial sums reduced in another order) to different f16 values.
+const KV_F32: [&str; 2] = ["--kv-cache", "f32"];
+
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -58,6 +63,9 @@ fn greedy(name: &Path, n: usize, placement: &[&str], prompt: &[u32], max_tokens:
     args.push(name.to_string_lossy().into());
     args.extend(["--prompt-ids".into(), csv(prompt), "--max-tokens".into(), max_tokens.to_string(), "--threads".into(), "1".into()]);
     args.extend(placement.iter().chain(extra).map(|s| s.to_string()));
+    if !extra.contains(&"--kv-cache") {
+        args.extend(KV_F32.iter().map(|s| s.to_string()));
+    }
     let stdout = ok(&tessera(n, &args), &format!("{} {placement:?}", name.display()));
     let line = stdout.lines().find_map(|l| l.split("ids: ").nth(1)).unwrap_or_else(|| panic!("no ids line in:\n{stdout}"));
     line.trim().split(',').map(|x| x.parse().unwrap()).collect()
@@ -70,8 +78,13 @@ fn read_npy(path: &Path) -> Vec<f32> {
 }
 
 fn logits(model: &Path, n: usize, placement: &[&str], tokens: &[u32], out: &Path) -> Vec<f32> {
+    logits_kv(model, n, placement, tokens, out, "f32")
+}
+
+fn logits_kv(model: &Path, n: usize, placement: &[&str], tokens: &[u32], out: &Path, kv: &str) -> Vec<f32> {
     let mut args: Vec<String> = vec!["logits".into(), "--model".into(), model.to_string_lossy().into()];
     args.extend(["--tokens".into(), csv(tokens), "--out".into(), out.to_string_lossy().into(), "--threads".into(), "1".into()]);
+    args.extend(["--kv-cache".into(), kv.into()]);
     args.extend(placement.iter().map(|s| s.to_string()));
     ok(&tessera(n, &args), &format!("logits {} {placement:?}", model.display()));
     read_npy(out)
@@ -438,4 +451,31 @@ fn hostfile_launch_over_ssh() {
     let line = stdout.lines().find_map(|l| l.split("ids: ").nth(1)).unwrap_or_else(|| panic!("no ids in:\n{stdout}"));
     let got: Vec<u32> = line.trim().split(',').map(|x| x.parse().unwrap()).collect();
     assert_eq!(got, ids_of("greedy_ids", name));
+}
+
+/// The default f16 KV cache under TP2, PP2 and EP2: the same greedy ids as one node with
+/// the same cache, logits within f16 rounding of one node's (a key or value whose last
+/// float32 bit differs between placements may round to the neighbouring f16), and
+/// within f16 rounding of the float32-cache logits.
+#[test]
+fn f16_kv_cache_every_placement() {
+    let name = "qwen3_moe";
+    let model = fixture(name);
+    let prompt = ids_of("prompt_ids", name);
+    let dir = scratch("f16-kv");
+    let f16 = ["--kv-cache", "f16"];
+    let single = greedy(&model, 1, &[], &prompt, 16, &f16);
+    let single_logits = logits_kv(&model, 1, &[], &prompt, &dir.join("single.npy"), "f16");
+    let f32_logits = logits(&model, 1, &[], &prompt, &dir.join("single32.npy"));
+    let scale = f32_logits.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let d32 = diff(&single_logits, &f32_logits);
+    // f16 keeps 11 significant bits: ~5e-4 relative per value.
+    assert!(d32 > 0.0 && d32 <= 5e-3 * scale, "f16 vs f32 cache: max |Δlogit| {d32} (max |logit| {scale})");
+    for (i, placement) in [&["--tp", "2"][..], &["--pp", "2"], &["--ep", "2"]].into_iter().enumerate() {
+        assert_eq!(greedy(&model, 2, placement, &prompt, 16, &f16), single, "{placement:?} with an f16 cache");
+        let l = logits_kv(&model, 2, placement, &prompt, &dir.join(format!("p{i}.npy")), "f16");
+        let d = diff(&single_logits, &l);
+        assert!(d <= 5e-3 * scale, "{placement:?}: f16-cache logits differ from one node's by {d}");
+    }
 }

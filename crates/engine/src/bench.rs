@@ -24,7 +24,7 @@ use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 use tessera_kernels::ThreadPool;
-use tessera_model::{DenseTransformer, LogitsFor, SeqChunk, StepError, StepLimits};
+use tessera_model::{DenseTransformer, KvDtype, LogitsFor, SeqChunk, StepError, StepLimits};
 
 /// Bound on `--repeat`.
 pub const REPEAT_MAX: usize = 1000;
@@ -63,6 +63,8 @@ pub struct BenchConfig {
     pub context_max: Option<usize>,
     /// Seed of the random token ids.
     pub seed: u64,
+    /// Element type of cached keys and values.
+    pub kv_cache: KvDtype,
 }
 
 impl BenchConfig {
@@ -84,6 +86,7 @@ impl BenchConfig {
             decode_prompt: 16,
             context_max: None,
             seed: 0,
+            kv_cache: KvDtype::default(),
         }
     }
 }
@@ -268,7 +271,7 @@ fn touch_weights(model: &DenseTransformer) -> u8 {
 pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, BenchError> {
     let ctx = check(cfg, model)?;
     let b_max = cfg.batch.iter().copied().max().unwrap_or(1).max(1);
-    let engine = EngineConfig { threads: cfg.threads, prefill_chunk: cfg.prefill_chunk, context_max: ctx, sequences_max: b_max };
+    let engine = EngineConfig { threads: cfg.threads, prefill_chunk: cfg.prefill_chunk, context_max: ctx, sequences_max: b_max, kv_cache: cfg.kv_cache };
     let mut stepper = LocalStepper::new(model, &engine);
     run_on(&mut stepper, model, 1, cfg, progress)
 }
@@ -473,7 +476,7 @@ pub fn profile_decode(model: &DenseTransformer, cfg: &BenchConfig, steps: usize,
     let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk.max(batch), context_max, sequences_per_step_max: batch };
     let pool = ThreadPool::new(cfg.threads);
     let mut ws = model.new_workspace(limits, pool.n_threads());
-    let mut caches: Vec<_> = (0..batch).map(|_| model.new_cache(limits)).collect();
+    let mut caches: Vec<_> = (0..batch).map(|_| model.new_cache(limits, cfg.kv_cache)).collect();
     let mut logits = vec![0.0; batch * vocab];
     let mut rng = TokenRng(cfg.seed ^ 0x9e37);
     for cache in caches.iter_mut() {

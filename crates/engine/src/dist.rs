@@ -280,7 +280,7 @@ impl<'m> Rank<'m> {
         Ok(Rank {
             ws: model.new_workspace(limits, pool.n_threads()),
             // Untouched cache pages cost nothing until a sequence fills them.
-            caches: (0..cfg.sequences_max).map(|_| model.new_cache(limits)).collect(),
+            caches: (0..cfg.sequences_max).map(|_| model.new_cache(limits, cfg.kv_cache)).collect(),
             coll: CommCollectives { stage: stage_group, step: std::cell::Cell::new(0), tag: std::cell::RefCell::new(String::with_capacity(64)) },
             pairs,
             hidden_in: vec![0.0; t * h],

@@ -4,7 +4,7 @@
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::time::Instant;
 use tessera_kernels::ThreadPool;
-use tessera_model::{DenseTransformer, KvCache, LogitsFor, SeqChunk, StepError, StepLimits, Workspace};
+use tessera_model::{DenseTransformer, KvCache, KvDtype, LogitsFor, SeqChunk, StepError, StepLimits, Workspace};
 
 /// Most sequences one engine keeps in progress (each holds a KV cache of `context_max`).
 pub const SEQUENCES_MAX: usize = 256;
@@ -20,6 +20,8 @@ pub struct EngineConfig {
     pub context_max: usize,
     /// Sequences in progress at once (KV-cache slots; the decode batch).
     pub sequences_max: usize,
+    /// Element type of cached keys and values.
+    pub kv_cache: KvDtype,
 }
 
 impl EngineConfig {
@@ -46,6 +48,7 @@ impl EngineConfig {
             prefill_chunk: 2048,
             context_max: model.cfg.context_max.min(4096),
             sequences_max: 1,
+            kv_cache: KvDtype::default(),
         }
     }
 }
@@ -160,7 +163,7 @@ impl<'m> LocalStepper<'m> {
         let pool = ThreadPool::new(cfg.threads);
         LocalStepper {
             ws: model.new_workspace(limits, pool.n_threads()),
-            caches: (0..cfg.sequences_max).map(|_| model.new_cache(limits)).collect(),
+            caches: (0..cfg.sequences_max).map(|_| model.new_cache(limits, cfg.kv_cache)).collect(),
             // Untouched pages cost nothing: only the rows a step writes become resident.
             logits: vec![0.0; limits.tokens_per_step_max.max(limits.sequences_per_step_max) * model.cfg.vocab],
             pending: None,

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use tessera_engine::{EngineConfig, Generator, SamplingParams};
-use tessera_model::{load_model, ChatTemplate, DenseTransformer, Message, Tokenizer};
+use tessera_model::{load_model, ChatTemplate, DenseTransformer, KvDtype, Message, Tokenizer};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -72,7 +72,7 @@ fn chat_template_renders_and_tokenizes_like_the_reference() {
 fn greedy_continuations_match_llama_cpp_for_32_tokens() {
     let m = model();
     let r = reference();
-    let cfg = EngineConfig { threads: 2, prefill_chunk: 512, context_max: 512, sequences_max: 1 };
+    let cfg = EngineConfig { threads: 2, prefill_chunk: 512, context_max: 512, sequences_max: 1, kv_cache: KvDtype::F16 };
     let mut gen = Generator::new(&m, cfg).unwrap();
     let cases = r["greedy"].as_array().unwrap();
     assert!(cases.len() >= 4);

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use tessera_engine::{generate_batch, EngineConfig, Generator, Request, SamplingParams};
 use tessera_kernels::{Isa, ThreadPool};
-use tessera_model::{load_model, LogitsFor, StepLimits};
+use tessera_model::{load_model, KvDtype, LogitsFor, StepLimits};
 
 /// float32 end to end: mlx and we sum in different orders, so logits agree to a few
 /// ulps of their magnitude (~1e-6 relative) — 1e-4 absolute leaves room, and is far
@@ -71,7 +71,7 @@ fn check_with(name: &str, path: &Path, exp: Expected) {
         // Full prompt in one step, logits for every position.
         let pool = ThreadPool::new(2);
         let mut ws = model.new_workspace(limits, pool.n_threads());
-        let mut cache = model.new_cache(limits);
+        let mut cache = model.new_cache(limits, KvDtype::F32);
         let mut logits = vec![0.0; exp.prompt.len() * vocab];
         model.forward(&pool, &mut ws, &mut cache, &exp.prompt, LogitsFor::All, &mut logits).unwrap();
         let d = max_abs_diff(&logits, &exp.prompt_logits);
@@ -92,7 +92,7 @@ fn check_with(name: &str, path: &Path, exp: Expected) {
     // The engine's greedy generation gives mlx-lm's ids exactly.
     model.set_isa(Isa::detect());
     for chunk in [3, 512] {
-        let cfg = EngineConfig { threads: 2, prefill_chunk: chunk, context_max: 64, sequences_max: 1 };
+        let cfg = EngineConfig { threads: 2, prefill_chunk: chunk, context_max: 64, sequences_max: 1, kv_cache: KvDtype::F32 };
         let mut gen = Generator::new(&model, cfg).unwrap();
         let (ids, _, stats) = gen.generate(&exp.prompt, exp.greedy.len(), &SamplingParams::default(), &[], |_| true).unwrap();
         assert_eq!(ids, exp.greedy, "{name}: greedy ids (prefill chunk {chunk})");
@@ -103,12 +103,12 @@ fn check_with(name: &str, path: &Path, exp: Expected) {
     // each sequence's ids are what it gets alone.
     let short = &exp.prompt[..exp.prompt.len().div_ceil(2)];
     let alone = {
-        let cfg = EngineConfig { threads: 2, prefill_chunk: 512, context_max: 64, sequences_max: 1 };
+        let cfg = EngineConfig { threads: 2, prefill_chunk: 512, context_max: 64, sequences_max: 1, kv_cache: KvDtype::F32 };
         Generator::new(&model, cfg).unwrap().generate(short, exp.greedy.len(), &SamplingParams::default(), &[], |_| true).unwrap().0
     };
     let request = |prompt: &[u32]| Request { prompt: prompt.to_vec(), max_tokens: exp.greedy.len(), sampling: SamplingParams::default() };
     let requests = [request(&exp.prompt), request(short), request(&exp.prompt)];
-    let cfg = EngineConfig { threads: 2, prefill_chunk: 4, context_max: 64, sequences_max: 3 };
+    let cfg = EngineConfig { threads: 2, prefill_chunk: 4, context_max: 64, sequences_max: 3, kv_cache: KvDtype::F32 };
     let mut gen = Generator::new(&model, cfg).unwrap();
     let (done, stats) = generate_batch(gen.stepper(), &requests, &[], |_, _| true).unwrap();
     assert_eq!(done[0].ids, exp.greedy, "{name}: batched greedy ids");
@@ -224,7 +224,7 @@ fn gguf_moe_q8_0_matches_llama_cpp() {
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let want: Vec<f32> =
         st.tensor("prompt_logits").unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-    let cfg = EngineConfig { threads: 2, prefill_chunk: 64, context_max: 64, sequences_max: 1 };
+    let cfg = EngineConfig { threads: 2, prefill_chunk: 64, context_max: 64, sequences_max: 1, kv_cache: KvDtype::F32 };
     let got = Generator::new(&model, cfg).unwrap().logits_all(&exp.prompt).unwrap();
     let d = max_abs_diff(&got, &want);
     let mag = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -276,7 +276,7 @@ fn batched_sequences_match_running_alone() {
             .map(|p| {
                 let limits = StepLimits { tokens_per_step_max: 16, context_max: 32, sequences_per_step_max: 1 };
                 let mut ws = model.new_workspace(limits, pool.n_threads());
-                let mut cache = model.new_cache(limits);
+                let mut cache = model.new_cache(limits, KvDtype::F32);
                 let mut logits = vec![0.0; vocab];
                 let (mut ids, mut all) = (vec![], vec![]);
                 model.forward(&pool, &mut ws, &mut cache, p, LogitsFor::Last, &mut logits).unwrap();
@@ -292,7 +292,7 @@ fn batched_sequences_match_running_alone() {
         // Together: one step prefills all three, then each step decodes all three.
         let limits = StepLimits { tokens_per_step_max: 32, context_max: 32, sequences_per_step_max: 3 };
         let mut ws = model.new_workspace(limits, pool.n_threads());
-        let mut caches: Vec<_> = (0..3).map(|_| model.new_cache(limits)).collect();
+        let mut caches: Vec<_> = (0..3).map(|_| model.new_cache(limits, KvDtype::F32)).collect();
         let mut logits = vec![0.0; 3 * vocab];
         let chunks: Vec<SeqChunk> = prompts.iter().enumerate().map(|(i, p)| SeqChunk { cache: i, tokens: p, logits: LogitsFor::Last }).collect();
         model.forward_batch(&pool, &mut ws, &mut caches, &chunks, &mut logits).unwrap();

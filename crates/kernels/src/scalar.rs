@@ -363,15 +363,23 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
 /// `out = Σ_j p_j·v_j`. Row `j` of K and V starts at `j·stride` (a head's slice of a
 /// cache row). `scores` holds at least `len` floats of scratch.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(q: &[f32], k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+pub fn attend<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
     let d = q.len();
     let s = &mut scores[..len];
     for (j, sj) in s.iter_mut().enumerate() {
-        *sj = crate::ops::dot(q, &k[j * stride..j * stride + d]) * scale;
+        let row = &k[j * stride..j * stride + d];
+        // Eight lane sums, as `ops::dot`.
+        let mut acc = [0.0f32; 8];
+        for (i, (&a, b)) in q.iter().zip(row).enumerate() {
+            acc[i % 8] += a * b.to_f32();
+        }
+        *sj = acc.iter().sum::<f32>() * scale;
     }
     crate::ops::softmax(s);
     out.fill(0.0);
     for (j, &p) in s.iter().enumerate() {
-        crate::ops::axpy(out, p, &v[j * stride..j * stride + d]);
+        for (o, x) in out.iter_mut().zip(&v[j * stride..j * stride + d]) {
+            *o += p * x.to_f32();
+        }
     }
 }

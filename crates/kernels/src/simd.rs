@@ -9,6 +9,28 @@ use crate::format::WeightFormat;
 use crate::q8::BlockQ8;
 use crate::scalar;
 
+/// An element type of cached keys and values: f32, or f16 (half the bytes to read).
+pub trait KvElem: Copy + Send + Sync + 'static {
+    const F16: bool;
+    fn to_f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    const F16: bool = false;
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvElem for half::f16 {
+    const F16: bool = true;
+    #[inline]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
 /// Query heads [`Isa::attend_group`] takes in one pass over the keys and values.
 pub const ATTEND_GROUP_MAX: usize = 4;
 
@@ -140,27 +162,18 @@ impl Isa {
     /// [`scalar::attend`]: one query head over `len` cached positions.
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    pub fn attend(self, q: &[f32], k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
-        assert!(len == 0 || (k.len() >= (len - 1) * stride + q.len() && v.len() >= (len - 1) * stride + q.len()));
-        assert!(scores.len() >= len && out.len() == q.len());
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: see dot_f32; bounds asserted above.
-            Isa::Avx2 => unsafe { x86::attend(q, k, v, stride, len, scale, scores, out) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: see dot_f32; bounds asserted above.
-            Isa::Neon => unsafe { arm::attend(q, k, v, stride, len, scale, scores, out) },
-            _ => scalar::attend(q, k, v, stride, len, scale, scores, out),
-        }
+    pub fn attend<E: KvElem>(self, q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        self.attend_group(q, q.len(), k, v, stride, len, scale, scores, out);
     }
 
     /// The query heads `q` (`g` heads of `head_dim`, one after another) that share one
-    /// kv head, attending over the same `len` cached positions: each key and value row
-    /// is read once for all `g` heads. `scores` holds `g × len`; `out` is `g × head_dim`.
-    /// Equal to [`Isa::attend`] per head (up to float summation order).
+    /// kv head, attending over the same `len` cached positions (f32 or f16 rows): each
+    /// key and value row is read once for all `g` heads. `scores` holds
+    /// `min(g, ATTEND_GROUP_MAX) × len`; `out` is `g × head_dim`. Equal to
+    /// [`scalar::attend`] per head (up to float summation order).
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    pub fn attend_group(self, q: &[f32], head_dim: usize, k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    pub fn attend_group<E: KvElem>(self, q: &[f32], head_dim: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
         let d = head_dim;
         assert!(d > 0 && q.len() % d == 0 && out.len() == q.len(), "attend_group: {} query floats for head_dim {d}", q.len());
         let g = q.len() / d;
@@ -176,7 +189,12 @@ impl Isa {
                 Isa::Avx2 if d % 8 == 0 => unsafe { x86::attend_group(qh, d, k, v, stride, len, scale, scores, oh) },
                 _ => {
                     for (qv, o) in qh.chunks_exact(d).zip(oh.chunks_exact_mut(d)) {
-                        self.attend(qv, k, v, stride, len, scale, scores, o);
+                        match self {
+                            #[cfg(target_arch = "aarch64")]
+                            // SAFETY: see dot_f32; bounds asserted above.
+                            Isa::Neon => unsafe { arm::attend(qv, k, v, stride, len, scale, scores, o) },
+                            _ => scalar::attend(qv, k, v, stride, len, scale, scores, o),
+                        }
                     }
                 }
             }
@@ -707,70 +725,6 @@ mod x86 {
         crate::ops::silu_mul(&mut gate[n8..], &up[n8..]);
     }
 
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn attend(q: &[f32], k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
-        let d = q.len();
-        let d8 = d / 8 * 8;
-        let (qp, kp, vp) = (q.as_ptr(), k.as_ptr(), v.as_ptr());
-        // Scores, and their max.
-        let mut max = f32::NEG_INFINITY;
-        for j in 0..len {
-            let row = kp.add(j * stride);
-            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut i = 0;
-            while i + 16 <= d8 {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), _mm256_loadu_ps(row.add(i)), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i + 8)), _mm256_loadu_ps(row.add(i + 8)), a1);
-                i += 16;
-            }
-            if i < d8 {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), _mm256_loadu_ps(row.add(i)), a0);
-            }
-            let mut sj = hsum(_mm256_add_ps(a0, a1));
-            for t in d8..d {
-                sj += q[t] * *row.add(t);
-            }
-            let sj = sj * scale;
-            scores[j] = sj;
-            max = max.max(sj);
-        }
-        // exp(s − max) in place, 8 at a time, and the sum.
-        let mut sum = 0.0f32;
-        let mut j = 0;
-        let vmax = _mm256_set1_ps(max);
-        let mut vsum = _mm256_setzero_ps();
-        while j + 8 <= len {
-            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores.as_ptr().add(j)), vmax));
-            _mm256_storeu_ps(scores.as_mut_ptr().add(j), e);
-            vsum = _mm256_add_ps(vsum, e);
-            j += 8;
-        }
-        for s in &mut scores[j..len] {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let inv = 1.0 / (sum + hsum(vsum));
-        // out = Σ p_j v_j, normalised once at the end.
-        out.fill(0.0);
-        let op = out.as_mut_ptr();
-        for j in 0..len {
-            let p = _mm256_set1_ps(scores[j]);
-            let row = vp.add(j * stride);
-            let mut i = 0;
-            while i < d8 {
-                _mm256_storeu_ps(op.add(i), _mm256_fmadd_ps(p, _mm256_loadu_ps(row.add(i)), _mm256_loadu_ps(op.add(i))));
-                i += 8;
-            }
-            for t in d8..d {
-                out[t] += scores[j] * *row.add(t);
-            }
-        }
-        for o in out.iter_mut() {
-            *o *= inv;
-        }
-    }
-
     /// Sums of four vectors' lanes: `[Σa, Σb, Σc, Σd]`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -779,26 +733,66 @@ mod x86 {
         _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1))
     }
 
-    /// Prefetch the cache lines of `floats` f32 from `p` (a hint: any address is safe).
+    /// Prefetch the cache lines of `bytes` from `p` (a hint: any address is safe).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn prefetch_row(p: *const f32, floats: usize) {
-        for line in (0..floats).step_by(16) {
+    unsafe fn prefetch_row(p: *const u8, bytes: usize) {
+        for line in (0..bytes).step_by(64) {
             _mm_prefetch(p.wrapping_add(line) as *const i8, _MM_HINT_T0);
+        }
+    }
+
+    /// Loads 8 cached values (f32, or f16 widened by F16C) as f32.
+    trait Row8: Copy {
+        const BYTES: usize;
+        unsafe fn load8(p: *const u8) -> __m256;
+    }
+
+    #[derive(Clone, Copy)]
+    struct RowsF32;
+    impl Row8 for RowsF32 {
+        const BYTES: usize = 4;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            _mm256_loadu_ps(p as *const f32)
+        }
+    }
+
+    #[derive(Clone, Copy)]
+    struct RowsF16;
+    impl Row8 for RowsF16 {
+        const BYTES: usize = 2;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
         }
     }
 
     /// `G` query heads (1..=4) sharing one kv head; `head_dim % 8 == 0`.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn attend_group(q: &[f32], d: usize, k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    pub unsafe fn attend_group<E: KvElem>(q: &[f32], d: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let (k, v) = (k.as_ptr() as *const u8, v.as_ptr() as *const u8);
+        if E::F16 {
+            attend_group_rows::<RowsF16>(q, d, k, v, stride, len, scale, scores, out)
+        } else {
+            attend_group_rows::<RowsF32>(q, d, k, v, stride, len, scale, scores, out)
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn attend_group_rows<L: Row8>(q: &[f32], d: usize, k: *const u8, v: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
         // Tiles of about 8 independent accumulators: enough FMA chains to hide latency,
         // few enough to stay in the 16 registers.
         match q.len() / d {
-            1 => attend_group_t::<1, 8, 8>(q, d, k, v, stride, len, scale, scores, out),
-            2 => attend_group_t::<2, 4, 4>(q, d, k, v, stride, len, scale, scores, out),
-            3 => attend_group_t::<3, 2, 2>(q, d, k, v, stride, len, scale, scores, out),
-            4 => attend_group_t::<4, 2, 2>(q, d, k, v, stride, len, scale, scores, out),
+            1 => attend_group_t::<L, 1, 8, 8>(q, d, k, v, stride, len, scale, scores, out),
+            2 => attend_group_t::<L, 2, 4, 4>(q, d, k, v, stride, len, scale, scores, out),
+            3 => attend_group_t::<L, 3, 2, 2>(q, d, k, v, stride, len, scale, scores, out),
+            4 => attend_group_t::<L, 4, 2, 2>(q, d, k, v, stride, len, scale, scores, out),
             g => unreachable!("attend_group: {g} heads per pass"),
         }
     }
@@ -807,8 +801,10 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn attend_group_t<const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
-        let (qp, kp, vp, sp) = (q.as_ptr(), k.as_ptr(), v.as_ptr(), scores.as_mut_ptr());
+    unsafe fn attend_group_t<L: Row8, const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, kp: *const u8, vp: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
+        // Element offsets become byte offsets.
+        let (stride, e) = (stride * L::BYTES, L::BYTES);
         // Scores: s[h][j] = scale · q_h · k_j.
         let mut j = 0;
         while j < len {
@@ -816,14 +812,14 @@ mod x86 {
             // Cached rows are strided (all kv heads of a position sit together), which
             // the hardware prefetcher follows poorly: ask for rows two tiles ahead.
             for r in 0..KJ {
-                prefetch_row(kp.wrapping_add((j + 2 * KJ + r) * stride), d);
+                prefetch_row(kp.wrapping_add((j + 2 * KJ + r) * stride), d * e);
             }
             let mut acc = [[_mm256_setzero_ps(); G]; KJ];
             let mut i = 0;
             while i < d {
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     // Past the last key, reread it: the lanes are dropped below.
-                    let kv = _mm256_loadu_ps(kp.add((j + r.min(kj - 1)) * stride + i));
+                    let kv = L::load8(kp.add((j + r.min(kj - 1)) * stride + i * e));
                     for (h, a) in acc_r.iter_mut().enumerate() {
                         *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * d + i)), kv, *a);
                     }
@@ -876,11 +872,11 @@ mod x86 {
         // Values: out[h] = Σ_j p[h][j]·v_j, in column tiles of W vectors (then 1).
         let mut c = 0;
         while c + 8 * W <= d {
-            values_tile::<G, W>(vp, sp, stride, len, c, &inv, out.as_mut_ptr(), d);
+            values_tile::<L, G, W>(vp, sp, stride, len, c, &inv, out.as_mut_ptr(), d);
             c += 8 * W;
         }
         while c < d {
-            values_tile::<G, 1>(vp, sp, stride, len, c, &inv, out.as_mut_ptr(), d);
+            values_tile::<L, G, 1>(vp, sp, stride, len, c, &inv, out.as_mut_ptr(), d);
             c += 8;
         }
     }
@@ -888,12 +884,13 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn values_tile<const G: usize, const W: usize>(vp: *const f32, sp: *const f32, stride: usize, len: usize, c: usize, inv: &[f32; G], op: *mut f32, d: usize) {
+    unsafe fn values_tile<L: Row8, const G: usize, const W: usize>(vp: *const u8, sp: *const f32, stride: usize, len: usize, c: usize, inv: &[f32; G], op: *mut f32, d: usize) {
+        // `stride` in bytes; `c` in elements.
         let mut acc = [[_mm256_setzero_ps(); W]; G];
         for j in 0..len {
-            prefetch_row(vp.wrapping_add((j + 8) * stride + c), 8 * W);
-            let row = vp.add(j * stride + c);
-            let vv: [__m256; W] = std::array::from_fn(|w| _mm256_loadu_ps(row.add(8 * w)));
+            prefetch_row(vp.wrapping_add((j + 8) * stride + c * L::BYTES), 8 * W * L::BYTES);
+            let row = vp.add(j * stride + c * L::BYTES);
+            let vv: [__m256; W] = std::array::from_fn(|w| L::load8(row.add(8 * w * L::BYTES)));
             for (h, acc_h) in acc.iter_mut().enumerate() {
                 let p = _mm256_broadcast_ss(&*sp.add(h * len + j));
                 for (a, x) in acc_h.iter_mut().zip(&vv) {
@@ -1436,7 +1433,17 @@ mod arm {
     /// [`scalar::attend`] with NEON dot products and axpy (exp stays libm's).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "neon,dotprod")]
-    pub unsafe fn attend(q: &[f32], k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    pub unsafe fn attend<E: KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        /// 4 cached values at `p` as f32 (f16 widened by FCVTL).
+        #[inline]
+        #[target_feature(enable = "neon")]
+        unsafe fn load4<E: KvElem>(p: *const E) -> float32x4_t {
+            if E::F16 {
+                f16x4_to_f32(vld1_u16(p as *const u16))
+            } else {
+                vld1q_f32(p as *const f32)
+            }
+        }
         let d = q.len();
         let d4 = d / 4 * 4;
         let mut max = f32::NEG_INFINITY;
@@ -1445,12 +1452,12 @@ mod arm {
             let mut a = vdupq_n_f32(0.0);
             let mut i = 0;
             while i < d4 {
-                a = vfmaq_f32(a, vld1q_f32(q.as_ptr().add(i)), vld1q_f32(row.add(i)));
+                a = vfmaq_f32(a, vld1q_f32(q.as_ptr().add(i)), load4(row.add(i)));
                 i += 4;
             }
             let mut sj = vaddvq_f32(a);
             for t in d4..d {
-                sj += q[t] * *row.add(t);
+                sj += q[t] * (*row.add(t)).to_f32();
             }
             scores[j] = sj * scale;
             max = max.max(scores[j]);
@@ -1468,11 +1475,11 @@ mod arm {
             let mut i = 0;
             while i < d4 {
                 let o = out.as_mut_ptr().add(i);
-                vst1q_f32(o, vfmaq_f32(vld1q_f32(o), p, vld1q_f32(row.add(i))));
+                vst1q_f32(o, vfmaq_f32(vld1q_f32(o), p, load4(row.add(i))));
                 i += 4;
             }
             for t in d4..d {
-                out[t] += scores[j] * inv * *row.add(t);
+                out[t] += scores[j] * inv * (*row.add(t)).to_f32();
             }
         }
     }

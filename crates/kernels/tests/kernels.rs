@@ -403,8 +403,8 @@ fn attend_simd_matches_scalar() {
     }
 }
 
-/// Several query heads sharing one kv head (GQA) in one pass against the scalar
-/// per-head reference: group sizes 1–9 (past the per-pass maximum), head sizes that
+/// Several query heads sharing one kv head (GQA) in one pass, over f32 and f16 caches,
+/// against the scalar per-head reference: group sizes 1–9 (past the per-pass maximum), head sizes that
 /// are and are not multiples of 8, lengths around the key tiles.
 #[test]
 fn attend_group_matches_per_head_scalar() {
@@ -418,11 +418,19 @@ fn attend_group_matches_per_head_scalar() {
         let mut scores = vec![f32::NAN; g * len];
         let mut out = vec![f32::NAN; g * d];
         isa.attend_group(&q, d, &k, &v, stride, len, scale, &mut scores, &mut out);
+        // The same cache in f16: against the scalar path on the f16 values.
+        let (k16, v16): (Vec<f16>, Vec<f16>) = (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+        let mut out16 = vec![f32::NAN; g * d];
+        isa.attend_group(&q, d, &k16, &v16, stride, len, scale, &mut scores, &mut out16);
         for h in 0..g {
             let (mut s0, mut o0) = (vec![0.0; len], vec![0.0; d]);
             scalar::attend(&q[h * d..(h + 1) * d], &k, &v, stride, len, scale, &mut s0, &mut o0);
             for (a, b) in o0.iter().zip(&out[h * d..(h + 1) * d]) {
                 assert!((a - b).abs() <= 2e-6 * (1.0 + a.abs()), "g={g} d={d} len={len} head {h}: {a} vs {b}");
+            }
+            scalar::attend(&q[h * d..(h + 1) * d], &k16, &v16, stride, len, scale, &mut s0, &mut o0);
+            for (a, b) in o0.iter().zip(&out16[h * d..(h + 1) * d]) {
+                assert!((a - b).abs() <= 2e-6 * (1.0 + a.abs()), "f16 cache, g={g} d={d} len={len} head {h}: {a} vs {b}");
             }
         }
     }

@@ -22,7 +22,7 @@ pub use config::{Arch, ModelConfig};
 pub use error::LoadError;
 pub use tokenizer::{TextStream, Tokenizer};
 pub use shard::{Alone, CollGroup, Collectives, ExpertSplit, ShardSpec};
-pub use transformer::{DenseTransformer, Profile, ProfileKind, RecordedTensor, KvCache, LogitsFor, SeqChunk, StepError, StepLimits, Workspace, EXPERT_SLOTS_FUSED_MAX};
+pub use transformer::{DenseTransformer, Profile, ProfileKind, RecordedTensor, KvCache, LogitsFor, SeqChunk, StepError, StepLimits, Workspace, KvDtype, EXPERT_SLOTS_FUSED_MAX};
 
 use std::path::Path;
 use std::sync::Arc;

@@ -21,6 +21,7 @@ use crate::moe::{route, RouteScratch};
 use crate::names::stored_name;
 use crate::shard::{attention_heads, split, split_units, CollGroup, Collectives, ExpertSplit, ShardSpec};
 use std::ops::Range;
+use half::{f16, slice::HalfFloatSliceExt};
 use std::sync::Arc;
 use tessera_kernels::pool::SharedMut;
 use tessera_kernels::{matmul, matmul_group, matmul_jobs, ops, scalar, Isa, MatmulScratch, RowsJob, ThreadPool, WeightFormat, WeightRows, ATTEND_GROUP_MAX};
@@ -230,9 +231,79 @@ pub struct DenseTransformer {
 /// Per-sequence cache, `[layer][position][row]`. GQA: keys (after RoPE and k-norm)
 /// and values, `kv_heads · head_dim` each. MLA: the normed latent `c` (`kv_lora_rank`)
 /// in `k` and the roped shared key `k_pe` (`qk_rope_head_dim`) in `v`.
+/// Element type of a GQA key/value cache. f16 (the default, as llama.cpp's) halves
+/// the bytes attention reads and the memory a long context takes; f32 keeps exact
+/// float32 attention (the mlx-lm float32 reference tests use it). MLA's latent cache
+/// is small and stays f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    F32,
+    #[default]
+    F16,
+}
+
+impl KvDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(KvDtype::F32),
+            "f16" => Ok(KvDtype::F16),
+            _ => Err(format!("KV-cache type {s:?}: expected f16 or f32")),
+        }
+    }
+}
+
+/// One layer's cached keys or values.
+enum KvStore {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl KvStore {
+    fn new(dtype: KvDtype, n: usize) -> KvStore {
+        match dtype {
+            KvDtype::F32 => KvStore::F32(vec![0.0; n]),
+            KvDtype::F16 => KvStore::F16(vec![f16::ZERO; n]),
+        }
+    }
+
+    /// Writes `x` at element `at`, rounding to f16 when the cache is f16.
+    fn write(&mut self, at: usize, x: &[f32]) {
+        match self {
+            KvStore::F32(v) => v[at..at + x.len()].copy_from_slice(x),
+            KvStore::F16(v) => v[at..at + x.len()].convert_from_f32_slice(x),
+        }
+    }
+
+    /// The f32 rows of a cache that is always f32 (MLA's).
+    fn f32s(&self) -> &[f32] {
+        match self {
+            KvStore::F32(v) => v,
+            KvStore::F16(_) => unreachable!("MLA caches are created f32"),
+        }
+    }
+}
+
 pub struct KvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    k: Vec<KvStore>,
+    v: Vec<KvStore>,
+    dtype: KvDtype,
     len: usize,
     capacity: usize,
     k_row: usize,
@@ -257,19 +328,23 @@ impl KvCache {
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
-    /// Floats cached per token per layer.
+    /// Values cached per token per layer.
     pub fn floats_per_token_per_layer(&self) -> usize {
         self.k_row + self.v_row
     }
+    /// Element type of the (GQA) keys and values.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
 }
 
-/// Scratch for one step, sized at load.
 /// Expert slots (tokens × top-k) up to which a MoE layer runs all its experts in two
 /// parallel regions (decode and small batches, where per-region costs show); larger
 /// steps run expert by expert. 256 = batch 32 × top-8; DeepSeek-V3's fused buffers at
 /// this size: 256 × (2·7168 + 2·2048) × 4 B ≈ 19 MB.
 pub const EXPERT_SLOTS_FUSED_MAX: usize = 256;
 
+/// Scratch for one step, sized at load.
 pub struct Workspace {
     limits: StepLimits,
     x: Vec<f32>,
@@ -1267,13 +1342,17 @@ impl DenseTransformer {
         }
     }
 
-    pub fn new_cache(&self, limits: StepLimits) -> KvCache {
+    /// A cache of `limits.context_max` tokens; keys and values in `dtype` (MLA: f32).
+    pub fn new_cache(&self, limits: StepLimits, dtype: KvDtype) -> KvCache {
         let (k_row, v_row) = self.kv_rows();
+        let dtype = if self.cfg.mla.is_some() { KvDtype::F32 } else { dtype };
         // Layers of other pipeline stages get no storage.
         let owned = |l: usize| self.spec.layers.contains(&l);
+        let store = |l: usize, row: usize| KvStore::new(dtype, if owned(l) { limits.context_max * row } else { 0 });
         KvCache {
-            k: (0..self.cfg.layers).map(|l| if owned(l) { vec![0.0; limits.context_max * k_row] } else { vec![] }).collect(),
-            v: (0..self.cfg.layers).map(|l| if owned(l) { vec![0.0; limits.context_max * v_row] } else { vec![] }).collect(),
+            k: (0..self.cfg.layers).map(|l| store(l, k_row)).collect(),
+            v: (0..self.cfg.layers).map(|l| store(l, v_row)).collect(),
+            dtype,
             len: 0,
             capacity: limits.context_max,
             k_row,
@@ -1739,8 +1818,8 @@ impl Run<'_> {
             let (a, b) = (ws.chunk_start[ci], ws.chunk_start[ci + 1]);
             let cache = &mut caches[ch.cache];
             let pos0 = cache.len;
-            cache.k[li][pos0 * kv_dim..(pos0 + b - a) * kv_dim].copy_from_slice(&ws.k[a * kv_dim..b * kv_dim]);
-            cache.v[li][pos0 * kv_dim..(pos0 + b - a) * kv_dim].copy_from_slice(&ws.v[a * kv_dim..b * kv_dim]);
+            cache.k[li].write(pos0 * kv_dim, &ws.k[a * kv_dim..b * kv_dim]);
+            cache.v[li].write(pos0 * kv_dim, &ws.v[a * kv_dim..b * kv_dim]);
         }
         ws.charge(ProfileKind::AttnProj, t0, g.q.bytes() + g.k.bytes() + g.v.bytes());
         let t0 = ws.clock();
@@ -1748,7 +1827,7 @@ impl Run<'_> {
         let shape = HeadShape { q_heads: g.q_heads.clone(), kv_heads: g.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
         attention(self.pool, self.isa, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim]);
         // Each token reads its cached keys and values.
-        let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * kv_dim * 8).sum();
+        let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * kv_dim * 2 * caches[0].dtype.bytes()).sum();
         ws.charge(ProfileKind::Attention, t0, kv_read);
         let t0 = ws.clock();
         self.linear(&g.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
@@ -1797,8 +1876,8 @@ impl Run<'_> {
             ops::rope_head(k_pe, cos, sin, c.rope.interleaved);
             let cache = &mut caches[self.chunks[ws.tok_chunk[t] as usize].cache];
             let pos = ws.tok_pos[t] as usize;
-            cache.k[li][pos * r..(pos + 1) * r].copy_from_slice(c_raw);
-            cache.v[li][pos * rope..(pos + 1) * rope].copy_from_slice(k_pe);
+            cache.k[li].write(pos * r, c_raw);
+            cache.v[li].write(pos * rope, k_pe);
             for head in 0..nh {
                 let q_pe = &mut ws.q[(t * nh + head) * dq + nope..(t * nh + head + 1) * dq];
                 q_pe.iter_mut().for_each(|v| *v *= rot_scale);
@@ -2014,7 +2093,7 @@ struct TokenCaches<'a> {
 impl TokenCaches<'_> {
     /// (keys, values, visible length) for token `t`.
     #[inline]
-    fn of(&self, t: usize) -> (&[f32], &[f32], usize) {
+    fn of(&self, t: usize) -> (&KvStore, &KvStore, usize) {
         let cache = &self.caches[self.chunks[self.tok_chunk[t] as usize].cache];
         (&cache.k[self.layer], &cache.v[self.layer], self.tok_pos[t] as usize + 1)
     }
@@ -2060,7 +2139,11 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
             let (a, b) = (t * q_dim + (h0 - start) * hd, t * q_dim + (h1 - start) * hd);
             let (k_cache, v_cache, len) = at.of(t);
             let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) };
-            isa.attend_group(&q[a..b], hd, &k_cache[kvh * hd..], &v_cache[kvh * hd..], kv_row, len, scale, sc, o);
+            match (k_cache, v_cache) {
+                (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[kvh * hd..], &v[kvh * hd..], kv_row, len, scale, sc, o),
+                (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[kvh * hd..], &v[kvh * hd..], kv_row, len, scale, sc, o),
+                _ => unreachable!("keys and values share one element type"),
+            }
         }
     });
 }
@@ -2091,6 +2174,7 @@ fn mla_attention(
             let ql = &q_lat[item * r..(item + 1) * r];
             let qp = &q[item * dq + nope..(item + 1) * dq];
             let (c_cache, pe_cache, len) = at.of(t);
+            let (c_cache, pe_cache) = (c_cache.f32s(), pe_cache.f32s());
             let s = &mut sc[..len];
             for (j, sj) in s.iter_mut().enumerate() {
                 let lat = ops::dot(ql, &c_cache[j * r..(j + 1) * r]);

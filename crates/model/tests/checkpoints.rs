@@ -8,13 +8,13 @@ use std::path::Path;
 use std::sync::Arc;
 use support::*;
 use tessera_kernels::ThreadPool;
-use tessera_model::{load_model, Checkpoint, DenseTransformer, LogitsFor, ModelConfig, StepLimits};
+use tessera_model::{load_model, Checkpoint, DenseTransformer, KvDtype, LogitsFor, ModelConfig, StepLimits};
 
 fn logits(model: &DenseTransformer, tokens: &[u32]) -> Vec<f32> {
     let limits = StepLimits { tokens_per_step_max: 16, context_max: 32, sequences_per_step_max: 1 };
     let pool = ThreadPool::new(2);
     let mut ws = model.new_workspace(limits, pool.n_threads());
-    let mut cache = model.new_cache(limits);
+    let mut cache = model.new_cache(limits, KvDtype::F32);
     let mut out = vec![0.0; tokens.len() * model.cfg.vocab];
     model.forward(&pool, &mut ws, &mut cache, tokens, LogitsFor::All, &mut out).unwrap();
     out
@@ -445,10 +445,10 @@ fn moe_fused_and_per_expert_paths_agree() {
     let pool = ThreadPool::new(2);
     let vocab = model.cfg.vocab;
     let mut ws = model.new_workspace(limits, pool.n_threads());
-    let mut cache = model.new_cache(limits);
+    let mut cache = model.new_cache(limits, KvDtype::F32);
     let mut whole = vec![0.0; n * vocab];
     model.forward(&pool, &mut ws, &mut cache, &tokens, LogitsFor::All, &mut whole).unwrap();
-    let mut cache = model.new_cache(limits);
+    let mut cache = model.new_cache(limits, KvDtype::F32);
     let mut one = vec![0.0; vocab];
     for (i, t) in tokens.iter().enumerate() {
         model.forward(&pool, &mut ws, &mut cache, &[*t], LogitsFor::All, &mut one).unwrap();
