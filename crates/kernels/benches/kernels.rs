@@ -113,6 +113,6 @@ fn attend_group(bencher: divan::Bencher, g: usize) {
     let mut out = vec![0.0; g * d];
     let isa = Isa::detect();
     bencher.counter(divan::counter::ItemsCount::new(g * len)).bench_local(|| {
-        isa.attend_group(divan::black_box(&q), d, &k, &v, stride, len, 0.125, &mut scores, &mut out);
+        isa.attend_group(divan::black_box(&q), d, &k, &v, stride, len, 0.125, &mut scores, &mut out, None);
     });
 }

@@ -364,6 +364,12 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
 /// cache row). `scores` holds at least `len` floats of scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn attend<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    attend_stats(q, k, v, stride, len, scale, scores, out);
+}
+
+/// [`attend`], returning the score maximum and Σ exp(s − max) (for merging key ranges).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_stats<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) -> (f32, f32) {
     let d = q.len();
     let s = &mut scores[..len];
     for (j, sj) in s.iter_mut().enumerate() {
@@ -375,11 +381,18 @@ pub fn attend<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len:
         }
         *sj = acc.iter().sum::<f32>() * scale;
     }
-    crate::ops::softmax(s);
+    let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mut sum = 0.0;
+    for x in s.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    let inv = 1.0 / sum;
     out.fill(0.0);
     for (j, &p) in s.iter().enumerate() {
         for (o, x) in out.iter_mut().zip(&v[j * stride..j * stride + d]) {
-            *o += p * x.to_f32();
+            *o += p * inv * x.to_f32();
         }
     }
+    (max, sum)
 }

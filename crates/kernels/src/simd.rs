@@ -163,7 +163,7 @@ impl Isa {
     #[allow(clippy::too_many_arguments)]
     #[inline]
     pub fn attend<E: KvElem>(self, q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
-        self.attend_group(q, q.len(), k, v, stride, len, scale, scores, out);
+        self.attend_group(q, q.len(), k, v, stride, len, scale, scores, out, None);
     }
 
     /// The query heads `q` (`g` heads of `head_dim`, one after another) that share one
@@ -171,32 +171,44 @@ impl Isa {
     /// key and value row is read once for all `g` heads. `scores` holds
     /// `min(g, ATTEND_GROUP_MAX) × len`; `out` is `g × head_dim`. Equal to
     /// [`scalar::attend`] per head (up to float summation order).
+    ///
+    /// `stats`, when given (2 per head), receives each head's score maximum and
+    /// Σ exp(s − max): what merging attention over several key ranges needs (each range's
+    /// normalised output weighs `exp(max − max*)·sum`).
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    pub fn attend_group<E: KvElem>(self, q: &[f32], head_dim: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    pub fn attend_group<E: KvElem>(self, q: &[f32], head_dim: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], mut stats: Option<&mut [f32]>) {
         let d = head_dim;
         assert!(d > 0 && q.len() % d == 0 && out.len() == q.len(), "attend_group: {} query floats for head_dim {d}", q.len());
         let g = q.len() / d;
         assert!(len == 0 || (k.len() >= (len - 1) * stride + d && v.len() >= (len - 1) * stride + d));
         assert!(scores.len() >= g.min(ATTEND_GROUP_MAX) * len);
+        assert!(len > 0, "attend_group: no positions to attend to");
+        assert!(stats.as_ref().is_none_or(|s| s.len() == 2 * g), "attend_group: stats hold 2 per head");
         // At most `ATTEND_GROUP_MAX` heads per pass: their accumulators fill the registers.
         for h0 in (0..g).step_by(ATTEND_GROUP_MAX) {
             let h1 = (h0 + ATTEND_GROUP_MAX).min(g);
             let (qh, oh) = (&q[h0 * d..h1 * d], &mut out[h0 * d..h1 * d]);
+            let mut st = [0.0f32; 2 * ATTEND_GROUP_MAX];
+            let st = &mut st[..2 * (h1 - h0)];
             match self {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: see dot_f32; bounds asserted above.
-                Isa::Avx2 if d % 8 == 0 => unsafe { x86::attend_group(qh, d, k, v, stride, len, scale, scores, oh) },
+                Isa::Avx2 if d % 8 == 0 => unsafe { x86::attend_group(qh, d, k, v, stride, len, scale, scores, oh, st) },
                 _ => {
-                    for (qv, o) in qh.chunks_exact(d).zip(oh.chunks_exact_mut(d)) {
-                        match self {
+                    for ((qv, o), st) in qh.chunks_exact(d).zip(oh.chunks_exact_mut(d)).zip(st.chunks_exact_mut(2)) {
+                        let (max, sum) = match self {
                             #[cfg(target_arch = "aarch64")]
                             // SAFETY: see dot_f32; bounds asserted above.
                             Isa::Neon => unsafe { arm::attend(qv, k, v, stride, len, scale, scores, o) },
-                            _ => scalar::attend(qv, k, v, stride, len, scale, scores, o),
-                        }
+                            _ => scalar::attend_stats(qv, k, v, stride, len, scale, scores, o),
+                        };
+                        st.copy_from_slice(&[max, sum]);
                     }
                 }
+            }
+            if let Some(s) = stats.as_deref_mut() {
+                s[2 * h0..2 * h1].copy_from_slice(st);
             }
         }
     }
@@ -773,26 +785,26 @@ mod x86 {
     /// `G` query heads (1..=4) sharing one kv head; `head_dim % 8 == 0`.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn attend_group<E: KvElem>(q: &[f32], d: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    pub unsafe fn attend_group<E: KvElem>(q: &[f32], d: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
         let (k, v) = (k.as_ptr() as *const u8, v.as_ptr() as *const u8);
         if E::F16 {
-            attend_group_rows::<RowsF16>(q, d, k, v, stride, len, scale, scores, out)
+            attend_group_rows::<RowsF16>(q, d, k, v, stride, len, scale, scores, out, stats)
         } else {
-            attend_group_rows::<RowsF32>(q, d, k, v, stride, len, scale, scores, out)
+            attend_group_rows::<RowsF32>(q, d, k, v, stride, len, scale, scores, out, stats)
         }
     }
 
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn attend_group_rows<L: Row8>(q: &[f32], d: usize, k: *const u8, v: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    unsafe fn attend_group_rows<L: Row8>(q: &[f32], d: usize, k: *const u8, v: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
         // Tiles of about 8 independent accumulators: enough FMA chains to hide latency,
         // few enough to stay in the 16 registers.
         match q.len() / d {
-            1 => attend_group_t::<L, 1, 8, 8>(q, d, k, v, stride, len, scale, scores, out),
-            2 => attend_group_t::<L, 2, 4, 4>(q, d, k, v, stride, len, scale, scores, out),
-            3 => attend_group_t::<L, 3, 2, 2>(q, d, k, v, stride, len, scale, scores, out),
-            4 => attend_group_t::<L, 4, 2, 2>(q, d, k, v, stride, len, scale, scores, out),
+            1 => attend_group_t::<L, 1, 8, 8>(q, d, k, v, stride, len, scale, scores, out, stats),
+            2 => attend_group_t::<L, 2, 4, 4>(q, d, k, v, stride, len, scale, scores, out, stats),
+            3 => attend_group_t::<L, 3, 2, 2>(q, d, k, v, stride, len, scale, scores, out, stats),
+            4 => attend_group_t::<L, 4, 2, 2>(q, d, k, v, stride, len, scale, scores, out, stats),
             g => unreachable!("attend_group: {g} heads per pass"),
         }
     }
@@ -801,7 +813,7 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn attend_group_t<L: Row8, const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, kp: *const u8, vp: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    unsafe fn attend_group_t<L: Row8, const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, kp: *const u8, vp: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
         let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
         // Element offsets become byte offsets.
         let (stride, e) = (stride * L::BYTES, L::BYTES);
@@ -810,9 +822,10 @@ mod x86 {
         while j < len {
             let kj = KJ.min(len - j);
             // Cached rows are strided (all kv heads of a position sit together), which
-            // the hardware prefetcher follows poorly: ask for rows two tiles ahead.
+            // the hardware prefetcher follows poorly: ask for rows SCORES_AHEAD keys
+            // ahead (~a DRAM latency of work; 2 tiles ahead ran at 3.5 GB/s per thread).
             for r in 0..KJ {
-                prefetch_row(kp.wrapping_add((j + 2 * KJ + r) * stride), d * e);
+                prefetch_row(kp.wrapping_add((j + SCORES_AHEAD + r) * stride), d * e);
             }
             let mut acc = [[_mm256_setzero_ps(); G]; KJ];
             let mut i = 0;
@@ -868,27 +881,51 @@ mod x86 {
                 sum += *x;
             }
             *inv_h = 1.0 / sum;
+            stats[2 * h] = max;
+            stats[2 * h + 1] = sum;
         }
-        // Values: out[h] = Σ_j p[h][j]·v_j, in column tiles of W vectors (then 1).
-        let mut c = 0;
-        while c + 8 * W <= d {
-            values_tile::<L, G, W>(vp, sp, stride, len, c, &inv, out.as_mut_ptr(), d);
-            c += 8 * W;
+        // Values: out[h] = Σ_j p[h][j]·v_j, in blocks of VALUES_BLOCK keys whose rows
+        // stay in L1 across the column tiles (W vectors wide, then 1): each row comes
+        // from memory once, not once per tile.
+        let op = out.as_mut_ptr();
+        out.fill(0.0);
+        let mut j0 = 0;
+        while j0 < len {
+            let j1 = (j0 + VALUES_BLOCK).min(len);
+            let mut c = 0;
+            while c + 8 * W <= d {
+                values_tile::<L, G, W>(vp, sp, stride, len, j0..j1, c, op, d);
+                c += 8 * W;
+            }
+            while c < d {
+                values_tile::<L, G, 1>(vp, sp, stride, len, j0..j1, c, op, d);
+                c += 8;
+            }
+            j0 = j1;
         }
-        while c < d {
-            values_tile::<L, G, 1>(vp, sp, stride, len, c, &inv, out.as_mut_ptr(), d);
-            c += 8;
+        for (h, o) in out.chunks_exact_mut(d).enumerate() {
+            o.iter_mut().for_each(|x| *x *= inv[h]);
         }
     }
 
+    /// Keys ahead the scores pass prefetches.
+    const SCORES_AHEAD: usize = 24;
+
+    /// Keys per block of the values pass: 32 rows of up to 128 f32 = 16 KiB, in L1.
+    const VALUES_BLOCK: usize = 32;
+
+    /// Adds keys `js`' weighted values into columns `c..c + 8·W` of every head's output.
+    /// The first tile of a block also prefetches the next block's rows.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn values_tile<L: Row8, const G: usize, const W: usize>(vp: *const u8, sp: *const f32, stride: usize, len: usize, c: usize, inv: &[f32; G], op: *mut f32, d: usize) {
+    unsafe fn values_tile<L: Row8, const G: usize, const W: usize>(vp: *const u8, sp: *const f32, stride: usize, len: usize, js: std::ops::Range<usize>, c: usize, op: *mut f32, d: usize) {
         // `stride` in bytes; `c` in elements.
-        let mut acc = [[_mm256_setzero_ps(); W]; G];
-        for j in 0..len {
-            prefetch_row(vp.wrapping_add((j + 8) * stride + c * L::BYTES), 8 * W * L::BYTES);
+        let mut acc: [[__m256; W]; G] = std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(op.add(h * d + c + 8 * w))));
+        for j in js {
+            if c == 0 {
+                prefetch_row(vp.wrapping_add((j + VALUES_BLOCK) * stride), d * L::BYTES);
+            }
             let row = vp.add(j * stride + c * L::BYTES);
             let vv: [__m256; W] = std::array::from_fn(|w| L::load8(row.add(8 * w * L::BYTES)));
             for (h, acc_h) in acc.iter_mut().enumerate() {
@@ -899,9 +936,8 @@ mod x86 {
             }
         }
         for (h, acc_h) in acc.iter().enumerate() {
-            let s = _mm256_set1_ps(inv[h]);
             for (w, a) in acc_h.iter().enumerate() {
-                _mm256_storeu_ps(op.add(h * d + c + 8 * w), _mm256_mul_ps(*a, s));
+                _mm256_storeu_ps(op.add(h * d + c + 8 * w), *a);
             }
         }
     }
@@ -1433,7 +1469,7 @@ mod arm {
     /// [`scalar::attend`] with NEON dot products and axpy (exp stays libm's).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "neon,dotprod")]
-    pub unsafe fn attend<E: KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    pub unsafe fn attend<E: KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) -> (f32, f32) {
         /// 4 cached values at `p` as f32 (f16 widened by FCVTL).
         #[inline]
         #[target_feature(enable = "neon")]
@@ -1482,5 +1518,6 @@ mod arm {
                 out[t] += scores[j] * inv * (*row.add(t)).to_f32();
             }
         }
+        (max, sum)
     }
 }

@@ -404,7 +404,7 @@ fn attend_simd_matches_scalar() {
 }
 
 /// Several query heads sharing one kv head (GQA) in one pass, over f32 and f16 caches,
-/// against the scalar per-head reference: group sizes 1–9 (past the per-pass maximum), head sizes that
+/// and over two key ranges merged by their stats, against the scalar per-head reference: group sizes 1–9 (past the per-pass maximum), head sizes that
 /// are and are not multiples of 8, lengths around the key tiles.
 #[test]
 fn attend_group_matches_per_head_scalar() {
@@ -417,11 +417,28 @@ fn attend_group_matches_per_head_scalar() {
         let scale = 1.0 / (d as f32).sqrt();
         let mut scores = vec![f32::NAN; g * len];
         let mut out = vec![f32::NAN; g * d];
-        isa.attend_group(&q, d, &k, &v, stride, len, scale, &mut scores, &mut out);
+        isa.attend_group(&q, d, &k, &v, stride, len, scale, &mut scores, &mut out, None);
         // The same cache in f16: against the scalar path on the f16 values.
         let (k16, v16): (Vec<f16>, Vec<f16>) = (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
         let mut out16 = vec![f32::NAN; g * d];
-        isa.attend_group(&q, d, &k16, &v16, stride, len, scale, &mut scores, &mut out16);
+        isa.attend_group(&q, d, &k16, &v16, stride, len, scale, &mut scores, &mut out16, None);
+        // Two key ranges with their stats, merged, equal the whole range.
+        if len >= 2 {
+            let half = len / 2;
+            let (mut o_a, mut o_b) = (vec![0.0; g * d], vec![0.0; g * d]);
+            let (mut st_a, mut st_b) = (vec![0.0; 2 * g], vec![0.0; 2 * g]);
+            isa.attend_group(&q, d, &k, &v, stride, half, scale, &mut scores, &mut o_a, Some(&mut st_a));
+            isa.attend_group(&q, d, &k[half * stride..], &v[half * stride..], stride, len - half, scale, &mut scores, &mut o_b, Some(&mut st_b));
+            for h in 0..g {
+                let m = st_a[2 * h].max(st_b[2 * h]);
+                let (wa, wb) = ((st_a[2 * h] - m).exp() * st_a[2 * h + 1], (st_b[2 * h] - m).exp() * st_b[2 * h + 1]);
+                for i in 0..d {
+                    let merged = (wa * o_a[h * d + i] + wb * o_b[h * d + i]) / (wa + wb);
+                    let want = out[h * d + i];
+                    assert!((merged - want).abs() <= 4e-6 * (1.0 + want.abs()), "split g={g} d={d} len={len} head {h}: {merged} vs {want}");
+                }
+            }
+        }
         for h in 0..g {
             let (mut s0, mut o0) = (vec![0.0; len], vec![0.0; d]);
             scalar::attend(&q[h * d..(h + 1) * d], &k, &v, stride, len, scale, &mut s0, &mut o0);

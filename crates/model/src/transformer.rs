@@ -376,6 +376,9 @@ pub struct Workspace {
     expert_slots: Vec<(u32, f32)>,
     moe_in: Vec<f32>,
     moe_out: Vec<f32>,
+    /// Attention split over key ranges: each range's normalised output and stats.
+    attn_part: Vec<f32>,
+    attn_stats: Vec<f32>,
     /// Fused experts (`n·top_k ≤ EXPERT_SLOTS_FUSED_MAX`): per slot, gate/up and down.
     moe_gate: Vec<f32>,
     moe_up: Vec<f32>,
@@ -1414,6 +1417,8 @@ impl DenseTransformer {
             expert_slots: vec![(0, 0.0); moe.map_or(0, |m| t * m.top_k)],
             moe_in: vec![0.0; moe_rows],
             moe_out: vec![0.0; moe_rows],
+            attn_part: vec![0.0; if c.mla.is_some() { 0 } else { threads * ATTN_SPLIT_SLOTS_PER_THREAD * (c.heads / c.kv_heads.max(1)).max(1) * c.head_dim }],
+            attn_stats: vec![0.0; if c.mla.is_some() { 0 } else { threads * ATTN_SPLIT_SLOTS_PER_THREAD * 2 * (c.heads / c.kv_heads.max(1)).max(1) }],
             moe_gate: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_up: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_proj: vec![0.0; fused_slots * c.hidden],
@@ -1825,7 +1830,7 @@ impl Run<'_> {
         let t0 = ws.clock();
         let at = TokenCaches { caches, chunks: self.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
         let shape = HeadShape { q_heads: g.q_heads.clone(), kv_heads: g.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
-        attention(self.pool, self.isa, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim]);
+        attention(self.pool, self.isa, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim], &mut ws.attn_part, &mut ws.attn_stats);
         // Each token reads its cached keys and values.
         let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * kv_dim * 2 * caches[0].dtype.bytes()).sum();
         ws.charge(ProfileKind::Attention, t0, kv_read);
@@ -2110,42 +2115,104 @@ struct HeadShape {
     head_dim: usize,
 }
 
+/// Key ranges of at least this many positions are worth a work item of their own.
+const ATTN_SPLIT_KEYS_MIN: usize = 128;
+/// With few (token, kv group) items, each is split over key ranges until there are
+/// about this many items per thread (batch-1 decode of a model with 3 kv heads on 2
+/// threads would otherwise leave one thread a whole group behind the other).
+const ATTN_ITEMS_PER_THREAD: usize = 4;
+
+/// Split-attention scratch: items per thread at most (`ATTN_ITEMS_PER_THREAD` when
+/// splitting, plus the unsplit items, which are fewer).
+const ATTN_SPLIT_SLOTS_PER_THREAD: usize = 2 * ATTN_ITEMS_PER_THREAD;
+
 #[allow(clippy::too_many_arguments)]
-fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32]) {
+fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32], part: &mut [f32], stats: &mut [f32]) {
     let hd = shape.head_dim;
     let heads = shape.q_heads.len();
     let kv_row = shape.kv_heads.len() * hd;
     let q_dim = heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    let ctx = scores.len() / pool.n_threads();
+    let threads = pool.n_threads();
+    let ctx = scores.len() / threads;
     // Work items are (token, kv group): the group's query heads share one read of
     // the keys and values, which are the cost here (measured on SmolLM2 batch-1
     // decode, 2 threads: 3 whole groups beat 9 single heads, 0.56 against 0.66–0.76
-    // ms per token, despite the uneven split).
+    // ms per token). Few items are split over key ranges, merged after.
     let start = shape.q_heads.start;
     let piece = shape.group;
     let first = start / piece;
     let pieces = (shape.q_heads.end - 1) / piece + 1 - first;
+    let items = n * pieces;
+    let len_max = (0..n).map(|t| at.of(t).2).max().unwrap_or(0);
+    let splits = if threads == 1 || items >= ATTN_ITEMS_PER_THREAD * threads { 1 } else { (ATTN_ITEMS_PER_THREAD * threads).div_ceil(items).min(len_max / ATTN_SPLIT_KEYS_MIN).max(1) };
+    // Item `i`'s query heads (global, clipped to this rank's) and output offsets.
+    let heads_of = |i: usize| {
+        let (t, p) = (i / pieces, first + i % pieces);
+        let (h0, h1) = ((p * piece).max(start), ((p + 1) * piece).min(shape.q_heads.end));
+        (t, h0, h1, t * q_dim + (h0 - start) * hd, t * q_dim + (h1 - start) * hd)
+    };
+    let slot = piece * hd;
+    assert!(splits == 1 || items * splits * slot <= part.len(), "attention split scratch: {items}×{splits} items");
     let out_ptr = SharedMut(out.as_mut_ptr());
+    let part_ptr = SharedMut(part.as_mut_ptr());
+    let stats_ptr = SharedMut(stats.as_mut_ptr());
     let scores_ptr = SharedMut(scores.as_mut_ptr());
-    pool.parallel_for(n * pieces, 1, &|tid, items| {
-        // SAFETY: thread `tid` owns score row `tid` and the output heads it is given.
+    pool.parallel_for(items * splits, 1, &|tid, range| {
+        // SAFETY: thread `tid` owns score row `tid`, and the output heads (or the
+        // partial slots) of the items it is given.
         let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
-        for item in items {
-            let (t, p) = (item / pieces, first + item % pieces);
-            // Global query heads of this piece, clipped to this rank's heads.
-            let (h0, h1) = ((p * piece).max(start), ((p + 1) * piece).min(shape.q_heads.end));
+        for job in range {
+            let (item, s) = (job / splits, job % splits);
+            let (t, h0, h1, a, b) = heads_of(item);
             let kvh = h0 / shape.group - shape.kv_heads.start;
-            let (a, b) = (t * q_dim + (h0 - start) * hd, t * q_dim + (h1 - start) * hd);
             let (k_cache, v_cache, len) = at.of(t);
-            let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) };
+            let chunk = len.div_ceil(splits);
+            let (j0, j1) = ((s * chunk).min(len), ((s + 1) * chunk).min(len));
+            let (o, st) = if splits == 1 {
+                (unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) }, None)
+            } else {
+                let st = unsafe { std::slice::from_raw_parts_mut(stats_ptr.ptr().add(job * 2 * piece), 2 * (h1 - h0)) };
+                if j0 == j1 {
+                    // An empty range weighs nothing in the merge.
+                    st.chunks_exact_mut(2).for_each(|x| x.copy_from_slice(&[f32::NEG_INFINITY, 0.0]));
+                    continue;
+                }
+                (unsafe { std::slice::from_raw_parts_mut(part_ptr.ptr().add(job * slot), b - a) }, Some(st))
+            };
+            let off = j0 * kv_row + kvh * hd;
             match (k_cache, v_cache) {
-                (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[kvh * hd..], &v[kvh * hd..], kv_row, len, scale, sc, o),
-                (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[kvh * hd..], &v[kvh * hd..], kv_row, len, scale, sc, o),
+                (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], kv_row, j1 - j0, scale, sc, o, st),
+                (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], kv_row, j1 - j0, scale, sc, o, st),
                 _ => unreachable!("keys and values share one element type"),
             }
         }
     });
+    if splits == 1 {
+        return;
+    }
+    // Merge each item's ranges: weights exp(max_s − max*)·sum_s on normalised outputs.
+    for item in 0..items {
+        let (_, h0, h1, a, _) = heads_of(item);
+        for h in 0..h1 - h0 {
+            let stat = |s: usize| (stats[(item * splits + s) * 2 * piece + 2 * h], stats[(item * splits + s) * 2 * piece + 2 * h + 1]);
+            let m = (0..splits).map(|s| stat(s).0).fold(f32::NEG_INFINITY, f32::max);
+            let o = &mut out[a + h * hd..a + (h + 1) * hd];
+            o.fill(0.0);
+            let mut total = 0.0;
+            for s in 0..splits {
+                let (ms, ls) = stat(s);
+                if ls == 0.0 {
+                    continue;
+                }
+                let w = (ms - m).exp() * ls;
+                total += w;
+                let p = &part[(item * splits + s) * slot + h * hd..][..hd];
+                ops::axpy(o, w, p);
+            }
+            o.iter_mut().for_each(|x| *x /= total);
+        }
+    }
 }
 
 /// MLA attention over the latent cache: `s_j = scale·(q_lat·c_j + q_pe·k_pe_j)`,

@@ -459,3 +459,36 @@ fn moe_fused_and_per_expert_paths_agree() {
         assert!(d <= 1e-4 * scale, "position {i}: fused and per-expert logits differ by {d} (max |logit| {scale})");
     }
 }
+
+/// Batch-1 decode over a long cache splits each kv group's keys into ranges, one work
+/// item each, merged by their softmax statistics (when there are fewer groups than
+/// threads can share). With 3 threads it splits; with 1 it does not: the logits agree,
+/// for f32 and f16 caches.
+#[test]
+fn attention_split_over_key_ranges_matches_one_range() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3");
+    let model = load_model(&dir).unwrap();
+    let n = 700;
+    let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 53 + 7) % 256).collect();
+    let limits = StepLimits { tokens_per_step_max: n, context_max: n + 8, sequences_per_step_max: 1 };
+    let vocab = model.cfg.vocab;
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let run = |threads: usize| {
+            let pool = ThreadPool::new(threads);
+            let mut ws = model.new_workspace(limits, pool.n_threads());
+            let mut cache = model.new_cache(limits, dtype);
+            let mut logits = vec![0.0; vocab];
+            model.forward(&pool, &mut ws, &mut cache, &prompt, LogitsFor::Last, &mut logits).unwrap();
+            let mut rows = Vec::new();
+            for t in [5u32, 9, 200, 31] {
+                model.forward(&pool, &mut ws, &mut cache, &[t], LogitsFor::Last, &mut logits).unwrap();
+                rows.extend_from_slice(&logits);
+            }
+            rows
+        };
+        let (one, split) = (run(1), run(3));
+        let scale = one.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let d = one.iter().zip(&split).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(d <= 1e-4 * scale, "{dtype:?}: split attention differs by {d} (max |logit| {scale})");
+    }
+}
