@@ -17,7 +17,7 @@ fn main() {
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
-const FORMATS: [WeightFormat; 12] = [
+const FORMATS: [WeightFormat; 13] = [
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
     WeightFormat::Q4_0x8,
@@ -28,6 +28,7 @@ const FORMATS: [WeightFormat; 12] = [
     WeightFormat::Q5K,
     WeightFormat::Q6K,
     WeightFormat::Mxfp4,
+    WeightFormat::Fp8,
     WeightFormat::F16,
     WeightFormat::Bf16,
 ];
@@ -45,7 +46,7 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// A `ROWS × COLS` matrix of `format` with sane scales (f16 0.01, e8m0 2^0) and, for
+/// A `ROWS × COLS` matrix of `format` with sane scales (f16 0.01, e8m0 2^0, FP8's f32 0.01) and, for
 /// float formats, small normal values.
 fn matrix(format: WeightFormat) -> Vec<u8> {
     if format.rows_per_group() > 1 {
@@ -69,6 +70,11 @@ fn matrix(format: WeightFormat) -> Vec<u8> {
                     }
                     WeightFormat::Q6K => b[bb - 2..].copy_from_slice(&f16),
                     WeightFormat::Mxfp4 => b[0] = 127,
+                    WeightFormat::Fp8 => {
+                        b[..4].copy_from_slice(&0.01f32.to_le_bytes());
+                        // No NaN codes (they take the scalar path).
+                        b[4..].iter_mut().filter(|q| **q & 0x7F == 0x7F).for_each(|q| *q = 0x7E);
+                    }
                     _ => unreachable!("not benchmarked"),
                 }
             }

@@ -2,8 +2,9 @@
 //! supports; every entry point falls back to [`crate::scalar`] where a flavour has no
 //! kernel of its own (which LLVM auto-vectorises for the baseline SIMD of the target).
 //! x86-64: AVX2 + FMA + F16C for every format. aarch64: NEON with the dot-product
-//! extension (every Apple M-series core) for every format but FP8 (which takes the
-//! portable path there).
+//! extension (every Apple M-series core) for every format. K-quants with f32 activations
+//! (never chosen at load: they compute on q8 activations) dequantize through the scalar
+//! decoder.
 
 use crate::format::WeightFormat;
 use crate::q8::BlockQ8;
@@ -417,6 +418,36 @@ mod x86 {
                             acc = _mm256_fmadd_ps(_mm256_fmadd_ps(qf, sc, bias), xv, acc);
                         }
                     }
+                }
+            }
+            WeightFormat::Fp8 => {
+                // E4M3 bits moved into an f16 (sign to bit 15, exponent and mantissa to
+                // bits 7..14) are the value × 2^-8, subnormals included (same exponent
+                // field, f16's bias 15 against E4M3's 7); F16C widens them; the block
+                // scale takes back the 2^8. A block with a NaN byte (S.1111.111, which
+                // f16 would read as 1.875·2^-8) takes the scalar path, which gives NaN.
+                let (m7, m80) = (_mm256_set1_epi8(0x7F), _mm_set1_epi16(0x80));
+                let m7f = _mm_set1_epi16(0x7F);
+                for bi in 0..x.len() / 32 {
+                    let b = row.as_ptr().add(bi * bb);
+                    _mm_prefetch(b.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+                    let q = _mm256_loadu_si256(b.add(4) as *const __m256i);
+                    if _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_and_si256(q, m7), m7)) != 0 {
+                        let mut w = [0.0f32; 32];
+                        scalar::dequantize_row(format, &row[bi * bb..(bi + 1) * bb], &mut w);
+                        for k in 0..4 {
+                            acc = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr().add(8 * k)), _mm256_loadu_ps(xp.add(bi * 32 + 8 * k)), acc);
+                        }
+                        continue;
+                    }
+                    let d = _mm256_set1_ps(std::ptr::read_unaligned(b as *const f32) * 256.0);
+                    let mut block = _mm256_setzero_ps();
+                    for k in 0..4 {
+                        let w16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(b.add(4 + 8 * k) as *const __m128i));
+                        let h = _mm_or_si128(_mm_slli_epi16::<8>(_mm_and_si128(w16, m80)), _mm_slli_epi16::<7>(_mm_and_si128(w16, m7f)));
+                        block = _mm256_fmadd_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(xp.add(bi * 32 + 8 * k)), block);
+                    }
+                    acc = _mm256_fmadd_ps(block, d, acc);
                 }
             }
             _ => {
@@ -1285,6 +1316,36 @@ mod arm {
                         };
                         fma32(q, false, sc, bias, gi * g + sub * 32);
                     }
+                }
+            }
+            WeightFormat::Fp8 => {
+                // As on x86: E4M3 bits placed into an f16 are the value × 2^-8; FCVTL
+                // widens them; the scale takes back 2^8; a NaN byte takes the scalar path.
+                let m7 = vdupq_n_u8(0x7F);
+                for bi in 0..x.len() / 32 {
+                    let b = row.as_ptr().add(bi * bb);
+                    let q = [vld1q_u8(b.add(4)), vld1q_u8(b.add(20))];
+                    if vmaxvq_u8(vorrq_u8(vceqq_u8(vandq_u8(q[0], m7), m7), vceqq_u8(vandq_u8(q[1], m7), m7))) != 0 {
+                        let mut w = [0.0f32; 32];
+                        scalar::dequantize_row(format, &row[bi * bb..(bi + 1) * bb], &mut w);
+                        for k in 0..8 {
+                            acc[k % 2] = vfmaq_f32(acc[k % 2], vld1q_f32(w.as_ptr().add(4 * k)), vld1q_f32(xp.add(bi * 32 + 4 * k)));
+                        }
+                        continue;
+                    }
+                    let d = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32) * 256.0);
+                    let mut block = [vdupq_n_f32(0.0); 2];
+                    for (h, qh) in q.into_iter().enumerate() {
+                        for (half, w8) in [vget_low_u8(qh), vget_high_u8(qh)].into_iter().enumerate() {
+                            let w16 = vmovl_u8(w8);
+                            let f16 = vorrq_u16(vshlq_n_u16::<8>(vandq_u16(w16, vdupq_n_u16(0x80))), vshlq_n_u16::<7>(vandq_u16(w16, vdupq_n_u16(0x7F))));
+                            for (k, part) in [vget_low_u16(f16), vget_high_u16(f16)].into_iter().enumerate() {
+                                let at = bi * 32 + 16 * h + 8 * half + 4 * k;
+                                block[k] = vfmaq_f32(block[k], f16x4_to_f32(part), vld1q_f32(xp.add(at)));
+                            }
+                        }
+                    }
+                    acc[0] = vfmaq_f32(acc[0], vaddq_f32(block[0], block[1]), d);
                 }
             }
             _ => return scalar::dot_f32(format, row, x),
