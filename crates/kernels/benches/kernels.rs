@@ -17,7 +17,7 @@ fn main() {
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
-const FORMATS: [WeightFormat; 13] = [
+const FORMATS: [WeightFormat; 15] = [
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
     WeightFormat::Q4_0x8,
@@ -29,6 +29,8 @@ const FORMATS: [WeightFormat; 13] = [
     WeightFormat::Q6K,
     WeightFormat::Mxfp4,
     WeightFormat::Fp8,
+    WeightFormat::A4 { group: 64 },
+    WeightFormat::A8 { group: 64 },
     WeightFormat::F16,
     WeightFormat::Bf16,
 ];
@@ -70,6 +72,11 @@ fn matrix(format: WeightFormat) -> Vec<u8> {
                     }
                     WeightFormat::Q6K => b[bb - 2..].copy_from_slice(&f16),
                     WeightFormat::Mxfp4 => b[0] = 127,
+                    WeightFormat::A4 { .. } | WeightFormat::A8 { .. } => {
+                        // f32 scale and bias.
+                        b[..4].copy_from_slice(&0.01f32.to_le_bytes());
+                        b[4..8].copy_from_slice(&(-0.08f32).to_le_bytes());
+                    }
                     WeightFormat::Fp8 => {
                         b[..4].copy_from_slice(&0.01f32.to_le_bytes());
                         // No NaN codes (they take the scalar path).
