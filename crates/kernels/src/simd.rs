@@ -155,7 +155,7 @@ impl Isa {
             Isa::Avx2 => unsafe { x86::dot_float_x4(format, row, xs) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
-            Isa::Neon => xs.map(|x| unsafe { arm::dot_float(format, row, x) }),
+            Isa::Neon => unsafe { arm::dot_float_x4(format, row, xs) },
             _ => xs.map(|x| scalar::dot_f32(format, row, x)),
         }
     }
@@ -377,8 +377,87 @@ mod x86 {
         })
     }
 
-    /// Dot product of a row in a block format (MXFP4, MLX affine) with f32 activations:
-    /// weights are dequantized in registers, never written out.
+    /// Weights `32·c .. 32·c + 32` of a row in a block format with f32 activations
+    /// (MXFP4, MLX affine, FP8), dequantized in registers; `None` for an FP8 block that
+    /// holds a NaN code (the caller takes the scalar decoder, which gives NaN).
+    /// `K` is the format's kind ([`kind32`]), so each loop is compiled per format with
+    /// this match folded away (a run-time match here cost 4× in decode).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode32<const K: u8>(format: WeightFormat, row: *const u8, c: usize) -> Option<[__m256; 4]> {
+        let bb = format.block_bytes();
+        match format {
+            WeightFormat::Mxfp4 if K == KIND_MXFP4 => {
+                // Doubled E2M1 values as i8 (llama.cpp's trick): value = lut[q] / 2.
+                let lut = _mm256_setr_epi8(
+                    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                );
+                let b = row.add(c * bb);
+                let d = _mm256_set1_ps(scalar::e8m0(*b) * 0.5);
+                let v = _mm256_shuffle_epi8(lut, nibbles32(b.add(1)));
+                Some(widen32(v, true).map(|w| _mm256_mul_ps(w, d)))
+            }
+            WeightFormat::A4 { group } | WeightFormat::A8 { group } if K == KIND_A4 || K == KIND_A8 => {
+                let g = group as usize;
+                let (b, sub) = (row.add(c * 32 / g * bb), c * 32 % g / 32);
+                let sc = _mm256_set1_ps(std::ptr::read_unaligned(b as *const f32));
+                let bias = _mm256_set1_ps(std::ptr::read_unaligned(b.add(4) as *const f32));
+                let q = if K == KIND_A4 {
+                    nibbles32(b.add(8 + sub * 16))
+                } else {
+                    _mm256_loadu_si256(b.add(8 + sub * 32) as *const __m256i)
+                };
+                Some(widen32(q, false).map(|qf| _mm256_fmadd_ps(qf, sc, bias)))
+            }
+            WeightFormat::Fp8 if K == KIND_FP8 => {
+                // E4M3 bits moved into an f16 (sign to bit 15, exponent and mantissa to
+                // bits 7..14) are the value × 2^-8, subnormals included (same exponent
+                // field, f16's bias 15 against E4M3's 7); F16C widens them; the block
+                // scale takes back the 2^8. NaN (S.1111.111) would read as 1.875·2^-8.
+                let b = row.add(c * bb);
+                let m7 = _mm256_set1_epi8(0x7F);
+                let q = _mm256_loadu_si256(b.add(4) as *const __m256i);
+                if _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_and_si256(q, m7), m7)) != 0 {
+                    return None;
+                }
+                let d = _mm256_set1_ps(std::ptr::read_unaligned(b as *const f32) * 256.0);
+                Some(std::array::from_fn(|k| {
+                    let w16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(b.add(4 + 8 * k) as *const __m128i));
+                    let h = _mm_or_si128(_mm_slli_epi16::<8>(_mm_and_si128(w16, _mm_set1_epi16(0x80))), _mm_slli_epi16::<7>(_mm_and_si128(w16, _mm_set1_epi16(0x7F))));
+                    _mm256_mul_ps(_mm256_cvtph_ps(h), d)
+                }))
+            }
+            _ => unreachable!("{format} is not decoded 32 at a time"),
+        }
+    }
+
+    const KIND_MXFP4: u8 = 1;
+    const KIND_A4: u8 = 2;
+    const KIND_A8: u8 = 3;
+    const KIND_FP8: u8 = 4;
+
+    /// The [`decode32`] kind of `format`, if it has one.
+    fn kind32(format: WeightFormat) -> Option<u8> {
+        match format {
+            WeightFormat::Mxfp4 => Some(KIND_MXFP4),
+            WeightFormat::A4 { .. } => Some(KIND_A4),
+            WeightFormat::A8 { .. } => Some(KIND_A8),
+            WeightFormat::Fp8 => Some(KIND_FP8),
+            _ => None,
+        }
+    }
+
+    /// Chunk `c`'s 32 weights through the scalar decoder (FP8 blocks with NaN codes).
+    #[inline]
+    unsafe fn decode32_scalar(format: WeightFormat, row: &[u8], c: usize) -> [__m256; 4] {
+        let bb = format.block_bytes();
+        let mut w = [0.0f32; 32];
+        scalar::dequantize_row(format, &row[c * bb..(c + 1) * bb], &mut w);
+        std::array::from_fn(|k| _mm256_loadu_ps(w.as_ptr().add(8 * k)))
+    }
+
+    /// Dot product of a row in a block format with f32 activations: weights are
+    /// dequantized in registers, never written out.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_block_f32(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
         let (g, bb) = (format.block_elems(), format.block_bytes());
@@ -387,82 +466,75 @@ mod x86 {
         // Four accumulators: one FMA chain would wait out its 4-cycle latency every 8
         // elements (~2 elements per cycle: MLX 4-bit decoded at 3.3 GB/s that way).
         let mut accs = [_mm256_setzero_ps(); 4];
-        match format {
-            WeightFormat::Mxfp4 => {
-                // Doubled E2M1 values as i8 (llama.cpp's trick): value = lut[q] / 2.
-                let lut = _mm256_setr_epi8(
-                    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                );
-                for bi in 0..x.len() / 32 {
-                    let b = row.as_ptr().add(bi * bb);
-                    let d = _mm256_set1_ps(scalar::e8m0(*b) * 0.5);
-                    let v = _mm256_shuffle_epi8(lut, nibbles32(b.add(1)));
-                    for (k, w) in widen32(v, true).into_iter().enumerate() {
-                        let xv = _mm256_loadu_ps(xp.add(bi * 32 + 8 * k));
-                        accs[k] = _mm256_fmadd_ps(_mm256_mul_ps(w, d), xv, accs[k]);
-                    }
-                }
+        if let Some(kind) = kind32(format) {
+            match kind {
+                KIND_MXFP4 => dot32_t::<KIND_MXFP4>(format, row, xp, x.len(), &mut accs),
+                KIND_A4 => dot32_t::<KIND_A4>(format, row, xp, x.len(), &mut accs),
+                KIND_A8 => dot32_t::<KIND_A8>(format, row, xp, x.len(), &mut accs),
+                _ => dot32_t::<KIND_FP8>(format, row, xp, x.len(), &mut accs),
             }
-            WeightFormat::A4 { .. } | WeightFormat::A8 { .. } => {
-                let four = matches!(format, WeightFormat::A4 { .. });
-                for gi in 0..x.len() / g {
-                    let b = row.as_ptr().add(gi * bb);
-                    let sc = _mm256_set1_ps(std::ptr::read_unaligned(b as *const f32));
-                    let bias = _mm256_set1_ps(std::ptr::read_unaligned(b.add(4) as *const f32));
-                    for sub in 0..g / 32 {
-                        let q = if four {
-                            nibbles32(b.add(8 + sub * 16))
-                        } else {
-                            _mm256_loadu_si256(b.add(8 + sub * 32) as *const __m256i)
-                        };
-                        for (k, qf) in widen32(q, false).into_iter().enumerate() {
-                            let xv = _mm256_loadu_ps(xp.add(gi * g + sub * 32 + 8 * k));
-                            accs[k] = _mm256_fmadd_ps(_mm256_fmadd_ps(qf, sc, bias), xv, accs[k]);
-                        }
-                    }
-                }
-            }
-            WeightFormat::Fp8 => {
-                // E4M3 bits moved into an f16 (sign to bit 15, exponent and mantissa to
-                // bits 7..14) are the value × 2^-8, subnormals included (same exponent
-                // field, f16's bias 15 against E4M3's 7); F16C widens them; the block
-                // scale takes back the 2^8. A block with a NaN byte (S.1111.111, which
-                // f16 would read as 1.875·2^-8) takes the scalar path, which gives NaN.
-                let (m7, m80) = (_mm256_set1_epi8(0x7F), _mm_set1_epi16(0x80));
-                let m7f = _mm_set1_epi16(0x7F);
-                for bi in 0..x.len() / 32 {
-                    let b = row.as_ptr().add(bi * bb);
-                    _mm_prefetch(b.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
-                    let q = _mm256_loadu_si256(b.add(4) as *const __m256i);
-                    if _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_and_si256(q, m7), m7)) != 0 {
-                        let mut w = [0.0f32; 32];
-                        scalar::dequantize_row(format, &row[bi * bb..(bi + 1) * bb], &mut w);
-                        for (k, a) in accs.iter_mut().enumerate() {
-                            *a = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr().add(8 * k)), _mm256_loadu_ps(xp.add(bi * 32 + 8 * k)), *a);
-                        }
-                        continue;
-                    }
-                    let d = _mm256_set1_ps(std::ptr::read_unaligned(b as *const f32) * 256.0);
-                    for (k, a) in accs.iter_mut().enumerate() {
-                        let w16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(b.add(4 + 8 * k) as *const __m128i));
-                        let h = _mm_or_si128(_mm_slli_epi16::<8>(_mm_and_si128(w16, m80)), _mm_slli_epi16::<7>(_mm_and_si128(w16, m7f)));
-                        *a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), d), _mm256_loadu_ps(xp.add(bi * 32 + 8 * k)), *a);
-                    }
-                }
-            }
-            _ => {
-                // K-quants: dequantize one super-block to the stack, then FMA.
-                let mut w = [0.0f32; WeightFormat::BLOCK_ELEMS_MAX];
-                for bi in 0..x.len() / g {
-                    scalar::dequantize_row(format, &row[bi * bb..(bi + 1) * bb], &mut w[..g]);
-                    for k in 0..g / 8 {
-                        let xv = _mm256_loadu_ps(xp.add(bi * g + 8 * k));
-                        accs[k % 4] = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr().add(8 * k)), xv, accs[k % 4]);
-                    }
+        } else {
+            // K-quants: dequantize one super-block to the stack, then FMA.
+            let mut w = [0.0f32; WeightFormat::BLOCK_ELEMS_MAX];
+            for bi in 0..x.len() / g {
+                scalar::dequantize_row(format, &row[bi * bb..(bi + 1) * bb], &mut w[..g]);
+                for k in 0..g / 8 {
+                    let xv = _mm256_loadu_ps(xp.add(bi * g + 8 * k));
+                    accs[k % 4] = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr().add(8 * k)), xv, accs[k % 4]);
                 }
             }
         }
         hsum(_mm256_add_ps(_mm256_add_ps(accs[0], accs[1]), _mm256_add_ps(accs[2], accs[3])))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot32_t<const K: u8>(format: WeightFormat, row: &[u8], xp: *const f32, n: usize, accs: &mut [__m256; 4]) {
+        let bytes_per_chunk = 32 * format.block_bytes() / format.block_elems();
+        for c in 0..n / 32 {
+            _mm_prefetch(row.as_ptr().wrapping_add(c * bytes_per_chunk + PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+            let w = match decode32::<K>(format, row.as_ptr(), c) {
+                Some(w) => w,
+                None => decode32_scalar(format, row, c),
+            };
+            for (k, a) in accs.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xp.add(32 * c + 8 * k)), *a);
+            }
+        }
+    }
+
+    /// [`dot_block_f32`] for four tokens: each chunk of weights is dequantized once.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_block_f32_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+        let (g, bb) = (format.block_elems(), format.block_bytes());
+        let n = xs[0].len();
+        assert!(n % g == 0 && row.len() >= n / g * bb && xs.iter().all(|x| x.len() == n), "{format}: row is not whole blocks");
+        match kind32(format) {
+            Some(KIND_MXFP4) => dot32_x4_t::<KIND_MXFP4>(format, row, xs),
+            Some(KIND_A4) => dot32_x4_t::<KIND_A4>(format, row, xs),
+            Some(KIND_A8) => dot32_x4_t::<KIND_A8>(format, row, xs),
+            Some(KIND_FP8) => dot32_x4_t::<KIND_FP8>(format, row, xs),
+            _ => xs.map(|x| dot_block_f32(format, row, x)),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot32_x4_t<const K: u8>(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+        let n = xs[0].len();
+        let mut accs = [[_mm256_setzero_ps(); 2]; 4];
+        for c in 0..n / 32 {
+            let w = match decode32::<K>(format, row.as_ptr(), c) {
+                Some(w) => w,
+                None => decode32_scalar(format, row, c),
+            };
+            for (k, wk) in w.iter().enumerate() {
+                for (t, a) in accs.iter_mut().enumerate() {
+                    a[k % 2] = _mm256_fmadd_ps(*wk, _mm256_loadu_ps(xs[t].as_ptr().add(32 * c + 8 * k)), a[k % 2]);
+                }
+            }
+        }
+        accs.map(|[a, b]| hsum(_mm256_add_ps(a, b)))
     }
 
     /// Σ x_i·y_i over 32 signed bytes, as 8 i32 lanes converted to f32.
@@ -1134,6 +1206,7 @@ mod x86 {
             WeightFormat::F32 => dot_float_x4_t::<LoadF32>(format, row, xs),
             WeightFormat::F16 => dot_float_x4_t::<LoadF16>(format, row, xs),
             WeightFormat::Bf16 => dot_float_x4_t::<LoadBf16>(format, row, xs),
+            f if kind32(f).is_some() => dot_block_f32_x4(format, row, xs),
             _ => xs.map(|x| dot_block_f32(format, row, x)),
         }
     }
@@ -1273,6 +1346,86 @@ mod arm {
     /// MLX affine (A4/A8) and MXFP4 rows with f32 activations, dequantized in registers
     /// (the formats mlx-community checkpoints ship in).
     #[target_feature(enable = "neon")]
+    /// Four tokens against one row: block formats with f32 activations dequantize each
+    /// 32 weights once for all four (prefill, batched decode); others go token by token.
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn dot_float_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+        if !matches!(format, WeightFormat::Mxfp4 | WeightFormat::A4 { .. } | WeightFormat::A8 { .. } | WeightFormat::Fp8) {
+            return xs.map(|x| dot_float(format, row, x));
+        }
+        let (g, bb) = (format.block_elems(), format.block_bytes());
+        let n = xs[0].len();
+        assert!(n % g == 0 && row.len() >= n / g * bb && xs.iter().all(|x| x.len() == n), "{format}: row is not whole blocks");
+        let mut acc = [[vdupq_n_f32(0.0); 2]; 4];
+        let low = vdupq_n_u8(0x0F);
+        let lut: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+        let lut = vld1q_s8(lut.as_ptr());
+        let m7 = vdupq_n_u8(0x7F);
+        for c in 0..n / 32 {
+            // The chunk's 32 weights as 8 vectors of 4.
+            let mut w = [vdupq_n_f32(0.0); 8];
+            let widen = |q: [uint8x16_t; 2], signed: bool, scale: float32x4_t, bias: float32x4_t, w: &mut [float32x4_t; 8]| {
+                for (h, qh) in q.into_iter().enumerate() {
+                    for (k, v) in widen16(qh, signed).into_iter().enumerate() {
+                        w[4 * h + k] = vfmaq_f32(bias, v, scale);
+                    }
+                }
+            };
+            match format {
+                WeightFormat::Mxfp4 => {
+                    let b = row.as_ptr().add(c * bb);
+                    let d = vdupq_n_f32(scalar::e8m0(*b) * 0.5);
+                    let q = vld1q_u8(b.add(1));
+                    let q = [vandq_u8(q, low), vshrq_n_u8::<4>(q)].map(|n| vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)));
+                    widen(q, true, d, vdupq_n_f32(0.0), &mut w);
+                }
+                WeightFormat::A4 { group } | WeightFormat::A8 { group } => {
+                    let g = group as usize;
+                    let (b, sub) = (row.as_ptr().add(c * 32 / g * bb), c * 32 % g / 32);
+                    let sc = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32));
+                    let bias = vdupq_n_f32(std::ptr::read_unaligned(b.add(4) as *const f32));
+                    let q = if matches!(format, WeightFormat::A4 { .. }) {
+                        let q = vld1q_u8(b.add(8 + sub * 16));
+                        [vandq_u8(q, low), vshrq_n_u8::<4>(q)]
+                    } else {
+                        [vld1q_u8(b.add(8 + sub * 32)), vld1q_u8(b.add(8 + sub * 32 + 16))]
+                    };
+                    widen(q, false, sc, bias, &mut w);
+                }
+                _ => {
+                    // FP8, as in `dot_block`.
+                    let b = row.as_ptr().add(c * bb);
+                    let q = [vld1q_u8(b.add(4)), vld1q_u8(b.add(20))];
+                    if vmaxvq_u8(vorrq_u8(vceqq_u8(vandq_u8(q[0], m7), m7), vceqq_u8(vandq_u8(q[1], m7), m7))) != 0 {
+                        let mut f = [0.0f32; 32];
+                        scalar::dequantize_row(format, &row[c * bb..(c + 1) * bb], &mut f);
+                        for (k, wk) in w.iter_mut().enumerate() {
+                            *wk = vld1q_f32(f.as_ptr().add(4 * k));
+                        }
+                    } else {
+                        let d = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32) * 256.0);
+                        for (h, qh) in q.into_iter().enumerate() {
+                            for (half, w8) in [vget_low_u8(qh), vget_high_u8(qh)].into_iter().enumerate() {
+                                let w16 = vmovl_u8(w8);
+                                let f16 = vorrq_u16(vshlq_n_u16::<8>(vandq_u16(w16, vdupq_n_u16(0x80))), vshlq_n_u16::<7>(vandq_u16(w16, vdupq_n_u16(0x7F))));
+                                for (k, part) in [vget_low_u16(f16), vget_high_u16(f16)].into_iter().enumerate() {
+                                    w[4 * h + 2 * half + k] = vmulq_f32(f16x4_to_f32(part), d);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            for (t, a) in acc.iter_mut().enumerate() {
+                let xp = xs[t].as_ptr().add(32 * c);
+                for (k, wk) in w.iter().enumerate() {
+                    a[k % 2] = vfmaq_f32(a[k % 2], *wk, vld1q_f32(xp.add(4 * k)));
+                }
+            }
+        }
+        acc.map(|[a, b]| vaddvq_f32(vaddq_f32(a, b)))
+    }
+
     unsafe fn dot_block(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
         let (g, bb) = (format.block_elems(), format.block_bytes());
         assert!(x.len() % g == 0 && row.len() >= x.len() / g * bb, "{format}: row is not whole blocks");
