@@ -282,9 +282,9 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
-    /// Loads 8 weights of one float format as f32. One type per format, so the dot
-    /// loop is compiled once per format with the load inlined (a `match` on the format
-    /// inside the loop cost ~4x in decode).
+    /// Loads 8 weights of one float format (or cached f32/f16 keys and values) as f32.
+    /// One type per format, so the dot loop is compiled once per format with the load
+    /// inlined (a `match` on the format inside the loop cost ~4x in decode).
     trait Load8 {
         const ELEM_BYTES: usize;
         unsafe fn load8(p: *const u8) -> __m256;
@@ -857,50 +857,22 @@ mod x86 {
         }
     }
 
-    /// Loads 8 cached values (f32, or f16 widened by F16C) as f32.
-    trait Row8: Copy {
-        const BYTES: usize;
-        unsafe fn load8(p: *const u8) -> __m256;
-    }
-
-    #[derive(Clone, Copy)]
-    struct RowsF32;
-    impl Row8 for RowsF32 {
-        const BYTES: usize = 4;
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load8(p: *const u8) -> __m256 {
-            _mm256_loadu_ps(p as *const f32)
-        }
-    }
-
-    #[derive(Clone, Copy)]
-    struct RowsF16;
-    impl Row8 for RowsF16 {
-        const BYTES: usize = 2;
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load8(p: *const u8) -> __m256 {
-            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-        }
-    }
-
     /// `G` query heads (1..=4) sharing one kv head; `head_dim % 8 == 0`.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attend_group<E: KvElem>(q: &[f32], d: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
         let (k, v) = (k.as_ptr() as *const u8, v.as_ptr() as *const u8);
         if E::F16 {
-            attend_group_rows::<RowsF16>(q, d, k, v, stride, len, scale, scores, out, stats)
+            attend_group_rows::<LoadF16>(q, d, k, v, stride, len, scale, scores, out, stats)
         } else {
-            attend_group_rows::<RowsF32>(q, d, k, v, stride, len, scale, scores, out, stats)
+            attend_group_rows::<LoadF32>(q, d, k, v, stride, len, scale, scores, out, stats)
         }
     }
 
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn attend_group_rows<L: Row8>(q: &[f32], d: usize, k: *const u8, v: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
+    unsafe fn attend_group_rows<L: Load8>(q: &[f32], d: usize, k: *const u8, v: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
         // Tiles of about 8 independent accumulators: enough FMA chains to hide latency,
         // few enough to stay in the 16 registers.
         match q.len() / d {
@@ -916,10 +888,10 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn attend_group_t<L: Row8, const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, kp: *const u8, vp: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
+    unsafe fn attend_group_t<L: Load8, const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, kp: *const u8, vp: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
         let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
         // Element offsets become byte offsets.
-        let (stride, e) = (stride * L::BYTES, L::BYTES);
+        let (stride, e) = (stride * L::ELEM_BYTES, L::ELEM_BYTES);
         // Scores: s[h][j] = scale · q_h · k_j.
         let mut j = 0;
         while j < len {
@@ -1022,15 +994,15 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn values_tile<L: Row8, const G: usize, const W: usize>(vp: *const u8, sp: *const f32, stride: usize, len: usize, js: std::ops::Range<usize>, c: usize, op: *mut f32, d: usize) {
+    unsafe fn values_tile<L: Load8, const G: usize, const W: usize>(vp: *const u8, sp: *const f32, stride: usize, len: usize, js: std::ops::Range<usize>, c: usize, op: *mut f32, d: usize) {
         // `stride` in bytes; `c` in elements.
         let mut acc: [[__m256; W]; G] = std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(op.add(h * d + c + 8 * w))));
         for j in js {
             if c == 0 {
-                prefetch_row(vp.wrapping_add((j + VALUES_BLOCK) * stride), d * L::BYTES);
+                prefetch_row(vp.wrapping_add((j + VALUES_BLOCK) * stride), d * L::ELEM_BYTES);
             }
-            let row = vp.add(j * stride + c * L::BYTES);
-            let vv: [__m256; W] = std::array::from_fn(|w| L::load8(row.add(8 * w * L::BYTES)));
+            let row = vp.add(j * stride + c * L::ELEM_BYTES);
+            let vv: [__m256; W] = std::array::from_fn(|w| L::load8(row.add(8 * w * L::ELEM_BYTES)));
             for (h, acc_h) in acc.iter_mut().enumerate() {
                 let p = _mm256_broadcast_ss(&*sp.add(h * len + j));
                 for (a, x) in acc_h.iter_mut().zip(&vv) {
