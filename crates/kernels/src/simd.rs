@@ -1318,6 +1318,38 @@ mod arm {
     /// MLX affine (A4/A8) and MXFP4 rows with f32 activations, dequantized in registers
     /// (the formats mlx-community checkpoints ship in).
     #[target_feature(enable = "neon")]
+    /// FP8 block `c` of a row as 8 vectors of 4 f32. As on x86: E4M3 bits placed into an
+    /// f16 are the value × 2^-8 (subnormals included); FCVTL widens them; the scale takes
+    /// back 2^8. A block with a NaN code (S.1111.111) goes through the scalar decoder.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn fp8_chunk(row: &[u8], c: usize) -> [float32x4_t; 8] {
+        let bb = WeightFormat::Fp8.block_bytes();
+        let b = row.as_ptr().add(c * bb);
+        let m7 = vdupq_n_u8(0x7F);
+        let q = [vld1q_u8(b.add(4)), vld1q_u8(b.add(20))];
+        let mut w = [vdupq_n_f32(0.0); 8];
+        if vmaxvq_u8(vorrq_u8(vceqq_u8(vandq_u8(q[0], m7), m7), vceqq_u8(vandq_u8(q[1], m7), m7))) != 0 {
+            let mut f = [0.0f32; 32];
+            scalar::dequantize_row(WeightFormat::Fp8, &row[c * bb..(c + 1) * bb], &mut f);
+            for (k, wk) in w.iter_mut().enumerate() {
+                *wk = vld1q_f32(f.as_ptr().add(4 * k));
+            }
+            return w;
+        }
+        let d = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32) * 256.0);
+        for (h, qh) in q.into_iter().enumerate() {
+            for (half, w8) in [vget_low_u8(qh), vget_high_u8(qh)].into_iter().enumerate() {
+                let w16 = vmovl_u8(w8);
+                let f16 = vorrq_u16(vshlq_n_u16::<8>(vandq_u16(w16, vdupq_n_u16(0x80))), vshlq_n_u16::<7>(vandq_u16(w16, vdupq_n_u16(0x7F))));
+                for (k, part) in [vget_low_u16(f16), vget_high_u16(f16)].into_iter().enumerate() {
+                    w[4 * h + 2 * half + k] = vmulq_f32(f16x4_to_f32(part), d);
+                }
+            }
+        }
+        w
+    }
+
     /// Four tokens against one row: block formats with f32 activations dequantize each
     /// 32 weights once for all four (prefill, batched decode); others go token by token.
     #[target_feature(enable = "neon,dotprod")]
@@ -1332,7 +1364,6 @@ mod arm {
         let low = vdupq_n_u8(0x0F);
         let lut: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
         let lut = vld1q_s8(lut.as_ptr());
-        let m7 = vdupq_n_u8(0x7F);
         for c in 0..n / 32 {
             // The chunk's 32 weights as 8 vectors of 4.
             let mut w = [vdupq_n_f32(0.0); 8];
@@ -1364,29 +1395,7 @@ mod arm {
                     };
                     widen(q, false, sc, bias, &mut w);
                 }
-                _ => {
-                    // FP8, as in `dot_block`.
-                    let b = row.as_ptr().add(c * bb);
-                    let q = [vld1q_u8(b.add(4)), vld1q_u8(b.add(20))];
-                    if vmaxvq_u8(vorrq_u8(vceqq_u8(vandq_u8(q[0], m7), m7), vceqq_u8(vandq_u8(q[1], m7), m7))) != 0 {
-                        let mut f = [0.0f32; 32];
-                        scalar::dequantize_row(format, &row[c * bb..(c + 1) * bb], &mut f);
-                        for (k, wk) in w.iter_mut().enumerate() {
-                            *wk = vld1q_f32(f.as_ptr().add(4 * k));
-                        }
-                    } else {
-                        let d = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32) * 256.0);
-                        for (h, qh) in q.into_iter().enumerate() {
-                            for (half, w8) in [vget_low_u8(qh), vget_high_u8(qh)].into_iter().enumerate() {
-                                let w16 = vmovl_u8(w8);
-                                let f16 = vorrq_u16(vshlq_n_u16::<8>(vandq_u16(w16, vdupq_n_u16(0x80))), vshlq_n_u16::<7>(vandq_u16(w16, vdupq_n_u16(0x7F))));
-                                for (k, part) in [vget_low_u16(f16), vget_high_u16(f16)].into_iter().enumerate() {
-                                    w[4 * h + 2 * half + k] = vmulq_f32(f16x4_to_f32(part), d);
-                                }
-                            }
-                        }
-                    }
-                }
+                _ => w = fp8_chunk(row, c),
             }
             for (t, a) in acc.iter_mut().enumerate() {
                 let xp = xs[t].as_ptr().add(32 * c);
@@ -1446,30 +1455,9 @@ mod arm {
                 }
             }
             WeightFormat::Fp8 => {
-                // As on x86: E4M3 bits placed into an f16 are the value × 2^-8; FCVTL
-                // widens them; the scale takes back 2^8; a NaN byte takes the scalar path.
-                let m7 = vdupq_n_u8(0x7F);
                 for bi in 0..x.len() / 32 {
-                    let b = row.as_ptr().add(bi * bb);
-                    let q = [vld1q_u8(b.add(4)), vld1q_u8(b.add(20))];
-                    if vmaxvq_u8(vorrq_u8(vceqq_u8(vandq_u8(q[0], m7), m7), vceqq_u8(vandq_u8(q[1], m7), m7))) != 0 {
-                        let mut w = [0.0f32; 32];
-                        scalar::dequantize_row(format, &row[bi * bb..(bi + 1) * bb], &mut w);
-                        for (k, a) in acc.iter_mut().enumerate() {
-                            *a = vfmaq_f32(*a, vld1q_f32(w.as_ptr().add(4 * k)), vld1q_f32(xp.add(bi * 32 + 4 * k)));
-                        }
-                        continue;
-                    }
-                    let d = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32) * 256.0);
-                    for (h, qh) in q.into_iter().enumerate() {
-                        for (half, w8) in [vget_low_u8(qh), vget_high_u8(qh)].into_iter().enumerate() {
-                            let w16 = vmovl_u8(w8);
-                            let f16 = vorrq_u16(vshlq_n_u16::<8>(vandq_u16(w16, vdupq_n_u16(0x80))), vshlq_n_u16::<7>(vandq_u16(w16, vdupq_n_u16(0x7F))));
-                            for (k, part) in [vget_low_u16(f16), vget_high_u16(f16)].into_iter().enumerate() {
-                                let (i, at) = (4 * h + 2 * half + k, bi * 32 + 16 * h + 8 * half + 4 * k);
-                                acc[i] = vfmaq_f32(acc[i], vmulq_f32(f16x4_to_f32(part), d), vld1q_f32(xp.add(at)));
-                            }
-                        }
+                    for (k, wk) in fp8_chunk(row, bi).into_iter().enumerate() {
+                        acc[k] = vfmaq_f32(acc[k], wk, vld1q_f32(xp.add(bi * 32 + 4 * k)));
                     }
                 }
             }
