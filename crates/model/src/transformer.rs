@@ -291,6 +291,18 @@ impl KvStore {
         }
     }
 
+    /// Writes `x` (tokens × heads × `head_dim`) at positions `pos0..` of a head-major
+    /// cache (`[head][capacity][head_dim]`): each kv group's keys and values are then one
+    /// contiguous run, which attention streams (a position-major row interleaves every
+    /// head, so one group read a third of each row on SmolLM2).
+    fn write_heads(&mut self, pos0: usize, x: &[f32], kv_heads: usize, head_dim: usize, capacity: usize) {
+        for (i, token) in x.chunks_exact(kv_heads * head_dim).enumerate() {
+            for (h, src) in token.chunks_exact(head_dim).enumerate() {
+                self.write((h * capacity + pos0 + i) * head_dim, src);
+            }
+        }
+    }
+
     /// The f32 rows of a cache that is always f32 (MLA's).
     fn f32s(&self) -> &[f32] {
         match self {
@@ -1823,8 +1835,9 @@ impl Run<'_> {
             let (a, b) = (ws.chunk_start[ci], ws.chunk_start[ci + 1]);
             let cache = &mut caches[ch.cache];
             let pos0 = cache.len;
-            cache.k[li].write(pos0 * kv_dim, &ws.k[a * kv_dim..b * kv_dim]);
-            cache.v[li].write(pos0 * kv_dim, &ws.v[a * kv_dim..b * kv_dim]);
+            let (kvh, cap) = (g.kv_heads.len(), cache.capacity);
+            cache.k[li].write_heads(pos0, &ws.k[a * kv_dim..b * kv_dim], kvh, hd, cap);
+            cache.v[li].write_heads(pos0, &ws.v[a * kv_dim..b * kv_dim], kvh, hd, cap);
         }
         ws.charge(ProfileKind::AttnProj, t0, g.q.bytes() + g.k.bytes() + g.v.bytes());
         let t0 = ws.clock();
@@ -2102,6 +2115,12 @@ impl TokenCaches<'_> {
         let cache = &self.caches[self.chunks[self.tok_chunk[t] as usize].cache];
         (&cache.k[self.layer], &cache.v[self.layer], self.tok_pos[t] as usize + 1)
     }
+
+    /// Positions token `t`'s cache holds at most (a head's run in a head-major cache).
+    #[inline]
+    fn capacity(&self, t: usize) -> usize {
+        self.caches[self.chunks[self.tok_chunk[t] as usize].cache].capacity
+    }
 }
 
 /// Causal attention of the step's `n` queries, each over its own sequence's cache.
@@ -2130,7 +2149,6 @@ const ATTN_SPLIT_SLOTS_PER_THREAD: usize = 2 * ATTN_ITEMS_PER_THREAD;
 fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32], part: &mut [f32], stats: &mut [f32]) {
     let hd = shape.head_dim;
     let heads = shape.q_heads.len();
-    let kv_row = shape.kv_heads.len() * hd;
     let q_dim = heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let threads = pool.n_threads();
@@ -2180,10 +2198,11 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
                 }
                 (unsafe { std::slice::from_raw_parts_mut(part_ptr.ptr().add(job * slot), b - a) }, Some(st))
             };
-            let off = j0 * kv_row + kvh * hd;
+            // Head-major cache: kv head `kvh`'s positions are one run of `hd`-wide rows.
+            let off = (kvh * at.capacity(t) + j0) * hd;
             match (k_cache, v_cache) {
-                (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], kv_row, j1 - j0, scale, sc, o, st),
-                (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], kv_row, j1 - j0, scale, sc, o, st),
+                (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
+                (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
                 _ => unreachable!("keys and values share one element type"),
             }
         }
