@@ -32,6 +32,31 @@ impl KvElem for half::f16 {
     }
 }
 
+/// Block formats with f32 activations that the SIMD flavours dequantize 32 weights at a
+/// time in registers; the kind is a const parameter of their loops, so each loop is
+/// compiled per format with the decoding `match` folded away (a run-time match inside
+/// the loop cost 4× in decode).
+#[allow(dead_code)] // the portable build has no SIMD flavour to use them
+const KIND_MXFP4: u8 = 1;
+#[allow(dead_code)]
+const KIND_A4: u8 = 2;
+#[allow(dead_code)]
+const KIND_A8: u8 = 3;
+#[allow(dead_code)]
+const KIND_FP8: u8 = 4;
+
+/// The decoding kind of `format`, if it has one.
+#[allow(dead_code)]
+fn kind32(format: WeightFormat) -> Option<u8> {
+    match format {
+        WeightFormat::Mxfp4 => Some(KIND_MXFP4),
+        WeightFormat::A4 { .. } => Some(KIND_A4),
+        WeightFormat::A8 { .. } => Some(KIND_A8),
+        WeightFormat::Fp8 => Some(KIND_FP8),
+        _ => None,
+    }
+}
+
 /// Query heads [`Isa::attend_group`] takes in one pass over the keys and values.
 pub const ATTEND_GROUP_MAX: usize = 4;
 
@@ -428,22 +453,6 @@ mod x86 {
                 }))
             }
             _ => unreachable!("{format} is not decoded 32 at a time"),
-        }
-    }
-
-    const KIND_MXFP4: u8 = 1;
-    const KIND_A4: u8 = 2;
-    const KIND_A8: u8 = 3;
-    const KIND_FP8: u8 = 4;
-
-    /// The [`decode32`] kind of `format`, if it has one.
-    fn kind32(format: WeightFormat) -> Option<u8> {
-        match format {
-            WeightFormat::Mxfp4 => Some(KIND_MXFP4),
-            WeightFormat::A4 { .. } => Some(KIND_A4),
-            WeightFormat::A8 { .. } => Some(KIND_A8),
-            WeightFormat::Fp8 => Some(KIND_FP8),
-            _ => None,
         }
     }
 
@@ -1350,53 +1359,73 @@ mod arm {
         w
     }
 
+    /// Weights `32·c .. 32·c + 32` of a row in a block format with f32 activations, as
+    /// 8 vectors of 4, dequantized in registers (`K`: see [`kind32`]).
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn decode32<const K: u8>(format: WeightFormat, row: &[u8], c: usize) -> [float32x4_t; 8] {
+        let bb = format.block_bytes();
+        let low = vdupq_n_u8(0x0F);
+        let widen = |q: [uint8x16_t; 2], signed: bool, scale: float32x4_t, bias: float32x4_t| {
+            let mut w = [vdupq_n_f32(0.0); 8];
+            for (h, qh) in q.into_iter().enumerate() {
+                for (k, v) in widen16(qh, signed).into_iter().enumerate() {
+                    w[4 * h + k] = vfmaq_f32(bias, v, scale);
+                }
+            }
+            w
+        };
+        match format {
+            WeightFormat::Mxfp4 if K == KIND_MXFP4 => {
+                // Doubled E2M1 values as i8: value = lut[q] / 2.
+                let lut: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+                let lut = vld1q_s8(lut.as_ptr());
+                let b = row.as_ptr().add(c * bb);
+                let d = vdupq_n_f32(scalar::e8m0(*b) * 0.5);
+                let q = vld1q_u8(b.add(1));
+                let q = [vandq_u8(q, low), vshrq_n_u8::<4>(q)].map(|n| vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)));
+                widen(q, true, d, vdupq_n_f32(0.0))
+            }
+            WeightFormat::A4 { group } | WeightFormat::A8 { group } if K == KIND_A4 || K == KIND_A8 => {
+                let g = group as usize;
+                let (b, sub) = (row.as_ptr().add(c * 32 / g * bb), c * 32 % g / 32);
+                let sc = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32));
+                let bias = vdupq_n_f32(std::ptr::read_unaligned(b.add(4) as *const f32));
+                let q = if K == KIND_A4 {
+                    let q = vld1q_u8(b.add(8 + sub * 16));
+                    [vandq_u8(q, low), vshrq_n_u8::<4>(q)]
+                } else {
+                    [vld1q_u8(b.add(8 + sub * 32)), vld1q_u8(b.add(8 + sub * 32 + 16))]
+                };
+                widen(q, false, sc, bias)
+            }
+            WeightFormat::Fp8 if K == KIND_FP8 => fp8_chunk(row, c),
+            _ => unreachable!("{format} is not decoded 32 at a time"),
+        }
+    }
+
     /// Four tokens against one row: block formats with f32 activations dequantize each
     /// 32 weights once for all four (prefill, batched decode); others go token by token.
     #[target_feature(enable = "neon,dotprod")]
     pub unsafe fn dot_float_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
-        if !matches!(format, WeightFormat::Mxfp4 | WeightFormat::A4 { .. } | WeightFormat::A8 { .. } | WeightFormat::Fp8) {
-            return xs.map(|x| dot_float(format, row, x));
-        }
         let (g, bb) = (format.block_elems(), format.block_bytes());
         let n = xs[0].len();
-        assert!(n % g == 0 && row.len() >= n / g * bb && xs.iter().all(|x| x.len() == n), "{format}: row is not whole blocks");
+        let whole = n % g == 0 && row.len() >= n / g * bb && xs.iter().all(|x| x.len() == n);
+        match kind32(format) {
+            Some(KIND_MXFP4) if whole => dot32_x4_t::<KIND_MXFP4>(format, row, xs),
+            Some(KIND_A4) if whole => dot32_x4_t::<KIND_A4>(format, row, xs),
+            Some(KIND_A8) if whole => dot32_x4_t::<KIND_A8>(format, row, xs),
+            Some(KIND_FP8) if whole => dot32_x4_t::<KIND_FP8>(format, row, xs),
+            _ => xs.map(|x| dot_float(format, row, x)),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn dot32_x4_t<const K: u8>(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
         let mut acc = [[vdupq_n_f32(0.0); 2]; 4];
-        let low = vdupq_n_u8(0x0F);
-        let lut: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-        let lut = vld1q_s8(lut.as_ptr());
-        for c in 0..n / 32 {
-            // The chunk's 32 weights as 8 vectors of 4.
-            let mut w = [vdupq_n_f32(0.0); 8];
-            let widen = |q: [uint8x16_t; 2], signed: bool, scale: float32x4_t, bias: float32x4_t, w: &mut [float32x4_t; 8]| {
-                for (h, qh) in q.into_iter().enumerate() {
-                    for (k, v) in widen16(qh, signed).into_iter().enumerate() {
-                        w[4 * h + k] = vfmaq_f32(bias, v, scale);
-                    }
-                }
-            };
-            match format {
-                WeightFormat::Mxfp4 => {
-                    let b = row.as_ptr().add(c * bb);
-                    let d = vdupq_n_f32(scalar::e8m0(*b) * 0.5);
-                    let q = vld1q_u8(b.add(1));
-                    let q = [vandq_u8(q, low), vshrq_n_u8::<4>(q)].map(|n| vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)));
-                    widen(q, true, d, vdupq_n_f32(0.0), &mut w);
-                }
-                WeightFormat::A4 { group } | WeightFormat::A8 { group } => {
-                    let g = group as usize;
-                    let (b, sub) = (row.as_ptr().add(c * 32 / g * bb), c * 32 % g / 32);
-                    let sc = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32));
-                    let bias = vdupq_n_f32(std::ptr::read_unaligned(b.add(4) as *const f32));
-                    let q = if matches!(format, WeightFormat::A4 { .. }) {
-                        let q = vld1q_u8(b.add(8 + sub * 16));
-                        [vandq_u8(q, low), vshrq_n_u8::<4>(q)]
-                    } else {
-                        [vld1q_u8(b.add(8 + sub * 32)), vld1q_u8(b.add(8 + sub * 32 + 16))]
-                    };
-                    widen(q, false, sc, bias, &mut w);
-                }
-                _ => w = fp8_chunk(row, c),
-            }
+        for c in 0..xs[0].len() / 32 {
+            let w = decode32::<K>(format, row, c);
             for (t, a) in acc.iter_mut().enumerate() {
                 let xp = xs[t].as_ptr().add(32 * c);
                 for (k, wk) in w.iter().enumerate() {
@@ -1410,61 +1439,28 @@ mod arm {
     unsafe fn dot_block(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
         let (g, bb) = (format.block_elems(), format.block_bytes());
         assert!(x.len() % g == 0 && row.len() >= x.len() / g * bb, "{format}: row is not whole blocks");
-        let xp = x.as_ptr();
-        let low = vdupq_n_u8(0x0F);
         // Eight accumulators: Apple cores run four 128-bit FMAs per cycle at ~4 cycles of
         // latency, so fewer chains leave the FMA units waiting.
         let mut acc = [vdupq_n_f32(0.0); 8];
-        // 32 weights from their 32 values (two 16-byte vectors) against x[at..at + 32].
-        let mut fma32 = |q: [uint8x16_t; 2], signed: bool, scale: float32x4_t, bias: float32x4_t, at: usize| {
-            for (h, qh) in q.into_iter().enumerate() {
-                for (k, w) in widen16(qh, signed).into_iter().enumerate() {
-                    let xv = vld1q_f32(xp.add(at + 16 * h + 4 * k));
-                    acc[4 * h + k] = vfmaq_f32(acc[4 * h + k], vfmaq_f32(bias, w, scale), xv);
-                }
-            }
-        };
-        match format {
-            WeightFormat::Mxfp4 => {
-                // Doubled E2M1 values as i8: value = lut[q] / 2.
-                let lut: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-                let lut = vld1q_s8(lut.as_ptr());
-                for bi in 0..x.len() / 32 {
-                    let b = row.as_ptr().add(bi * bb);
-                    let d = vdupq_n_f32(scalar::e8m0(*b) * 0.5);
-                    let c = vld1q_u8(b.add(1));
-                    let q = [vandq_u8(c, low), vshrq_n_u8::<4>(c)].map(|n| vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)));
-                    fma32(q, true, d, vdupq_n_f32(0.0), bi * 32);
-                }
-            }
-            WeightFormat::A4 { .. } | WeightFormat::A8 { .. } => {
-                let four = matches!(format, WeightFormat::A4 { .. });
-                for gi in 0..x.len() / g {
-                    let b = row.as_ptr().add(gi * bb);
-                    let sc = vdupq_n_f32(std::ptr::read_unaligned(b as *const f32));
-                    let bias = vdupq_n_f32(std::ptr::read_unaligned(b.add(4) as *const f32));
-                    for sub in 0..g / 32 {
-                        let q = if four {
-                            let c = vld1q_u8(b.add(8 + sub * 16));
-                            [vandq_u8(c, low), vshrq_n_u8::<4>(c)]
-                        } else {
-                            [vld1q_u8(b.add(8 + sub * 32)), vld1q_u8(b.add(8 + sub * 32 + 16))]
-                        };
-                        fma32(q, false, sc, bias, gi * g + sub * 32);
-                    }
-                }
-            }
-            WeightFormat::Fp8 => {
-                for bi in 0..x.len() / 32 {
-                    for (k, wk) in fp8_chunk(row, bi).into_iter().enumerate() {
-                        acc[k] = vfmaq_f32(acc[k], wk, vld1q_f32(xp.add(bi * 32 + 4 * k)));
-                    }
-                }
-            }
+        match kind32(format) {
+            Some(KIND_MXFP4) => dot32_t::<KIND_MXFP4>(format, row, x, &mut acc),
+            Some(KIND_A4) => dot32_t::<KIND_A4>(format, row, x, &mut acc),
+            Some(KIND_A8) => dot32_t::<KIND_A8>(format, row, x, &mut acc),
+            Some(KIND_FP8) => dot32_t::<KIND_FP8>(format, row, x, &mut acc),
             _ => return scalar::dot_f32(format, row, x),
         }
         let s4 = [0, 2, 4, 6].map(|i| vaddq_f32(acc[i], acc[i + 1]));
         vaddvq_f32(vaddq_f32(vaddq_f32(s4[0], s4[1]), vaddq_f32(s4[2], s4[3])))
+    }
+
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn dot32_t<const K: u8>(format: WeightFormat, row: &[u8], x: &[f32], acc: &mut [float32x4_t; 8]) {
+        for c in 0..x.len() / 32 {
+            for (k, wk) in decode32::<K>(format, row, c).into_iter().enumerate() {
+                acc[k] = vfmaq_f32(acc[k], wk, vld1q_f32(x.as_ptr().add(32 * c + 4 * k)));
+            }
+        }
     }
 
     #[target_feature(enable = "neon,dotprod")]
