@@ -262,34 +262,29 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n
     }
     let r = u;
     let row = w.row(r);
-    let mut t = 0;
     if w.format.int8_activations() {
         let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
-        while t + 4 <= n_tokens {
-            let v = isa.dot_q8_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
-            for (k, vk) in v.into_iter().enumerate() {
-                // SAFETY: row r belongs to this thread alone.
-                unsafe { *y.ptr().add((t + k) * rows + r) = vk };
-            }
-            t += 4;
-        }
-        for t in t..n_tokens {
-            // SAFETY: as above.
-            unsafe { *y.ptr().add(t * rows + r) = isa.dot_q8(w.format, row, x_of(t)) };
-        }
+        each_token(n_tokens, rows, r, y, |t| isa.dot_q8_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]), |t| isa.dot_q8(w.format, row, x_of(t)));
     } else {
         let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
-        while t + 4 <= n_tokens {
-            let v = isa.dot_f32_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
-            for (k, vk) in v.into_iter().enumerate() {
-                // SAFETY: as above.
-                unsafe { *y.ptr().add((t + k) * rows + r) = vk };
-            }
-            t += 4;
+        each_token(n_tokens, rows, r, y, |t| isa.dot_f32_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]), |t| isa.dot_f32(w.format, row, x_of(t)));
+    }
+}
+
+/// Row `r` for every token: four per pass through `x4` (the row's bytes stay in L1),
+/// the rest one by one through `one`; results to `y[t·rows + r]`.
+#[inline]
+fn each_token(n_tokens: usize, rows: usize, r: usize, y: SharedMut<f32>, x4: impl Fn(usize) -> [f32; 4], one: impl Fn(usize) -> f32) {
+    let mut t = 0;
+    while t + 4 <= n_tokens {
+        for (k, vk) in x4(t).into_iter().enumerate() {
+            // SAFETY: row r belongs to this thread alone.
+            unsafe { *y.ptr().add((t + k) * rows + r) = vk };
         }
-        for t in t..n_tokens {
-            // SAFETY: as above.
-            unsafe { *y.ptr().add(t * rows + r) = isa.dot_f32(w.format, row, x_of(t)) };
-        }
+        t += 4;
+    }
+    for t in t..n_tokens {
+        // SAFETY: as above.
+        unsafe { *y.ptr().add(t * rows + r) = one(t) };
     }
 }
