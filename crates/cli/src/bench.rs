@@ -6,7 +6,7 @@ use clap::Args;
 use serde_json::{json, Value};
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use tessera_engine::bench::{Bandwidth, BenchConfig, BenchReport, DecodeResult, Stat};
+use tessera_engine::bench::{Bandwidth, BenchConfig, BenchReport, DecodeResult, MacPeak, Stat};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -157,14 +157,16 @@ fn print_table(model: &str, r: &BenchReport) {
         r.config.repeat
     );
     println!();
-    println!("| test | tok/s | ms/token | TTFT ms | × batch 1 |");
-    println!("|---|---|---|---|---|");
+    // Compute-roofline share of a median tok/s (one rank's MACs make no cluster's).
+    let compute = |tps: f64| if r.ranks > 1 { "–".to_string() } else { format!("{:.1} %", 100.0 * r.compute_fraction(tps)) };
+    println!("| test | tok/s | ms/token | TTFT ms | × batch 1 | compute |");
+    println!("|---|---|---|---|---|---|");
     for p in &r.prompt {
         let ms = Stat { median: 1e3 / p.tok_per_sec.median, min: 1e3 / p.tok_per_sec.max, max: 1e3 / p.tok_per_sec.min };
-        println!("| pp{} | {} | {} | {} | |", p.tokens, stat(&p.tok_per_sec, 1), stat(&ms, 3), stat(&p.time_to_first_token_ms, 1));
+        println!("| pp{} | {} | {} | {} | | {} |", p.tokens, stat(&p.tok_per_sec, 1), stat(&ms, 3), stat(&p.time_to_first_token_ms, 1), compute(p.tok_per_sec.median));
     }
     let row = |name: String, d: &DecodeResult, ratio: String| {
-        println!("| {name} | {} | {} | | {ratio} |", stat(&d.tok_per_sec, 1), stat(&d.ms_per_step, 3));
+        println!("| {name} | {} | {} | | {ratio} | {} |", stat(&d.tok_per_sec, 1), stat(&d.ms_per_step, 3), compute(d.tok_per_sec.median));
     };
     row(format!("tg{} (batch 1, after {} prompt tokens)", r.decode.steps, r.config.decode_prompt), &r.decode, "1.00".into());
     for b in &r.batched {
@@ -177,6 +179,14 @@ fn print_table(model: &str, r: &BenchReport) {
     };
     bw("before", &r.bandwidth_before);
     bw("after ", &r.bandwidth_after);
+    let peak = |name: &str, p: &[MacPeak; 2]| {
+        println!(
+            "compute ceiling {name}: int8 best {:.1} GMAC/s, median {:.1}; f32 best {:.1} GMAC/s, median {:.1} ({} passes each of the kernels' multiply step alone, every thread)",
+            p[0].best_gmac_s, p[0].median_gmac_s, p[1].best_gmac_s, p[1].median_gmac_s, p[0].passes
+        );
+    };
+    peak("before", &r.mac_peak_before);
+    peak("after ", &r.mac_peak_after);
     if r.ranks > 1 {
         // Each rank reads its own share on its own machine: one machine's bandwidth and
         // one rank's bytes do not make a cluster's roofline.
@@ -192,6 +202,14 @@ fn print_table(model: &str, r: &BenchReport) {
         r.bandwidth_best_gb_s(),
         r.roofline_tok_per_sec()
     );
+    let (int8, f32) = r.macs_per_token;
+    let [p8, p32] = r.mac_peak_best_gmac_s();
+    println!(
+        "compute roofline: {:.1} M int8 + {:.1} M f32 multiply-adds per token; at the best measured ceilings ({p8:.1} and {p32:.1} GMAC/s) {:.1} tok/s; the compute column is each row's fraction of that",
+        int8 as f64 / 1e6,
+        f32 as f64 / 1e6,
+        1.0 / r.compute_s_per_token()
+    );
 }
 
 fn stat_json(s: &Stat) -> Value {
@@ -205,11 +223,17 @@ fn decode_json(r: &BenchReport, d: &DecodeResult) -> Value {
         "tok_per_sec": stat_json(&d.tok_per_sec),
         "ms_per_step": stat_json(&d.ms_per_step),
         "ratio_to_batch1": r.batch_ratio(d),
+        "compute_fraction": r.compute_fraction(d.tok_per_sec.median),
     })
 }
 
 fn bandwidth_json(b: &Bandwidth) -> Value {
     json!({ "buffer_bytes": b.buffer_bytes, "passes": b.passes, "best_gb_s": b.best_gb_s, "median_gb_s": b.median_gb_s })
+}
+
+fn peak_json(p: &[MacPeak; 2]) -> Value {
+    let one = |m: &MacPeak| json!({ "passes": m.passes, "best_gmac_s": m.best_gmac_s, "median_gmac_s": m.median_gmac_s });
+    json!({ "int8": one(&p[0]), "f32": one(&p[1]) })
 }
 
 fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>, load_after: Option<String>) -> Value {
@@ -241,6 +265,7 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
             "tokens": p.tokens,
             "tok_per_sec": stat_json(&p.tok_per_sec),
             "time_to_first_token_ms": stat_json(&p.time_to_first_token_ms),
+            "compute_fraction": r.compute_fraction(p.tok_per_sec.median),
         })).collect::<Vec<_>>(),
         "decode": decode_json(r, &r.decode),
         "batched": r.batched.iter().map(|b| decode_json(r, b)).collect::<Vec<_>>(),
@@ -250,6 +275,12 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
             "bandwidth_best_gb_s": r.bandwidth_best_gb_s(),
             "fraction": r.roofline_fraction(),
             "tok_per_sec_at_best_bandwidth": r.roofline_tok_per_sec(),
+        },
+        "compute": {
+            "macs_per_token": { "int8": r.macs_per_token.0, "f32": r.macs_per_token.1 },
+            "peak_before": peak_json(&r.mac_peak_before),
+            "peak_after": peak_json(&r.mac_peak_after),
+            "tok_per_sec_at_best_peak": 1.0 / r.compute_s_per_token(),
         },
     })
 }

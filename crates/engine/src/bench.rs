@@ -18,12 +18,16 @@
 //! - Bandwidth is measured before the first round and after the last, each as several
 //!   passes of a multi-accumulator f32 sum over a buffer of at least the bytes read per
 //!   token (and ≥ 64 MiB, beyond any last-level cache), on the same threads.
+//! - So is the compute ceiling: every thread runs `Isa::mac_probe` (the matmul kernels'
+//!   inner step and nothing else) for int8 and f32 products. Batched decode and prompt
+//!   processing reuse each weight byte for many tokens, so they meet this ceiling, not
+//!   the bandwidth one: tok/s ≤ peak MAC/s ÷ MACs per token.
 
 use crate::generate::{EngineConfig, EngineError, LocalStepper, Stepper};
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
-use tessera_kernels::ThreadPool;
+use tessera_kernels::{Isa, MacKind, ThreadPool, PROBE_MACS_PER_ROUND};
 use tessera_model::{DenseTransformer, KvDtype, LogitsFor, SeqChunk, StepError, StepLimits};
 
 /// Bound on `--repeat`.
@@ -42,6 +46,15 @@ const READ_LANES: usize = 32;
 /// Floats per parallel_for chunk of the read kernel (256 KiB: large enough to amortise
 /// the shared counter, small enough to balance 2–64 threads over 64 MiB).
 const READ_CHUNK_FLOATS: usize = 64 << 10;
+/// Compute-probe passes per kind and measurement (best and median reported).
+pub const PROBE_PASSES: usize = 5;
+/// Seconds one compute-probe pass aims at (calibrated from a short pass): long enough
+/// to swamp the region's start, short enough that 2 × 2 × 5 passes take ~1 s.
+const PROBE_PASS_S: f64 = 0.05;
+/// Probe rounds per thread and pass, first for calibration, at most (≈ 400 GMAC: a
+/// minute even on a fast core, so a broken calibration cannot hang the bench).
+const PROBE_ROUNDS_CALIBRATE: usize = 1 << 12;
+const PROBE_ROUNDS_MAX: usize = 1 << 30;
 
 #[derive(Clone, Debug)]
 pub struct BenchConfig {
@@ -153,6 +166,14 @@ pub struct Bandwidth {
     pub median_gb_s: f64,
 }
 
+/// Peak multiply-add rate of one kind (all threads running [`Isa::mac_probe`]).
+#[derive(Clone, Copy, Debug)]
+pub struct MacPeak {
+    pub passes: usize,
+    pub best_gmac_s: f64,
+    pub median_gmac_s: f64,
+}
+
 #[derive(Clone, Debug)]
 pub struct FormatBytes {
     /// The checkpoint dtype, as `tessera inspect` prints it.
@@ -183,6 +204,12 @@ pub struct BenchReport {
     pub batched: Vec<DecodeResult>,
     pub bandwidth_before: Bandwidth,
     pub bandwidth_after: Bandwidth,
+    /// Matrix-product multiply-adds per token: (8-bit activations, f32 activations);
+    /// with ranks, rank 0's share ([`DenseTransformer::macs_per_token`]).
+    pub macs_per_token: (usize, usize),
+    /// Compute ceilings, before the first round and after the last: [int8, f32].
+    pub mac_peak_before: [MacPeak; 2],
+    pub mac_peak_after: [MacPeak; 2],
 }
 
 impl BenchReport {
@@ -201,6 +228,21 @@ impl BenchReport {
     /// The decode speed the best measured bandwidth would allow (tok/s).
     pub fn roofline_tok_per_sec(&self) -> f64 {
         self.bandwidth_best_gb_s() * 1e9 / self.bytes_per_token as f64
+    }
+    /// The best int8 and f32 peaks measured in this run (GMAC/s).
+    pub fn mac_peak_best_gmac_s(&self) -> [f64; 2] {
+        [0, 1].map(|k| self.mac_peak_before[k].best_gmac_s.max(self.mac_peak_after[k].best_gmac_s))
+    }
+    /// Seconds per token at the best measured peaks: int8 MACs at the int8 peak plus
+    /// f32 MACs at the f32 peak (the compute roofline's time).
+    pub fn compute_s_per_token(&self) -> f64 {
+        let [int8, f32] = self.mac_peak_best_gmac_s();
+        (self.macs_per_token.0 as f64 / int8 + self.macs_per_token.1 as f64 / f32) / 1e9
+    }
+    /// `tok_per_sec` against the compute roofline: the fraction of the best measured
+    /// peaks its matrix products use (1.0: every cycle a multiply step).
+    pub fn compute_fraction(&self, tok_per_sec: f64) -> f64 {
+        tok_per_sec * self.compute_s_per_token()
     }
     /// Aggregate tok/s of a batched result over batch-1 decode tok/s (medians).
     pub fn batch_ratio(&self, r: &DecodeResult) -> f64 {
@@ -329,6 +371,9 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
 
     progress("bandwidth (before)");
     let bandwidth_before = read_bandwidth(&pool, &bw_buf, BANDWIDTH_PASSES);
+    progress("compute peak (before)");
+    let isa = model.isa();
+    let mac_peak_before = [MacKind::Int8, MacKind::F32].map(|k| mac_peak(&pool, isa, k, PROBE_PASSES));
 
     let r = cfg.repeat;
     let mut pp_tps = vec![Vec::with_capacity(r); cfg.pp.len()];
@@ -387,6 +432,8 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
 
     progress("bandwidth (after)");
     let bandwidth_after = read_bandwidth(&pool, &bw_buf, BANDWIDTH_PASSES);
+    progress("compute peak (after)");
+    let mac_peak_after = [MacKind::Int8, MacKind::F32].map(|k| mac_peak(&pool, isa, k, PROBE_PASSES));
     std::hint::black_box(checksum);
 
     let decode_result = |batch: usize, secs: &[f64]| {
@@ -426,7 +473,34 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
         batched: cfg.batch.iter().enumerate().map(|(j, &b)| decode_result(b, &b_secs[j])).collect(),
         bandwidth_before,
         bandwidth_after,
+        macs_per_token: model.macs_per_token(),
+        mac_peak_before,
+        mac_peak_after,
     })
+}
+
+/// Every thread of `pool` runs [`Isa::mac_probe`] of `kind`, `passes` times (each
+/// ~`PROBE_PASS_S`, calibrated from a short pass); GMAC/s per pass → best, median.
+pub fn mac_peak(pool: &ThreadPool, isa: Isa, kind: MacKind, passes: usize) -> MacPeak {
+    assert!(passes > 0, "at least one pass");
+    let threads = pool.n_threads();
+    let sink = AtomicU32::new(0);
+    let pass = |rounds: usize| -> f64 {
+        let start = Instant::now();
+        pool.parallel_for(threads, 1, &|_, range| {
+            for _ in range {
+                sink.fetch_xor(isa.mac_probe(kind, rounds).to_bits(), Ordering::Relaxed);
+            }
+        });
+        start.elapsed().as_secs_f64()
+    };
+    let secs = pass(PROBE_ROUNDS_CALIBRATE).max(1e-6);
+    let rounds = ((PROBE_PASS_S / secs) * PROBE_ROUNDS_CALIBRATE as f64).clamp(PROBE_ROUNDS_CALIBRATE as f64, PROBE_ROUNDS_MAX as f64) as usize;
+    let macs = (threads * rounds) as f64 * PROBE_MACS_PER_ROUND as f64;
+    let gmac_s: Vec<f64> = (0..passes).map(|_| macs / pass(rounds) / 1e9).collect();
+    std::hint::black_box(sink.load(Ordering::Relaxed));
+    let s = Stat::of(&gmac_s);
+    MacPeak { passes, best_gmac_s: s.max, median_gmac_s: s.median }
 }
 
 /// Sums `buf` with every thread of `pool`, `passes` times; GB/s per pass → best, median.
@@ -544,7 +618,15 @@ mod tests {
         assert!(r.roofline_fraction() > 0.0 && r.bytes_per_token == model.bytes_per_token());
         // pp 9 + 1 and decode 6 + 3 + 1 tokens: the caches hold just what is needed.
         assert_eq!(r.context_max, 10);
-        assert_eq!(phases, 4 + 2 * (2 + 1 + 2), "touch, warm-up, bandwidth twice; per round: 2 prompts, decode, 2 batches");
+        assert_eq!(phases, 6 + 2 * (2 + 1 + 2), "touch, warm-up, bandwidth and compute twice; per round: 2 prompts, decode, 2 batches");
+        // From config.json (f32 weights: every product takes f32 activations): per layer
+        // q 64×64 + k, v 32×64 + o 64×64 = 12288; layer 1 dense 3·64·96 = 18432; layers
+        // 0 and 2 a router 8×64 and top-2 of experts 3·64·32 each = 12800; head 256×64.
+        assert_eq!(r.macs_per_token, (0, 3 * 12288 + 18432 + 2 * 12800 + 256 * 64));
+        let peaks = r.mac_peak_best_gmac_s();
+        assert!(peaks.iter().all(|&p| p > 0.0) && r.mac_peak_before.iter().all(|m| m.best_gmac_s >= m.median_gmac_s));
+        let c = r.compute_fraction(r.decode.tok_per_sec.median);
+        assert!(c > 0.0 && (c - r.decode.tok_per_sec.median * 97280.0 / (peaks[1] * 1e9)).abs() < 1e-9 * (1.0 + c));
     }
 
     #[test]

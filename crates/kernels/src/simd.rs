@@ -251,6 +251,28 @@ impl Isa {
         }
     }
 
+    /// A compute ceiling, measured: `rounds` rounds of [`PROBE_MACS_PER_ROUND`]
+    /// multiply-adds in the matmul kernels' inner step with nothing else around it:
+    /// `Int8`, one broadcast load of four activation bytes, one u8×i8 pair-product
+    /// (PMADDUBSW; SDOT on NEON) and one accumulate per 32 (16) products; `F32`, one
+    /// vector load of activations and one FMA per 8 (4). Independent accumulators, so the issue
+    /// rate, not latency, is measured. Returns the sum of all the products: the same on
+    /// every ISA (exactly for `Int8` while no 16-bit lane wraps, ~50 rounds), so a test
+    /// can check that the work claimed is the work done. Time it on every thread to get
+    /// a machine's peak MAC/s.
+    pub fn mac_probe(self, kind: MacKind, rounds: usize) -> f32 {
+        let input = std::hint::black_box(ProbeInput::new());
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 => unsafe { x86::mac_probe(kind, rounds, &input) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: see dot_f32.
+            Isa::Neon => unsafe { arm::mac_probe(kind, rounds, &input) },
+            _ => scalar_mac_probe(kind, rounds, &input),
+        }
+    }
+
     /// Quantize activations to q8 blocks.
     #[inline]
     pub fn quantize_q8(self, x: &[f32], out: &mut [BlockQ8]) {
@@ -282,6 +304,88 @@ fn k4_scales(p: &[u8]) -> ([u8; 8], [u8; 8]) {
     (join(sc_lo, sc_hi), join(m_lo, m_hi))
 }
 
+
+/// What [`Isa::mac_probe`] measures: the 8-bit-activation products of the quantized
+/// formats, or the f32 products of the float and MLX formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MacKind {
+    Int8,
+    F32,
+}
+
+/// Multiply-adds per round of [`Isa::mac_probe`], whatever the ISA.
+pub const PROBE_MACS_PER_ROUND: u64 = 384;
+
+/// The probe's activations: eight rounds of eight broadcasts. Small nonzero bytes, so
+/// the products are real work that stays in range; floats near 1, so no sum ever
+/// meets a subnormal (which x86 runs in microcode).
+#[repr(C, align(64))]
+struct ProbeInput {
+    /// First, so the floats start 256 bytes into a line-aligned struct: no load
+    /// straddles two cache lines.
+    words: [u32; 64],
+    /// Eight rounds of 48 eight-float vectors: each f32 step loads its own activations,
+    /// as the float kernels do (a broadcast costs more than a load on Zen 3).
+    floats: [f32; PROBE_FLOAT_VECTORS * 8],
+}
+
+const PROBE_FLOAT_VECTORS: usize = 8 * 48;
+
+impl ProbeInput {
+    fn new() -> ProbeInput {
+        ProbeInput {
+            words: std::array::from_fn(|i| 0x0102_0301u32.wrapping_add(i as u32 * 0x0101_0101)),
+            floats: std::array::from_fn(|i| 0.5 + (i % 64) as f32 / 128.0),
+        }
+    }
+}
+
+/// The first of the eight floats that f32 step (round `r`, pass `q` < 4, accumulator
+/// `k` < 12) multiplies by `0.25 · probe_weight(k + q)`.
+#[inline(always)]
+fn probe_float_at(r: usize, q: usize, k: usize) -> usize {
+    ((r & 7) * 48 + q * 12 + k) * 8
+}
+
+/// The portable probe: plain loops over twelve independent sums (the compiler may
+/// vectorise them, as it may the scalar kernels).
+fn scalar_mac_probe(kind: MacKind, rounds: usize, input: &ProbeInput) -> f32 {
+    match kind {
+        MacKind::Int8 => {
+            let mut acc = [0i32; 12];
+            for r in 0..rounds {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let (w, y) = (probe_weight(k) as i32, input.words[(r & 7) * 8 + (k & 7)].to_le_bytes());
+                    for _ in 0..8 {
+                        for b in y {
+                            *a = a.wrapping_add(w * b as i8 as i32);
+                        }
+                    }
+                }
+            }
+            acc.iter().fold(0i32, |s, a| s.wrapping_add(*a)) as f32
+        }
+        MacKind::F32 => {
+            let mut acc = [0.0f32; 12];
+            for r in 0..rounds {
+                for q in 0..4 {
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        let (w, at) = (0.25 * probe_weight(k + q) as f32, probe_float_at(r, q, k));
+                        for x in &input.floats[at..at + 8] {
+                            *a = w.mul_add(*x, *a);
+                        }
+                    }
+                }
+            }
+            acc.iter().sum()
+        }
+    }
+}
+
+/// The probe's weight for accumulator (and step) `k`: 1..=4.
+fn probe_weight(k: usize) -> i8 {
+    1 + (k & 3) as i8
+}
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -1228,6 +1332,41 @@ mod x86 {
         out
     }
 
+    /// See [`Isa::mac_probe`]: 12 accumulators; per round, 12 × (broadcast, PMADDUBSW,
+    /// 16-bit add) = 384 int8 products, or 4 × 12 × (load, FMA) = 384 f32 ones.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn mac_probe(kind: MacKind, rounds: usize, input: &ProbeInput) -> f32 {
+        match kind {
+            MacKind::Int8 => {
+                let yp = input.words.as_ptr();
+                let w: [__m256i; 4] = std::array::from_fn(|k| _mm256_set1_epi8(probe_weight(k)));
+                let mut acc = [_mm256_setzero_si256(); 12];
+                for r in 0..rounds {
+                    let base = yp.add((r & 7) * 8);
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        let yk = _mm256_set1_epi32(*base.add(k & 7) as i32);
+                        *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(w[k & 3], yk));
+                    }
+                }
+                let s = acc.iter().fold(_mm256_setzero_si256(), |s, a| _mm256_add_epi32(s, _mm256_madd_epi16(*a, _mm256_set1_epi16(1))));
+                hsum(_mm256_cvtepi32_ps(s))
+            }
+            MacKind::F32 => {
+                let xp = input.floats.as_ptr();
+                let w: [__m256; 4] = std::array::from_fn(|k| _mm256_set1_ps(0.25 * probe_weight(k) as f32));
+                let mut acc = [_mm256_setzero_ps(); 12];
+                for r in 0..rounds {
+                    for q in 0..4 {
+                        for (k, a) in acc.iter_mut().enumerate() {
+                            *a = _mm256_fmadd_ps(w[(k + q) & 3], _mm256_loadu_ps(xp.add(probe_float_at(r, q, k))), *a);
+                        }
+                    }
+                }
+                hsum(acc.iter().fold(_mm256_setzero_ps(), |s, a| _mm256_add_ps(s, *a)))
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
         assert_eq!(x.len(), out.len() * 32, "q8 quantize: length mismatch");
@@ -1510,6 +1649,44 @@ mod arm {
     unsafe fn dot32(a: [int8x16_t; 2], y: *const i8) -> i32 {
         let acc = sdot(sdot(vdupq_n_s32(0), a[0], vld1q_s8(y)), a[1], vld1q_s8(y.add(16)));
         vaddvq_s32(acc)
+    }
+
+    /// See [`Isa::mac_probe`]: 12 accumulators; per round, 12 × 2 × (broadcast, SDOT)
+    /// = 384 int8 products, or 4 × 2 × 12 × (load, FMLA) = 384 f32 ones (two halves of
+    /// each of x86's eight-float steps).
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn mac_probe(kind: MacKind, rounds: usize, input: &ProbeInput) -> f32 {
+        match kind {
+            MacKind::Int8 => {
+                let yp = input.words.as_ptr() as *const i32;
+                let w: [int8x16_t; 4] = std::array::from_fn(|k| vdupq_n_s8(probe_weight(k)));
+                let mut acc = [vdupq_n_s32(0); 12];
+                for r in 0..rounds {
+                    let base = yp.add((r & 7) * 8);
+                    for _ in 0..2 {
+                        for (k, a) in acc.iter_mut().enumerate() {
+                            *a = sdot(*a, w[k & 3], vreinterpretq_s8_s32(vld1q_dup_s32(base.add(k & 7))));
+                        }
+                    }
+                }
+                vaddvq_s32(acc.iter().fold(vdupq_n_s32(0), |s, a| vaddq_s32(s, *a))) as f32
+            }
+            MacKind::F32 => {
+                let xp = input.floats.as_ptr();
+                let w: [float32x4_t; 4] = std::array::from_fn(|k| vdupq_n_f32(0.25 * probe_weight(k) as f32));
+                let mut acc = [vdupq_n_f32(0.0); 12];
+                for r in 0..rounds {
+                    for q in 0..4 {
+                        for half in 0..2 {
+                            for (k, a) in acc.iter_mut().enumerate() {
+                                *a = vfmaq_f32(*a, w[(k + q) & 3], vld1q_f32(xp.add(probe_float_at(r, q, k) + 4 * half)));
+                            }
+                        }
+                    }
+                }
+                vaddvq_f32(acc.iter().fold(vdupq_n_f32(0.0), |s, a| vaddq_f32(s, *a)))
+            }
+        }
     }
 
     /// GGUF block formats against q8 activations (integer dots with SDOT); the

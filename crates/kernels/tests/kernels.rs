@@ -532,3 +532,22 @@ fn weight_rows_rejects_wrong_sizes() {
     assert!(WeightRows::new(WeightFormat::Q4_0, 2, 33, &[0u8; 36]).is_none());
     assert!(WeightRows::new(WeightFormat::Q4_0, 2, 32, &[0u8; 36]).is_some());
 }
+
+/// The compute probe does the products it claims: its sum over all of them equals the
+/// scalar loop's, round count by round count (an ISA that skipped a step or a lane, or
+/// ran fewer rounds, would differ).
+#[test]
+fn mac_probe_simd_matches_scalar() {
+    use tessera_kernels::MacKind;
+    let isa = Isa::detect();
+    let mut previous = 0.0f32;
+    for rounds in [1, 2, 7, 9, 40] {
+        let int8 = isa.mac_probe(MacKind::Int8, rounds);
+        assert_eq!(int8, Isa::Scalar.mac_probe(MacKind::Int8, rounds), "{} int8 probe, {rounds} rounds", isa.name());
+        assert!(int8 > previous, "int8 probe sum grows with the rounds");
+        previous = int8;
+        let (f, s) = (isa.mac_probe(MacKind::F32, rounds), Isa::Scalar.mac_probe(MacKind::F32, rounds));
+        assert!(f > 0.0 && close(f, s, 1e-5), "{} f32 probe, {rounds} rounds: {f} vs {s}", isa.name());
+    }
+    assert_eq!(isa.mac_probe(MacKind::Int8, 0), 0.0);
+}

@@ -1296,41 +1296,64 @@ impl DenseTransformer {
         out
     }
 
-    /// (bytes, parameters) of weights read to decode one token: attention, dense
-    /// MLPs, routers, `top_k` experts per MoE layer (average expert size), shared
-    /// experts, the head and one embedding row. Bytes bound decode speed:
-    /// tok/s ≤ bandwidth / bytes.
-    pub fn per_token_reads(&self) -> (usize, usize) {
-        let mut bytes = 0usize;
-        let mut params = 0usize;
-        let mut add = |l: &Linear, frac: f64| {
-            bytes += (l.bytes() as f64 * frac) as usize;
-            params += (l.rows as f64 * l.cols as f64 * frac) as usize;
-        };
+    /// Every matrix one decoded token reads, with the fraction of it read: attention,
+    /// dense MLPs, routers, `top_k` of the experts per MoE layer (on average; this rank
+    /// holds `gate.len()` of them), shared experts, the head, and one embedding row.
+    fn each_per_token_linear(&self, mut f: impl FnMut(&Linear, f64)) {
         for l in &self.layers {
             for m in attn_linears(&l.attn) {
-                add(m, 1.0);
+                f(m, 1.0);
             }
             match &l.ffn {
-                Ffn::Dense(m) => [&m.gate, &m.up, &m.down].into_iter().for_each(|x| add(x, 1.0)),
+                Ffn::Dense(m) => [&m.gate, &m.up, &m.down].into_iter().for_each(|x| f(x, 1.0)),
                 Ffn::Moe(m) => {
-                    add(&m.router, 1.0);
-                    // On average top_k of all experts are chosen; this rank holds `gate.len()`.
+                    f(&m.router, 1.0);
                     let k = self.cfg.moe.as_ref().map_or(0.0, |c| c.top_k as f64 / c.experts as f64);
-                    m.gate.iter().chain(&m.up).chain(&m.down).for_each(|x| add(x, k));
+                    m.gate.iter().chain(&m.up).chain(&m.down).for_each(|x| f(x, k));
                     if let Some(s) = &m.shared {
-                        [&s.gate, &s.up, &s.down].into_iter().for_each(|x| add(x, 1.0));
+                        [&s.gate, &s.up, &s.down].into_iter().for_each(|x| f(x, 1.0));
                     }
                 }
             }
         }
         if let Some(head) = &self.head {
-            add(head, 1.0);
+            f(head, 1.0);
         }
         if let Some(e) = &self.embed {
-            add(e, 1.0 / e.rows.max(1) as f64);
+            f(e, 1.0 / e.rows.max(1) as f64);
         }
+    }
+
+    /// (bytes, parameters) of weights read to decode one token (see
+    /// [`Self::each_per_token_linear`]). Bytes bound decode speed: tok/s ≤ bandwidth /
+    /// bytes.
+    pub fn per_token_reads(&self) -> (usize, usize) {
+        let (mut bytes, mut params) = (0usize, 0usize);
+        self.each_per_token_linear(|l, frac| {
+            bytes += (l.bytes() as f64 * frac) as usize;
+            params += (l.rows as f64 * l.cols as f64 * frac) as usize;
+        });
         (bytes, params)
+    }
+
+    /// Multiply-adds of one token's matrix products, split by how the kernels compute
+    /// them: (with 8-bit activations, with f32 activations). They bound batched decode
+    /// and prefill, where each weight byte serves many tokens: tok/s ≤ peak MAC/s ÷
+    /// MACs. The embedding row is a copy, not a product.
+    pub fn macs_per_token(&self) -> (usize, usize) {
+        let (mut int8, mut f32) = (0usize, 0usize);
+        self.each_per_token_linear(|l, frac| {
+            if self.embed.as_ref().is_some_and(|e| std::ptr::eq(e, l)) {
+                return;
+            }
+            let macs = (l.rows as f64 * l.cols as f64 * frac) as usize;
+            if l.format.int8_activations() {
+                int8 += macs;
+            } else {
+                f32 += macs;
+            }
+        });
+        (int8, f32)
     }
 
     /// Bytes of weights read to decode one token (see [`Self::per_token_reads`]).
