@@ -129,3 +129,15 @@ fn attend_group(bencher: divan::Bencher, g: usize) {
         isa.attend_group(divan::black_box(&q), d, &k, &v, stride, len, 0.125, &mut scores, &mut out, None);
     });
 }
+
+/// The compute probe (`Isa::mac_probe`): one thread's multiply-step ceiling, int8 and f32,
+/// as multiply-adds per second (the batched-decode compute roofline's unit).
+#[divan::bench(args = ["int8", "f32"], sample_count = 10)]
+fn mac_probe(bencher: divan::Bencher, kind: &str) {
+    let kind = if kind == "int8" { tessera_kernels::MacKind::Int8 } else { tessera_kernels::MacKind::F32 };
+    let isa = Isa::detect();
+    let rounds = 1 << 16;
+    bencher
+        .counter(divan::counter::ItemsCount::new(rounds * tessera_kernels::PROBE_MACS_PER_ROUND as usize))
+        .bench_local(|| isa.mac_probe(kind, divan::black_box(rounds)));
+}

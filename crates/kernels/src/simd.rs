@@ -67,15 +67,22 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// [`Isa::Avx2`] plus AVX-512 VNNI on 256-bit registers (EVEX `vpdpbusd ymm`,
+    /// needs AVX512-VL): the int8 kernels take one instruction per 32 u8×i8 products
+    /// where AVX2 takes PMADDUBSW, a 16-bit add and a widening; everything else is the
+    /// AVX2 code.
+    Avx512Vnni,
     /// aarch64 NEON with `dotprod` (SDOT).
     Neon,
 }
 
 impl Isa {
     /// The best flavour this CPU runs. `TESSERA_ISA=scalar` forces the portable path
-    /// (for debugging a suspected kernel bug against the reference).
+    /// (for debugging a suspected kernel bug against the reference); `TESSERA_ISA=avx2`
+    /// keeps a VNNI machine on the AVX2 kernels (to compare the two).
     pub fn detect() -> Isa {
-        if std::env::var("TESSERA_ISA").is_ok_and(|v| v == "scalar") {
+        let forced = std::env::var("TESSERA_ISA").ok();
+        if forced.as_deref() == Some("scalar") {
             return Isa::Scalar;
         }
         #[cfg(target_arch = "x86_64")]
@@ -84,7 +91,8 @@ impl Isa {
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
             {
-                return Isa::Avx2;
+                let vnni = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni");
+                return if vnni && forced.as_deref() != Some("avx2") { Isa::Avx512Vnni } else { Isa::Avx2 };
             }
         }
         #[cfg(target_arch = "aarch64")]
@@ -100,6 +108,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma+f16c",
+            Isa::Avx512Vnni => "avx2+fma+f16c+avx512vnni",
             Isa::Neon => "neon+dotprod",
         }
     }
@@ -110,8 +119,9 @@ impl Isa {
         debug_assert!(!format.int8_activations());
         match self {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: Avx2 is only constructed when the CPU supports avx2, fma and f16c.
-            Isa::Avx2 => unsafe { x86::dot_float(format, row, x) },
+            // SAFETY: Avx2 and Avx512Vnni are only constructed when the CPU supports avx2,
+            // fma and f16c.
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::dot_float(format, row, x) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: Neon is only constructed when the CPU supports neon and dotprod.
             Isa::Neon => unsafe { arm::dot_float(format, row, x) },
@@ -126,7 +136,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
-            Isa::Avx2 => unsafe { x86::dot_q8(format, row, x) },
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::dot_q8(format, row, x) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
             Isa::Neon => unsafe { arm::dot_q8(format, row, x) },
@@ -138,6 +148,10 @@ impl Isa {
     #[inline]
     pub fn dot_q8_rows8(self, format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: Avx512Vnni is only constructed when the CPU also has avx512f, avx512vl
+            // and avx512vnni.
+            Isa::Avx512Vnni => unsafe { x86::dot_q8_rows8_vnni(format, group, x) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
             Isa::Avx2 => unsafe { x86::dot_q8_rows8(format, group, x) },
@@ -154,6 +168,9 @@ impl Isa {
     pub fn dot_q8_rows8_x4(self, format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
         match self {
             #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_q8_rows8.
+            Isa::Avx512Vnni => unsafe { x86::dot_q8_rows8_x4_vnni(format, group, xs) },
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
             Isa::Avx2 => unsafe { x86::dot_q8_rows8_x4(format, group, xs) },
             _ => xs.map(|x| self.dot_q8_rows8(format, group, x)),
@@ -166,7 +183,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
-            Isa::Avx2 => unsafe { x86::dot_q8_x4(format, row, xs) },
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::dot_q8_x4(format, row, xs) },
             _ => xs.map(|x| self.dot_q8(format, row, x)),
         }
     }
@@ -177,7 +194,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
-            Isa::Avx2 => unsafe { x86::dot_float_x4(format, row, xs) },
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::dot_float_x4(format, row, xs) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
             Isa::Neon => unsafe { arm::dot_float_x4(format, row, xs) },
@@ -220,7 +237,7 @@ impl Isa {
             match self {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: see dot_f32; bounds asserted above.
-                Isa::Avx2 if d % 8 == 0 => unsafe { x86::attend_group(qh, d, k, v, stride, len, scale, scores, oh, st) },
+                Isa::Avx2 | Isa::Avx512Vnni if d % 8 == 0 => unsafe { x86::attend_group(qh, d, k, v, stride, len, scale, scores, oh, st) },
                 _ => {
                     for ((qv, o), st) in qh.chunks_exact(d).zip(oh.chunks_exact_mut(d)).zip(st.chunks_exact_mut(2)) {
                         let (max, sum) = match self {
@@ -246,7 +263,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
-            Isa::Avx2 => unsafe { x86::silu_mul(gate, up) },
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::silu_mul(gate, up) },
             _ => crate::ops::silu_mul(gate, up),
         }
     }
@@ -254,7 +271,8 @@ impl Isa {
     /// A compute ceiling, measured: `rounds` rounds of [`PROBE_MACS_PER_ROUND`]
     /// multiply-adds in the matmul kernels' inner step with nothing else around it:
     /// `Int8`, one broadcast load of four activation bytes, one u8×i8 pair-product
-    /// (PMADDUBSW; SDOT on NEON) and one accumulate per 32 (16) products; `F32`, one
+    /// (PMADDUBSW; VPDPBUSD with VNNI, which also accumulates; SDOT on NEON) and one
+    /// accumulate per 32 (16) products; `F32`, one
     /// vector load of activations and one FMA per 8 (4). Independent accumulators, so the issue
     /// rate, not latency, is measured. Returns the sum of all the products: the same on
     /// every ISA (exactly for `Int8` while no 16-bit lane wraps, ~50 rounds), so a test
@@ -264,8 +282,11 @@ impl Isa {
         let input = std::hint::black_box(ProbeInput::new());
         match self {
             #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_q8_rows8.
+            Isa::Avx512Vnni if kind == MacKind::Int8 => unsafe { x86::mac_probe_int8_vnni(rounds, &input) },
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
-            Isa::Avx2 => unsafe { x86::mac_probe(kind, rounds, &input) },
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::mac_probe(kind, rounds, &input) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
             Isa::Neon => unsafe { arm::mac_probe(kind, rounds, &input) },
@@ -279,7 +300,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
-            Isa::Avx2 => unsafe { x86::quantize_q8(x, out) },
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::quantize_q8(x, out) },
             _ => crate::q8::quantize_row_scalar(x, out),
         }
     }
@@ -799,6 +820,190 @@ mod x86 {
         let mut out = [0.0f32; 8];
         _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
         out
+    }
+
+    /// [`dot_q8_rows8`] with VNNI: the same integer sums (PMADDUBSW never saturates on
+    /// these operands), so the same results bit for bit; one `vpdpbusd` per 32
+    /// products.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn dot_q8_rows8_vnni(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        match format {
+            WeightFormat::Q4_0x8 => rows8_vnni_t::<false>(group, x),
+            WeightFormat::Q4_1x8 => rows8_vnni_t::<true>(group, x),
+            WeightFormat::Q8_0x8 => rows8_q8_vnni(group, x),
+            _ => unreachable!("{format} does not interleave rows"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn rows8_vnni_t<const MIN: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        let bb = if MIN { 160 } else { 144 };
+        assert!(group.len() >= x.len() * bb);
+        let low = _mm256_set1_epi8(0x0F);
+        let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for (b, xb) in x.iter().enumerate() {
+            let p = group.as_ptr().add(b * bb);
+            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
+            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 128) as *const i8, _MM_HINT_T0);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            let qp = p.add(if MIN { 32 } else { 16 });
+            let y = xb.qs.as_ptr() as *const i32;
+            // Low and high nibbles in two chains: VPDPBUSD accumulates in place (~5
+            // cycles), so one chain of eight would bound the loop by latency.
+            let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for j in 0..4 {
+                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                lo = _mm256_dpbusd_epi32(lo, _mm256_and_si256(c, low), _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j))));
+                hi = _mm256_dpbusd_epi32(hi, _mm256_and_si256(_mm256_srli_epi16(c, 4), low), _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j))));
+            }
+            let isum = _mm256_add_epi32(lo, hi);
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
+            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
+            acc_m = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc_m);
+        }
+        let mut out = [0.0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
+        out
+    }
+
+    /// Q8_0x8 with VNNI: signed weights take the sign trick (|w| unsigned, the
+    /// activation carrying w's sign), then one `vpdpbusd` per chunk.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn rows8_q8_vnni(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        assert!(group.len() >= x.len() * 272);
+        let mut acc = _mm256_setzero_ps();
+        for (b, xb) in x.iter().enumerate() {
+            let p = group.as_ptr().add(b * 272);
+            for line in 0..5 {
+                _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            let y = xb.qs.as_ptr() as *const i32;
+            // Even and odd chunks in two chains (see rows8_vnni_t).
+            let mut isum = [_mm256_setzero_si256(); 2];
+            for j in 0..8 {
+                let w = _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i);
+                let yj = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                isum[j % 2] = _mm256_dpbusd_epi32(isum[j % 2], _mm256_sign_epi8(w, w), _mm256_sign_epi8(yj, w));
+            }
+            let isum = _mm256_add_epi32(isum[0], isum[1]);
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
+        }
+        let mut out = [0.0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), acc);
+        out
+    }
+
+    /// [`dot_q8_rows8_x4`] with VNNI (bit-identical to it, as the one-token kernel is).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn dot_q8_rows8_x4_vnni(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        match format {
+            WeightFormat::Q4_0x8 => rows8_x4_vnni_t::<false>(group, xs),
+            WeightFormat::Q4_1x8 => rows8_x4_vnni_t::<true>(group, xs),
+            WeightFormat::Q8_0x8 => rows8_x4_q8_vnni(group, xs),
+            _ => unreachable!("{format}: no four-token interleaved kernel"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn rows8_x4_vnni_t<const MIN: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        let bb = if MIN { 160 } else { 144 };
+        let blocks = xs[0].len();
+        assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+        for b in 0..blocks {
+            let p = group.as_ptr().add(b * bb);
+            let qp = p.add(if MIN { 32 } else { 16 });
+            // Eight chains (token × low/high nibbles) of four VPDPBUSD each: enough to
+            // cover its latency (see rows8_vnni_t).
+            let mut isum = [[_mm256_setzero_si256(); 2]; 4];
+            for j in 0..4 {
+                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                let lo = _mm256_and_si256(c, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                for t in 0..4 {
+                    let y = ys[t].add(b * STRIDE + QS);
+                    isum[t][0] = _mm256_dpbusd_epi32(isum[t][0], lo, _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j))));
+                    isum[t][1] = _mm256_dpbusd_epi32(isum[t][1], hi, _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j))));
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
+            for t in 0..4 {
+                let xb = &xs[t][b];
+                let isum = _mm256_add_epi32(isum[t][0], isum[t][1]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc[t]);
+                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
+            }
+        }
+        let mut out = [[0.0f32; 8]; 4];
+        for t in 0..4 {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+        out
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn rows8_x4_q8_vnni(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        let blocks = xs[0].len();
+        assert!(group.len() >= blocks * 272 && xs.iter().all(|x| x.len() == blocks));
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+        for b in 0..blocks {
+            let p = group.as_ptr().add(b * 272);
+            // Even and odd chunks in separate chains per token (see rows8_vnni_t).
+            let mut isum = [[_mm256_setzero_si256(); 2]; 4];
+            // An opaque trip count, as in the AVX2 kernel (fully unrolled, LLVM hoists
+            // every chunk and spills).
+            for jj in 0..std::hint::black_box(4usize) {
+                for (h, j) in [2 * jj, 2 * jj + 1].into_iter().enumerate() {
+                    let w = _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i);
+                    let aw = _mm256_sign_epi8(w, w);
+                    for t in 0..4 {
+                        let yj = _mm256_set1_epi32(std::ptr::read_unaligned(ys[t].add(b * STRIDE + QS + j)));
+                        isum[t][h] = _mm256_dpbusd_epi32(isum[t][h], aw, _mm256_sign_epi8(yj, w));
+                    }
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            for t in 0..4 {
+                let xd = _mm256_set1_ps(xs[t][b].d);
+                let isum = _mm256_add_epi32(isum[t][0], isum[t][1]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(isum), acc[t]);
+            }
+        }
+        let mut out = [[0.0f32; 8]; 4];
+        for t in 0..4 {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+        out
+    }
+
+    /// [`mac_probe`]'s int8 step with VNNI: broadcast and one `vpdpbusd` per 32
+    /// products (the sums, exact in 32-bit lanes, equal the scalar probe's).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn mac_probe_int8_vnni(rounds: usize, input: &ProbeInput) -> f32 {
+        let yp = input.words.as_ptr();
+        let w: [__m256i; 4] = std::array::from_fn(|k| _mm256_set1_epi8(probe_weight(k)));
+        let mut acc = [_mm256_setzero_si256(); 12];
+        for r in 0..rounds {
+            let base = yp.add((r & 7) * 8);
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_dpbusd_epi32(*a, w[k & 3], _mm256_set1_epi32(*base.add(k & 7) as i32));
+            }
+        }
+        hsum(_mm256_cvtepi32_ps(acc.iter().fold(_mm256_setzero_si256(), |s, a| _mm256_add_epi32(s, *a))))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]

@@ -518,7 +518,9 @@ fn detect_picks_the_simd_flavour_the_cpu_has() {
     }
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-        assert_eq!(Isa::detect(), Isa::Avx2);
+        let vnni = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni");
+        let forced_avx2 = std::env::var("TESSERA_ISA").is_ok_and(|v| v == "avx2");
+        assert_eq!(Isa::detect(), if vnni && !forced_avx2 { Isa::Avx512Vnni } else { Isa::Avx2 });
     }
     #[cfg(target_arch = "aarch64")]
     if std::arch::is_aarch64_feature_detected!("dotprod") {
@@ -550,4 +552,52 @@ fn mac_probe_simd_matches_scalar() {
         assert!(f > 0.0 && close(f, s, 1e-5), "{} f32 probe, {rounds} rounds: {f} vs {s}", isa.name());
     }
     assert_eq!(isa.mac_probe(MacKind::Int8, 0), 0.0);
+}
+
+/// The VNNI kernels compute the same integer sums as the AVX2 ones (PMADDUBSW never
+/// saturates on these operands), so every interleaved format's one- and four-token
+/// results must be equal bit for bit, and the int8 probe's sum too. Runs where the CPU
+/// has AVX-512 VNNI (not this project's AVX2-only CI machine: there it checks nothing
+/// and says so).
+#[test]
+fn vnni_kernels_equal_avx2_bit_for_bit() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let has = |f: &str| match f {
+            "avx2" => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"),
+            _ => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni"),
+        };
+        if !(has("avx2") && has("vnni")) {
+            eprintln!("vnni_kernels_equal_avx2_bit_for_bit: no AVX-512 VNNI on this CPU, nothing compared");
+            return;
+        }
+        let (avx2, vnni) = (Isa::Avx2, Isa::Avx512Vnni);
+        let mut rng = Rng(11);
+        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+            let packed_format = format.interleaved().unwrap();
+            for cols in [32, 96, 576, 2048] {
+                let rows = 16;
+                let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+                let packed = tessera_kernels::repack_rows8(format, rows, cols, &data);
+                let w = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
+                let xq: Vec<Vec<BlockQ8>> = (0..4)
+                    .map(|_| {
+                        let mut q = vec![BlockQ8::default(); cols / 32];
+                        quantize_row_scalar(&random_vec(&mut rng, cols), &mut q);
+                        q
+                    })
+                    .collect();
+                let xs = [&xq[0][..], &xq[1][..], &xq[2][..], &xq[3][..]];
+                for g in 0..rows / 8 {
+                    let one = |isa: Isa| isa.dot_q8_rows8(packed_format, w.group8(g), xs[0]).map(f32::to_bits);
+                    let four = |isa: Isa| isa.dot_q8_rows8_x4(packed_format, w.group8(g), xs).map(|r| r.map(f32::to_bits));
+                    assert_eq!(one(vnni), one(avx2), "{packed_format} cols {cols} group {g}: one token");
+                    assert_eq!(four(vnni), four(avx2), "{packed_format} cols {cols} group {g}: four tokens");
+                }
+            }
+        }
+        for rounds in [1, 9, 40] {
+            assert_eq!(vnni.mac_probe(tessera_kernels::MacKind::Int8, rounds), Isa::Scalar.mac_probe(tessera_kernels::MacKind::Int8, rounds));
+        }
+    }
 }
