@@ -769,226 +769,229 @@ mod x86 {
     /// How far ahead the interleaved kernels prefetch (bytes).
     const PREFETCH_BYTES: usize = 2048;
 
-    /// 8 interleaved rows against one token: per block, 8 unsigned×signed byte
-    /// products per 32-byte load cover 4 elements of all 8 rows; the 16-bit pair sums of
-    /// the 8 loads add without overflow (8·2·15·127 < 2^15), one `madd` makes 8 row
-    /// sums, and the 8 scales apply in one multiply.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-        match format {
-            WeightFormat::Q4_0x8 => dot_q8_rows8_t::<false>(group, x),
-            WeightFormat::Q4_1x8 => dot_q8_rows8_t::<true>(group, x),
-            WeightFormat::Q8_0x8 => dot_q8_rows8_q8(group, x),
-            _ => unreachable!("{format} does not interleave rows"),
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q8_rows8_t<const MIN: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-        let bb = if MIN { 160 } else { 144 };
-        assert!(group.len() >= x.len() * bb);
-        let low = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for (b, xb) in x.iter().enumerate() {
-            let p = group.as_ptr().add(b * bb);
-            // Ask for the bytes a few blocks ahead: with both cores streaming, the
-            // hardware prefetcher alone leaves each core waiting on DRAM.
-            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
-            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
-            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 128) as *const i8, _MM_HINT_T0);
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            let qp = p.add(if MIN { 32 } else { 16 });
-            let y = xb.qs.as_ptr() as *const i32;
-            let mut sum16 = _mm256_setzero_si256();
-            for j in 0..4 {
-                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                let lo = _mm256_and_si256(c, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-                let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
-                let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(lo, y_lo));
-                sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(hi, y_hi));
-            }
-            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc);
-            // w = d·q + m (Q4_0: m = −8·d): the m term is m · x_sum.
-            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
-            acc_m = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc_m);
-        }
-        let mut out = [0.0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
-        out
-    }
-
-    /// [`dot_q8_rows8`] with VNNI: the same integer sums (PMADDUBSW never saturates on
-    /// these operands), so the same results bit for bit; one `vpdpbusd` per 32
-    /// products.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub unsafe fn dot_q8_rows8_vnni(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-        match format {
-            WeightFormat::Q4_0x8 => rows8_vnni_t::<false>(group, x),
-            WeightFormat::Q4_1x8 => rows8_vnni_t::<true>(group, x),
-            WeightFormat::Q8_0x8 => rows8_q8_vnni(group, x),
-            _ => unreachable!("{format} does not interleave rows"),
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn rows8_vnni_t<const MIN: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-        let bb = if MIN { 160 } else { 144 };
-        assert!(group.len() >= x.len() * bb);
-        let low = _mm256_set1_epi8(0x0F);
-        let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for (b, xb) in x.iter().enumerate() {
-            let p = group.as_ptr().add(b * bb);
-            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
-            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
-            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 128) as *const i8, _MM_HINT_T0);
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            let qp = p.add(if MIN { 32 } else { 16 });
-            let y = xb.qs.as_ptr() as *const i32;
-            // Low and high nibbles in two chains: VPDPBUSD accumulates in place (~5
-            // cycles), so one chain of eight would bound the loop by latency.
-            let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-            for j in 0..4 {
-                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                lo = _mm256_dpbusd_epi32(lo, _mm256_and_si256(c, low), _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j))));
-                hi = _mm256_dpbusd_epi32(hi, _mm256_and_si256(_mm256_srli_epi16(c, 4), low), _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j))));
-            }
-            let isum = _mm256_add_epi32(lo, hi);
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
-            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
-            acc_m = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc_m);
-        }
-        let mut out = [0.0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
-        out
-    }
-
-    /// Q8_0x8 with VNNI: signed weights take the sign trick (|w| unsigned, the
-    /// activation carrying w's sign), then one `vpdpbusd` per chunk.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn rows8_q8_vnni(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-        assert!(group.len() >= x.len() * 272);
-        let mut acc = _mm256_setzero_ps();
-        for (b, xb) in x.iter().enumerate() {
-            let p = group.as_ptr().add(b * 272);
-            for line in 0..5 {
-                _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            let y = xb.qs.as_ptr() as *const i32;
-            // Even and odd chunks in two chains (see rows8_vnni_t).
-            let mut isum = [_mm256_setzero_si256(); 2];
-            for j in 0..8 {
-                let w = _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i);
-                let yj = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
-                isum[j % 2] = _mm256_dpbusd_epi32(isum[j % 2], _mm256_sign_epi8(w, w), _mm256_sign_epi8(yj, w));
-            }
-            let isum = _mm256_add_epi32(isum[0], isum[1]);
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
-        }
-        let mut out = [0.0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), acc);
-        out
-    }
-
-    /// [`dot_q8_rows8_x4`] with VNNI (bit-identical to it, as the one-token kernel is).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub unsafe fn dot_q8_rows8_x4_vnni(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-        match format {
-            WeightFormat::Q4_0x8 => rows8_x4_vnni_t::<false>(group, xs),
-            WeightFormat::Q4_1x8 => rows8_x4_vnni_t::<true>(group, xs),
-            WeightFormat::Q8_0x8 => rows8_x4_q8_vnni(group, xs),
-            _ => unreachable!("{format}: no four-token interleaved kernel"),
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn rows8_x4_vnni_t<const MIN: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-        let bb = if MIN { 160 } else { 144 };
-        let blocks = xs[0].len();
-        assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
-        let low = _mm256_set1_epi8(0x0F);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
-        for b in 0..blocks {
-            let p = group.as_ptr().add(b * bb);
-            let qp = p.add(if MIN { 32 } else { 16 });
-            // Eight chains (token × low/high nibbles) of four VPDPBUSD each: enough to
-            // cover its latency (see rows8_vnni_t).
-            let mut isum = [[_mm256_setzero_si256(); 2]; 4];
-            for j in 0..4 {
-                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                let lo = _mm256_and_si256(c, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-                for t in 0..4 {
-                    let y = ys[t].add(b * STRIDE + QS);
-                    isum[t][0] = _mm256_dpbusd_epi32(isum[t][0], lo, _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j))));
-                    isum[t][1] = _mm256_dpbusd_epi32(isum[t][1], hi, _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j))));
-                }
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
-            for t in 0..4 {
-                let xb = &xs[t][b];
-                let isum = _mm256_add_epi32(isum[t][0], isum[t][1]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc[t]);
-                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
-            }
-        }
-        let mut out = [[0.0f32; 8]; 4];
-        for t in 0..4 {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-        }
-        out
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn rows8_x4_q8_vnni(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-        let blocks = xs[0].len();
-        assert!(group.len() >= blocks * 272 && xs.iter().all(|x| x.len() == blocks));
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
-        for b in 0..blocks {
-            let p = group.as_ptr().add(b * 272);
-            // Even and odd chunks in separate chains per token (see rows8_vnni_t).
-            let mut isum = [[_mm256_setzero_si256(); 2]; 4];
-            // An opaque trip count, as in the AVX2 kernel (fully unrolled, LLVM hoists
-            // every chunk and spills).
-            for jj in 0..std::hint::black_box(4usize) {
-                for (h, j) in [2 * jj, 2 * jj + 1].into_iter().enumerate() {
-                    let w = _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i);
-                    let aw = _mm256_sign_epi8(w, w);
-                    for t in 0..4 {
-                        let yj = _mm256_set1_epi32(std::ptr::read_unaligned(ys[t].add(b * STRIDE + QS + j)));
-                        isum[t][h] = _mm256_dpbusd_epi32(isum[t][h], aw, _mm256_sign_epi8(yj, w));
+    /// The interleaved kernels (`Q4_0x8`, `Q4_1x8`, `Q8_0x8`; one token, and four tokens
+    /// sharing each block's unpacked weights) written once over the step that differs
+    /// between instruction sets: how u8×i8 byte products are summed. Per 32-byte chunk
+    /// (4 columns of 8 rows) a byte dot against one broadcast word of activations makes
+    /// 8 row sums; Q4 nibbles are unsigned (Q4_0's −8 goes into the `m · x_sum` term,
+    /// as Q4_1's min does), Q8 weights take the sign trick (|w| unsigned, the activation
+    /// carrying w's sign). The steps take chunks in pairs (low and high nibbles; even and
+    /// odd chunks) so that each ISA can choose its dependency chains:
+    /// - AVX2: PMADDUBSW; Q4 pair sums add in 16-bit lanes (8 per block at most:
+    ///   8·2·15·127 < 2^15) and widen once per block; Q8 pair sums (up to 2·127²) widen
+    ///   at once. One accumulator, a tree of adds.
+    /// - VNNI: VPDPBUSD sums into 32-bit lanes itself, but in place (~5 cycles), so each
+    ///   of a pair's two products has its own chain.
+    ///
+    /// The integer sums are exact either way, so the two ISAs' results are equal bit for
+    /// bit (`vnni_kernels_equal_avx2_bit_for_bit`).
+    macro_rules! rows8_kernels {
+        ($features:literal, $one:ident, $four:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+            /// 8 interleaved rows against one token (see `rows8_kernels!`).
+            #[target_feature(enable = $features)]
+            pub unsafe fn $one(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn u4<const MIN: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                    let bb = if MIN { 160 } else { 144 };
+                    assert!(group.len() >= x.len() * bb);
+                    let low = _mm256_set1_epi8(0x0F);
+                    let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    for (b, xb) in x.iter().enumerate() {
+                        let p = group.as_ptr().add(b * bb);
+                        // Ask for the bytes a few blocks ahead: with both cores streaming,
+                        // the hardware prefetcher alone leaves each core waiting on DRAM.
+                        _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+                        _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
+                        _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 128) as *const i8, _MM_HINT_T0);
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        let qp = p.add(if MIN { 32 } else { 16 });
+                        let y = xb.qs.as_ptr() as *const i32;
+                        let mut sum: $acc = $zero;
+                        for j in 0..4 {
+                            let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                            let lo = _mm256_and_si256(c, low);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                            let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                            let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
+                            sum = $u4_pair(sum, lo, y_lo, hi, y_hi);
+                        }
+                        let isum = _mm256_cvtepi32_ps($sum(sum));
+                        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc);
+                        // w = d·q + m (Q4_0: m = −8·d): the m term is m · x_sum.
+                        let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
+                        acc_m = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc_m);
                     }
+                    let mut out = [0.0f32; 8];
+                    _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
+                    out
+                }
+
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn i8(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                    assert!(group.len() >= x.len() * 272);
+                    let mut acc = _mm256_setzero_ps();
+                    for (b, xb) in x.iter().enumerate() {
+                        let p = group.as_ptr().add(b * 272);
+                        for line in 0..5 {
+                            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+                        }
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        let y = xb.qs.as_ptr() as *const i32;
+                        let mut sum: $acc = $zero;
+                        for j in [0, 2, 4, 6] {
+                            let (w0, w1) = (_mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i), _mm256_loadu_si256(p.add(48 + 32 * j) as *const __m256i));
+                            let (y0, y1) = (_mm256_set1_epi32(std::ptr::read_unaligned(y.add(j))), _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j + 1))));
+                            sum = $i8_pair(sum, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(y0, w0), _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(y1, w1));
+                        }
+                        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum_i8(sum)), acc);
+                    }
+                    let mut out = [0.0f32; 8];
+                    _mm256_storeu_ps(out.as_mut_ptr(), acc);
+                    out
+                }
+
+                match format {
+                    WeightFormat::Q4_0x8 => u4::<false>(group, x),
+                    WeightFormat::Q4_1x8 => u4::<true>(group, x),
+                    WeightFormat::Q8_0x8 => i8(group, x),
+                    _ => unreachable!("{format} does not interleave rows"),
                 }
             }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            for t in 0..4 {
-                let xd = _mm256_set1_ps(xs[t][b].d);
-                let isum = _mm256_add_epi32(isum[t][0], isum[t][1]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(isum), acc[t]);
+
+            /// The one-token kernel above for four tokens: each block's weights are loaded and unpacked once
+            /// for all four.
+            #[target_feature(enable = $features)]
+            pub unsafe fn $four(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                // Token t's quants of block b, addressed as i32 words (a BlockQ8 is d, sum, qs).
+                const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+                const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn u4<const MIN: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                    let bb = if MIN { 160 } else { 144 };
+                    let blocks = xs[0].len();
+                    assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
+                    let low = _mm256_set1_epi8(0x0F);
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+                    for b in 0..blocks {
+                        let p = group.as_ptr().add(b * bb);
+                        let qp = p.add(if MIN { 32 } else { 16 });
+                        let mut sum: [$acc; 4] = [$zero; 4];
+                        for j in 0..4 {
+                            let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                            let lo = _mm256_and_si256(c, low);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                            for t in 0..4 {
+                                let y = ys[t].add(b * STRIDE + QS);
+                                let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                                let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
+                                sum[t] = $u4_pair(sum[t], lo, y_lo, hi, y_hi);
+                            }
+                        }
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
+                        for t in 0..4 {
+                            let xb = &xs[t][b];
+                            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum(sum[t])), acc[t]);
+                            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
+                        }
+                    }
+                    let mut out = [[0.0f32; 8]; 4];
+                    for t in 0..4 {
+                        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+                    }
+                    out
+                }
+
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn i8(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                    let blocks = xs[0].len();
+                    assert!(group.len() >= blocks * 272 && xs.iter().all(|x| x.len() == blocks));
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+                    for b in 0..blocks {
+                        let p = group.as_ptr().add(b * 272);
+                        let mut sum: [$acc; 4] = [$zero; 4];
+                        // Two chunks per pass and an opaque trip count: fully unrolled, LLVM
+                        // hoists all eight chunks and their magnitudes (16 registers) and
+                        // spills, at a third of the speed.
+                        for jj in 0..std::hint::black_box(4usize) {
+                            let j = 2 * jj;
+                            let (w0, w1) = (_mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i), _mm256_loadu_si256(p.add(48 + 32 * j) as *const __m256i));
+                            let (a0, a1) = (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1));
+                            for t in 0..4 {
+                                let y = ys[t].add(b * STRIDE + QS + j);
+                                let (y0, y1) = (_mm256_set1_epi32(std::ptr::read_unaligned(y)), _mm256_set1_epi32(std::ptr::read_unaligned(y.add(1))));
+                                sum[t] = $i8_pair(sum[t], a0, _mm256_sign_epi8(y0, w0), a1, _mm256_sign_epi8(y1, w1));
+                            }
+                        }
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        for t in 0..4 {
+                            let xd = _mm256_set1_ps(xs[t][b].d);
+                            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps($sum_i8(sum[t])), acc[t]);
+                        }
+                    }
+                    let mut out = [[0.0f32; 8]; 4];
+                    for t in 0..4 {
+                        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+                    }
+                    out
+                }
+
+                match format {
+                    WeightFormat::Q4_0x8 => u4::<false>(group, xs),
+                    WeightFormat::Q4_1x8 => u4::<true>(group, xs),
+                    WeightFormat::Q8_0x8 => i8(group, xs),
+                    _ => unreachable!("{format}: no four-token interleaved kernel"),
+                }
             }
-        }
-        let mut out = [[0.0f32; 8]; 4];
-        for t in 0..4 {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-        }
-        out
+        };
     }
+
+    /// AVX2 steps (see `rows8_kernels!`): one accumulator; Q4 in 16-bit lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_u4_pair(acc: __m256i, lo: __m256i, y_lo: __m256i, hi: __m256i, y_hi: __m256i) -> __m256i {
+        _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, y_lo), _mm256_maddubs_epi16(hi, y_hi)))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_i8_pair(acc: __m256i, a0: __m256i, s0: __m256i, a1: __m256i, s1: __m256i) -> __m256i {
+        let ones = _mm256_set1_epi16(1);
+        let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, s0), ones);
+        let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, s1), ones);
+        _mm256_add_epi32(acc, _mm256_add_epi32(p0, p1))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_widen16(acc: __m256i) -> __m256i {
+        _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_as_is(acc: __m256i) -> __m256i {
+        acc
+    }
+
+    /// VNNI steps (see `rows8_kernels!`): two chains, one per product of a pair.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn vnni_pair(acc: [__m256i; 2], w0: __m256i, y0: __m256i, w1: __m256i, y1: __m256i) -> [__m256i; 2] {
+        [_mm256_dpbusd_epi32(acc[0], w0, y0), _mm256_dpbusd_epi32(acc[1], w1, y1)]
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn vnni_sum(acc: [__m256i; 2]) -> __m256i {
+        _mm256_add_epi32(acc[0], acc[1])
+    }
+
+    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
+    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
 
     /// [`mac_probe`]'s int8 step with VNNI: broadcast and one `vpdpbusd` per 32
     /// products (the sums, exact in 32-bit lanes, equal the scalar probe's).
@@ -1004,136 +1007,6 @@ mod x86 {
             }
         }
         hsum(_mm256_cvtepi32_ps(acc.iter().fold(_mm256_setzero_si256(), |s, a| _mm256_add_epi32(s, *a))))
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_rows8_x4(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-        match format {
-            WeightFormat::Q4_0x8 => dot_q8_rows8_x4_t::<false>(group, xs),
-            WeightFormat::Q4_1x8 => dot_q8_rows8_x4_t::<true>(group, xs),
-            WeightFormat::Q8_0x8 => dot_q8_rows8_x4_q8(group, xs),
-            _ => unreachable!("{format}: no four-token interleaved kernel"),
-        }
-    }
-
-    /// Per 32-byte chunk of the block (4 columns of 8 rows, low and high nibbles), the
-    /// four tokens' byte dots accumulate in 16-bit lanes (8 dots per lane at most:
-    /// 8·2·15·127 < 2^15): 14 live registers, none spilled.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q8_rows8_x4_t<const MIN: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-        let bb = if MIN { 160 } else { 144 };
-        let blocks = xs[0].len();
-        assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
-        let low = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-        // Token t's quants of block b, addressed as i32 words (a BlockQ8 is d, sum, qs).
-        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
-        for b in 0..blocks {
-            let p = group.as_ptr().add(b * bb);
-            let qp = p.add(if MIN { 32 } else { 16 });
-            let mut sum16 = [_mm256_setzero_si256(); 4];
-            for j in 0..4 {
-                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                let lo = _mm256_and_si256(c, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-                for t in 0..4 {
-                    let y = ys[t].add(b * STRIDE + QS);
-                    let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
-                    let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                    sum16[t] = _mm256_add_epi16(sum16[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, y_lo), _mm256_maddubs_epi16(hi, y_hi)));
-                }
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
-            for t in 0..4 {
-                let xb = &xs[t][b];
-                let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[t], ones));
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc[t]);
-                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
-            }
-        }
-        let mut out = [[0.0f32; 8]; 4];
-        for t in 0..4 {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-        }
-        out
-    }
-
-    /// Q8_0x8 for four tokens: each 4-column chunk of the block is loaded, and its
-    /// magnitudes taken, once for all four tokens; each token pays the sign of its
-    /// activations and the byte dots. Chunk-outer, token-inner keeps 13 registers live
-    /// (four integer sums, four accumulators, the chunk and its magnitudes, a
-    /// temporary); holding all eight chunks at once spilled and ran at a third the speed.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q8_rows8_x4_q8(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-        let blocks = xs[0].len();
-        assert!(group.len() >= blocks * 272 && xs.iter().all(|x| x.len() == blocks));
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
-        for b in 0..blocks {
-            let p = group.as_ptr().add(b * 272);
-            let mut isum = [_mm256_setzero_si256(); 4];
-            // Two chunks per iteration and an opaque trip count: fully unrolled, LLVM
-            // hoists all eight chunks and their magnitudes (16 registers) and spills.
-            for jj in 0..std::hint::black_box(4usize) {
-                for j in [2 * jj, 2 * jj + 1] {
-                    let w = _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i);
-                    let aw = _mm256_sign_epi8(w, w);
-                    for t in 0..4 {
-                        let yj = _mm256_set1_epi32(std::ptr::read_unaligned(ys[t].add(b * STRIDE + QS + j)));
-                        let dot = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(yj, w));
-                        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(dot, ones));
-                    }
-                }
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            for t in 0..4 {
-                let xd = _mm256_set1_ps(xs[t][b].d);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(isum[t]), acc[t]);
-            }
-        }
-        let mut out = [[0.0f32; 8]; 4];
-        for t in 0..4 {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-        }
-        out
-    }
-
-    /// Q8_0x8: signed weights, so each 4-column chunk takes the sign trick and widens
-    /// to 32 bits at once (two 16-bit pair sums of |w|·|y| could overflow).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q8_rows8_q8(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-        assert!(group.len() >= x.len() * 272);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        for (b, xb) in x.iter().enumerate() {
-            let p = group.as_ptr().add(b * 272);
-            for line in 0..5 {
-                _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            let y = xb.qs.as_ptr() as *const i32;
-            let mut isum = _mm256_setzero_si256();
-            for j in 0..8 {
-                let w = _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i);
-                let yj = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
-                let dot = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(yj, w));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(dot, ones));
-            }
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
-        }
-        let mut out = [0.0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), acc);
-        out
     }
 
     /// e^x for 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, degree-5
