@@ -108,12 +108,12 @@ pub fn matmul_group(
         assert_eq!(y.len(), n_tokens * w.rows, "matmul_group: output {i} is not n_tokens × rows");
         outs[i] = SharedMut(y.as_mut_ptr());
     }
-    // Work units: a row, or a group of 8 rows of an interleaved format.
+    // Work units: see `unit_rows`.
     let mut unit_starts = [0usize; GROUP_MAX + 1];
     for (i, w) in ws.iter().enumerate() {
         let rpg = w.format.rows_per_group();
         assert_eq!(w.rows % rpg, 0, "matmul_group: {} rows of {} are not whole groups of {rpg}", w.rows, w.format);
-        unit_starts[i + 1] = unit_starts[i] + w.rows / rpg;
+        unit_starts[i + 1] = unit_starts[i] + w.rows / unit_rows(isa, w, n_tokens);
     }
     let total = unit_starts[ws.len()];
     let q8 = ws.iter().any(|w| w.format.int8_activations());
@@ -205,7 +205,7 @@ pub fn matmul_jobs<'w>(
         q8 |= j.w.format.int8_activations();
         all_grouped &= rpg == 8;
         scratch.unit_starts.push(total);
-        total += j.w.rows / rpg;
+        total += j.w.rows / unit_rows(isa, &j.w, j.rows.len());
     }
     scratch.unit_starts.push(total);
     let starts = std::mem::take(&mut scratch.unit_starts);
@@ -230,12 +230,48 @@ pub fn matmul_jobs<'w>(
     scratch.unit_starts = starts;
 }
 
-/// One work unit of `w` (a row, or a group of 8 interleaved rows) for `n_tokens`
-/// tokens: `y[t·rows + r]` from `x` (f32) or `xq` (its q8 blocks).
+/// Rows per work unit of `w` for `n_tokens` tokens: one row; a group of 8 rows of an
+/// interleaved format; or two such groups where the ISA runs a pair in one pass
+/// ([`Isa::pairs_groups`]) and there are four tokens or more to share them.
+fn unit_rows(isa: Isa, w: &WeightRows<'_>, n_tokens: usize) -> usize {
+    match w.format.rows_per_group() {
+        8 if isa.pairs_groups() && n_tokens >= 4 && w.rows % 16 == 0 => 16,
+        rpg => rpg,
+    }
+}
+
+/// One work unit of `w` (see [`unit_rows`]) for `n_tokens` tokens: `y[t·rows + r]`
+/// from `x` (f32) or `xq` (its q8 blocks).
 #[inline]
 fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n_tokens: usize, y: SharedMut<f32>) {
     let (rows, cols) = (w.rows, w.cols);
     let blocks = cols / QK;
+    if unit_rows(isa, w, n_tokens) == 16 {
+        // Two groups at once, four tokens per pass; the rest one group at a time.
+        let pair = &w.data[16 * u * w.row_stride..16 * (u + 1) * w.row_stride];
+        let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
+        let mut t = 0;
+        while t + 4 <= n_tokens {
+            let v = isa.dot_q8_rows16_x4(w.format, pair, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
+            for (dt, vt) in v.iter().enumerate() {
+                for (k, vk) in vt.iter().enumerate() {
+                    // SAFETY: the unit's rows belong to this thread alone.
+                    unsafe { *y.ptr().add((t + dt) * rows + 16 * u + k) = *vk };
+                }
+            }
+            t += 4;
+        }
+        for t in t..n_tokens {
+            for half in 0..2 {
+                let v = isa.dot_q8_rows8(w.format, w.group8(2 * u + half), x_of(t));
+                for (k, vk) in v.into_iter().enumerate() {
+                    // SAFETY: as above.
+                    unsafe { *y.ptr().add(t * rows + 16 * u + 8 * half + k) = vk };
+                }
+            }
+        }
+        return;
+    }
     if w.format.rows_per_group() == 8 {
         // Eight rows at once; the group's bytes stay in L1 across tokens.
         let group = w.group8(u);

@@ -518,7 +518,7 @@ fn detect_picks_the_simd_flavour_the_cpu_has() {
     }
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-        let vnni = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni");
+        let vnni = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni");
         let forced_avx2 = std::env::var("TESSERA_ISA").is_ok_and(|v| v == "avx2");
         assert_eq!(Isa::detect(), if vnni && !forced_avx2 { Isa::Avx512Vnni } else { Isa::Avx2 });
     }
@@ -556,7 +556,8 @@ fn mac_probe_simd_matches_scalar() {
 
 /// The VNNI kernels compute the same integer sums as the AVX2 ones (PMADDUBSW never
 /// saturates on these operands), so every interleaved format's one- and four-token
-/// results must be equal bit for bit, and the int8 probe's sum too. Runs where the CPU
+/// results (and the 512-bit two-group pass's) must be equal bit for bit, and the int8
+/// probe's sum too. Runs where the CPU
 /// has AVX-512 VNNI (not this project's AVX2-only CI machine: there it checks nothing
 /// and says so).
 #[test]
@@ -565,7 +566,7 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
     {
         let has = |f: &str| match f {
             "avx2" => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"),
-            _ => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni"),
+            _ => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni"),
         };
         if !(has("avx2") && has("vnni")) {
             eprintln!("vnni_kernels_equal_avx2_bit_for_bit: no AVX-512 VNNI on this CPU, nothing compared");
@@ -594,10 +595,51 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
                     assert_eq!(one(vnni), one(avx2), "{packed_format} cols {cols} group {g}: one token");
                     assert_eq!(four(vnni), four(avx2), "{packed_format} cols {cols} group {g}: four tokens");
                 }
+                // Both groups in one 512-bit pass against the AVX2 kernel on each group.
+                let pair = vnni.dot_q8_rows16_x4(packed_format, &packed, xs).map(|r| r.map(f32::to_bits));
+                let (a, b) = (avx2.dot_q8_rows8_x4(packed_format, w.group8(0), xs), avx2.dot_q8_rows8_x4(packed_format, w.group8(1), xs));
+                for t in 0..4 {
+                    assert_eq!(pair[t][..8], a[t].map(f32::to_bits), "{packed_format} cols {cols} token {t}: first group of the pair");
+                    assert_eq!(pair[t][8..], b[t].map(f32::to_bits), "{packed_format} cols {cols} token {t}: second group of the pair");
+                }
             }
         }
         for rounds in [1, 9, 40] {
             assert_eq!(vnni.mac_probe(tessera_kernels::MacKind::Int8, rounds), Isa::Scalar.mac_probe(tessera_kernels::MacKind::Int8, rounds));
+        }
+    }
+}
+
+/// The two-group pass equals the one-group kernel on each group, on whatever ISA this
+/// CPU picks (a 512-bit pass on AVX-512 VNNI, else two calls). Matmul over pairs (16
+/// rows, 5 tokens) is in `interleaved_rows_are_the_source_rows`.
+#[test]
+fn group_pairs_equal_single_groups() {
+    let isa = Isa::detect();
+    let mut rng = Rng(12);
+    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        let packed_format = format.interleaved().unwrap();
+        let (rows, cols) = (32, 256);
+        let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+        let packed = tessera_kernels::repack_rows8(format, rows, cols, &data);
+        let w = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
+        let xq: Vec<Vec<BlockQ8>> = (0..4)
+            .map(|_| {
+                let mut q = vec![BlockQ8::default(); cols / 32];
+                quantize_row_scalar(&random_vec(&mut rng, cols), &mut q);
+                q
+            })
+            .collect();
+        let xs = [&xq[0][..], &xq[1][..], &xq[2][..], &xq[3][..]];
+        let group_bytes = w.group8(0).len();
+        for pair in 0..rows / 16 {
+            let got = isa.dot_q8_rows16_x4(packed_format, &packed[2 * pair * group_bytes..2 * (pair + 1) * group_bytes], xs);
+            for half in 0..2 {
+                let want = isa.dot_q8_rows8_x4(packed_format, w.group8(2 * pair + half), xs);
+                for t in 0..4 {
+                    assert_eq!(got[t][8 * half..8 * half + 8], want[t], "{packed_format} pair {pair} half {half} token {t}");
+                }
+            }
         }
     }
 }
