@@ -299,8 +299,8 @@ impl Isa {
     /// A compute ceiling, measured: `rounds` rounds of [`PROBE_MACS_PER_ROUND`]
     /// multiply-adds in the matmul kernels' inner step with nothing else around it:
     /// `Int8`, one broadcast load of four activation bytes, one u8×i8 pair-product
-    /// (PMADDUBSW; VPDPBUSD with VNNI, which also accumulates; SDOT on NEON) and one
-    /// accumulate per 32 (16) products; `F32`, one
+    /// (PMADDUBSW; SDOT on NEON) and one accumulate per 32 (16) products, or one 512-bit
+    /// VPDPBUSD (which accumulates) per 64 with AVX-512 VNNI, as the batched kernels run; `F32`, one
     /// vector load of activations and one FMA per 8 (4). Independent accumulators, so the issue
     /// rate, not latency, is measured. Returns the sum of all the products: the same on
     /// every ISA (exactly for `Int8` while no 16-bit lane wraps, ~50 rounds), so a test
@@ -404,7 +404,7 @@ fn scalar_mac_probe(kind: MacKind, rounds: usize, input: &ProbeInput) -> f32 {
             let mut acc = [0i32; 12];
             for r in 0..rounds {
                 for (k, a) in acc.iter_mut().enumerate() {
-                    let (w, y) = (probe_weight(k) as i32, input.words[(r & 7) * 8 + (k & 7)].to_le_bytes());
+                    let (w, y) = (probe_weight(k % 6) as i32, input.words[(r & 7) * 8 + k % 6].to_le_bytes());
                     for _ in 0..8 {
                         for b in y {
                             *a = a.wrapping_add(w * b as i8 as i32);
@@ -431,7 +431,9 @@ fn scalar_mac_probe(kind: MacKind, rounds: usize, input: &ProbeInput) -> f32 {
     }
 }
 
-/// The probe's weight for accumulator (and step) `k`: 1..=4.
+/// The probe's weight for accumulator (and step) `k`: 1..=4. The int8 probe's 12
+/// steps use weight and activation word `k % 6`, so steps k and k + 6 are the same
+/// products and a 512-bit VPDPBUSD can take both at once.
 fn probe_weight(k: usize) -> i8 {
     1 + (k & 3) as i8
 }
@@ -1134,18 +1136,22 @@ mod x86 {
 
     /// [`mac_probe`]'s int8 step with VNNI: broadcast and one `vpdpbusd` per 32
     /// products (the sums, exact in 32-bit lanes, equal the scalar probe's).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    /// [`mac_probe`]'s int8 step with AVX-512 VNNI, as the batched kernels run it:
+    /// broadcast and one 512-bit `vpdpbusd` per 64 products (steps k and k + 6 at
+    /// once; six chains cover its latency). The sums, exact in 32-bit lanes, equal the
+    /// scalar probe's.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub unsafe fn mac_probe_int8_vnni(rounds: usize, input: &ProbeInput) -> f32 {
         let yp = input.words.as_ptr();
-        let w: [__m256i; 4] = std::array::from_fn(|k| _mm256_set1_epi8(probe_weight(k)));
-        let mut acc = [_mm256_setzero_si256(); 12];
+        let w: [__m512i; 6] = std::array::from_fn(|k| _mm512_set1_epi8(probe_weight(k)));
+        let mut acc = [_mm512_setzero_si512(); 6];
         for r in 0..rounds {
             let base = yp.add((r & 7) * 8);
             for (k, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_dpbusd_epi32(*a, w[k & 3], _mm256_set1_epi32(*base.add(k & 7) as i32));
+                *a = _mm512_dpbusd_epi32(*a, w[k], _mm512_set1_epi32(*base.add(k) as i32));
             }
         }
-        hsum(_mm256_cvtepi32_ps(acc.iter().fold(_mm256_setzero_si256(), |s, a| _mm256_add_epi32(s, *a))))
+        _mm512_reduce_add_epi32(acc.iter().fold(_mm512_setzero_si512(), |s, a| _mm512_add_epi32(s, *a))) as f32
     }
 
     /// e^x for 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, degree-5
@@ -1556,13 +1562,13 @@ mod x86 {
         match kind {
             MacKind::Int8 => {
                 let yp = input.words.as_ptr();
-                let w: [__m256i; 4] = std::array::from_fn(|k| _mm256_set1_epi8(probe_weight(k)));
+                let w: [__m256i; 6] = std::array::from_fn(|k| _mm256_set1_epi8(probe_weight(k)));
                 let mut acc = [_mm256_setzero_si256(); 12];
                 for r in 0..rounds {
                     let base = yp.add((r & 7) * 8);
                     for (k, a) in acc.iter_mut().enumerate() {
-                        let yk = _mm256_set1_epi32(*base.add(k & 7) as i32);
-                        *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(w[k & 3], yk));
+                        let yk = _mm256_set1_epi32(*base.add(k % 6) as i32);
+                        *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(w[k % 6], yk));
                     }
                 }
                 let s = acc.iter().fold(_mm256_setzero_si256(), |s, a| _mm256_add_epi32(s, _mm256_madd_epi16(*a, _mm256_set1_epi16(1))));
@@ -1876,13 +1882,13 @@ mod arm {
         match kind {
             MacKind::Int8 => {
                 let yp = input.words.as_ptr() as *const i32;
-                let w: [int8x16_t; 4] = std::array::from_fn(|k| vdupq_n_s8(probe_weight(k)));
+                let w: [int8x16_t; 6] = std::array::from_fn(|k| vdupq_n_s8(probe_weight(k)));
                 let mut acc = [vdupq_n_s32(0); 12];
                 for r in 0..rounds {
                     let base = yp.add((r & 7) * 8);
                     for _ in 0..2 {
                         for (k, a) in acc.iter_mut().enumerate() {
-                            *a = sdot(*a, w[k & 3], vreinterpretq_s8_s32(vld1q_dup_s32(base.add(k & 7))));
+                            *a = sdot(*a, w[k % 6], vreinterpretq_s8_s32(vld1q_dup_s32(base.add(k % 6))));
                         }
                     }
                 }
