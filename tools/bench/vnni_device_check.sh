@@ -14,7 +14,7 @@ echo "== kernel tests, TESSERA_ISA=avx2"; TESSERA_ISA=avx2 ./kernels-test 2>&1 |
 for round in 1 2; do for isa in avx2 detected; do
   echo "== divan round $round, $isa"
   if [ $isa = avx2 ]; then export TESSERA_ISA=avx2; else unset TESSERA_ISA; fi
-  ./kernels-bench --bench gemm32 mac_probe 2>&1 | grep -E "Q4_0x8|Q4_1x8|Q8_0x8|int8|f32"
+  ./kernels-bench --bench gemm32 mac_probe 2>&1 | grep -E "Q4_0x8|Q4_1x8|Q8_0x8|BF16|F16 |F32 |int8|f32"
 done; done
 for t in 2 8; do for isa in avx2 detected; do
   echo "== tessera bench, $t threads, $isa"
