@@ -17,7 +17,7 @@ fn main() {
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
-const FORMATS: [WeightFormat; 15] = [
+const FORMATS: [WeightFormat; 17] = [
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
     WeightFormat::Q4_0x8,
@@ -33,6 +33,8 @@ const FORMATS: [WeightFormat; 15] = [
     WeightFormat::A8 { group: 64 },
     WeightFormat::F16,
     WeightFormat::Bf16,
+    WeightFormat::F16x4,
+    WeightFormat::Bf16x4,
 ];
 
 /// xorshift: deterministic bytes without a dependency.
@@ -52,8 +54,8 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
 /// float formats, small normal values.
 fn matrix(format: WeightFormat) -> Vec<u8> {
     if format.rows_per_group() > 1 {
-        let source = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
-        return tessera_kernels::repack_rows8(source, ROWS, COLS, &matrix(source));
+        let source = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::F16, WeightFormat::Bf16].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
+        return tessera_kernels::repack_interleaved(source, ROWS, COLS, &matrix(source));
     }
     let row = format.row_bytes(COLS).expect("COLS fits every block size");
     let mut data = bytes(ROWS * row, 7);

@@ -16,6 +16,10 @@
 //!   the source format.
 //! - Q8_0x8 (GGUF Q8_0 repacked the same way): per 32-column block the 8 rows' f16 d,
 //!   then 256 bytes: byte 32·j + 4·r + e is row r's element 4·j + e, j < 8.
+//! - F16x4 / BF16x4 (F16 / BF16 repacked at load on x86, groups of 4 rows): per
+//!   16-column piece, the 4 rows' 16 values one row after another (128 bytes). A
+//!   group is one stream of memory instead of four rows read one after another; same
+//!   bytes per row as the source.
 //! - A4 / A8 (MLX affine, repacked at load): per group of g weights an f32 scale s, an
 //!   f32 bias b, then the quantized values (4-bit: per 32 values 16 bytes in the Q4_0
 //!   nibble order; 8-bit: one byte each); w = s·q + b.
@@ -45,6 +49,9 @@ pub enum WeightFormat {
     Q4_0x8,
     Q4_1x8,
     Q8_0x8,
+    /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
+    F16x4,
+    Bf16x4,
     /// MLX affine 4-bit with `group` elements per scale/bias (32, 64 or 128).
     A4 { group: u16 },
     /// MLX affine 8-bit.
@@ -112,6 +119,8 @@ impl WeightFormat {
             WeightFormat::Q4_0x8 => "Q4_0x8",
             WeightFormat::Q4_1x8 => "Q4_1x8",
             WeightFormat::Q8_0x8 => "Q8_0x8",
+            WeightFormat::F16x4 => "F16x4",
+            WeightFormat::Bf16x4 => "BF16x4",
             WeightFormat::Mxfp4 => "MXFP4",
             WeightFormat::Q4K => "Q4_K",
             WeightFormat::Q5K => "Q5_K",
@@ -144,11 +153,12 @@ impl WeightFormat {
         )
     }
 
-    /// Rows stored together (8 for the interleaved formats): matmul computes them
+    /// Rows stored together (8 or 4 for the interleaved formats): matmul computes them
     /// together, and row slices must fall on multiples of it.
     pub fn rows_per_group(self) -> usize {
         match self {
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => 8,
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
         }
     }
@@ -159,6 +169,8 @@ impl WeightFormat {
             WeightFormat::Q4_0 => Some(WeightFormat::Q4_0x8),
             WeightFormat::Q4_1 => Some(WeightFormat::Q4_1x8),
             WeightFormat::Q8_0 => Some(WeightFormat::Q8_0x8),
+            WeightFormat::F16 => Some(WeightFormat::F16x4),
+            WeightFormat::Bf16 => Some(WeightFormat::Bf16x4),
             _ => None,
         }
     }
@@ -169,6 +181,7 @@ impl WeightFormat {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => 32,
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
@@ -179,6 +192,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 => 4,
             WeightFormat::F16 | WeightFormat::Bf16 => 2,
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 => 32,
             WeightFormat::Q8_0 | WeightFormat::Q8_0x8 => 34,
             WeightFormat::Q4_0 | WeightFormat::Q4_0x8 => 18,
             WeightFormat::Q4_1 | WeightFormat::Q4_1x8 => 20,
@@ -193,7 +207,7 @@ impl WeightFormat {
     }
 
     pub fn is_quantized(self) -> bool {
-        self.block_elems() > 1
+        self.block_elems() > 1 && !matches!(self, WeightFormat::F16x4 | WeightFormat::Bf16x4)
     }
 
     /// Bytes of one row of `cols` elements, or an error when `cols` is not a whole
@@ -204,6 +218,29 @@ impl WeightFormat {
             return Err(FormatError::RowNotBlockMultiple { format: self, cols, block });
         }
         Ok(cols / block * self.block_bytes())
+    }
+}
+
+/// Repacks `rows` rows of `format` into its interleaved layout ([`WeightFormat::interleaved`]):
+/// groups of 8 rows for Q4_0 / Q4_1 / Q8_0 ([`repack_rows8`]), of 4 rows in 16-column
+/// pieces for F16 / BF16. Lossless: the same bytes, moved.
+pub fn repack_interleaved(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
+    match format {
+        WeightFormat::F16 | WeightFormat::Bf16 => {
+            assert!(rows % 4 == 0 && cols % 16 == 0 && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
+            let row_bytes = cols * 2;
+            let mut out = Vec::with_capacity(data.len());
+            for g in 0..rows / 4 {
+                for piece in 0..cols / 16 {
+                    for r in 0..4 {
+                        let at = (4 * g + r) * row_bytes + 32 * piece;
+                        out.extend_from_slice(&data[at..at + 32]);
+                    }
+                }
+            }
+            out
+        }
+        _ => repack_rows8(format, rows, cols, data),
     }
 }
 

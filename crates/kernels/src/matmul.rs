@@ -121,7 +121,7 @@ pub fn matmul_group(
     // ~8 chunks per thread; an 8-row group is already 8 rows of work, so its chunks
     // may be as small as 2 groups (a 576-row projection is 72 groups: 9 chunks of 8
     // would leave one thread a chunk behind the other).
-    let min_units = if ws.iter().all(|w| w.format.rows_per_group() == 8) { 2 } else { 8 };
+    let min_units = if ws.iter().all(|w| w.format.rows_per_group() > 1) { 2 } else { 8 };
     let grain = pool.grain(total, 8, min_units);
     pool.parallel_for(total, grain, &|_, chunk| {
         for g in chunk {
@@ -203,7 +203,7 @@ pub fn matmul_jobs<'w>(
         assert!(j.w.cols == cols && j.w.rows % rpg == 0, "matmul_jobs: job {i} is {}×{} in groups of {rpg}, input width {cols}", j.w.rows, j.w.cols);
         assert!(j.rows.end <= n_rows && j.out < ys.len() && ys[j.out].len() >= j.rows.end * j.w.rows, "matmul_jobs: job {i} rows {:?} or output {} out of bounds", j.rows, j.out);
         q8 |= j.w.format.int8_activations();
-        all_grouped &= rpg == 8;
+        all_grouped &= rpg > 1;
         scratch.unit_starts.push(total);
         total += j.w.rows / unit_rows(isa, &j.w, j.rows.len());
     }
@@ -268,6 +268,29 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n
                     // SAFETY: as above.
                     unsafe { *y.ptr().add(t * rows + 16 * u + 8 * half + k) = vk };
                 }
+            }
+        }
+        return;
+    }
+    if w.format.rows_per_group() == 4 {
+        // Four float rows at once (one stream); two tokens per pass, then one.
+        let group = &w.data[4 * u * w.row_stride..4 * (u + 1) * w.row_stride];
+        let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
+        let mut t = 0;
+        while t + 2 <= n_tokens {
+            let v = isa.dot_f32_rows4_x2(w.format, group, [x_of(t), x_of(t + 1)]);
+            for (dt, vt) in v.iter().enumerate() {
+                for (k, vk) in vt.iter().enumerate() {
+                    // SAFETY: the group's rows belong to this thread alone.
+                    unsafe { *y.ptr().add((t + dt) * rows + 4 * u + k) = *vk };
+                }
+            }
+            t += 2;
+        }
+        if t < n_tokens {
+            for (k, vk) in isa.dot_f32_rows4(w.format, group, x_of(t)).into_iter().enumerate() {
+                // SAFETY: as above.
+                unsafe { *y.ptr().add(t * rows + 4 * u + k) = vk };
             }
         }
         return;

@@ -111,6 +111,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
             }
         }
         WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
             let bb = format.block_bytes();
@@ -395,4 +396,41 @@ pub fn attend_stats<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize
         }
     }
     (max, sum)
+}
+
+/// The plain float format an interleaved 4-row group stores (F16x4 → F16, BF16x4 → BF16).
+fn rows4_source(format: WeightFormat) -> WeightFormat {
+    match format {
+        WeightFormat::F16x4 => WeightFormat::F16,
+        WeightFormat::Bf16x4 => WeightFormat::Bf16,
+        _ => panic!("{format} does not interleave 4 rows"),
+    }
+}
+
+/// The 4 rows of one group of `F16x4` / `BF16x4` as f32, `out[r·cols + c]`.
+pub fn dequantize_rows4(format: WeightFormat, group: &[u8], out: &mut [f32]) {
+    let src = rows4_source(format);
+    let cols = out.len() / 4;
+    for (piece, bytes) in group.chunks_exact(128).take(cols / 16).enumerate() {
+        for r in 0..4 {
+            dequantize_row(src, &bytes[32 * r..32 * (r + 1)], &mut out[r * cols + 16 * piece..r * cols + 16 * (piece + 1)]);
+        }
+    }
+}
+
+/// Dot products of the 4 rows of one `F16x4` / `BF16x4` group with f32 activations,
+/// each summed in order (the reference for the SIMD kernels).
+pub fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f32; 4] {
+    let src = rows4_source(format);
+    let mut w = [0.0f32; 16];
+    let mut acc = [0.0f32; 4];
+    for (bytes, xs) in group.chunks_exact(128).zip(x.chunks_exact(16)) {
+        for (r, a) in acc.iter_mut().enumerate() {
+            dequantize_row(src, &bytes[32 * r..32 * (r + 1)], &mut w);
+            for (wi, xi) in w.iter().zip(xs) {
+                *a += wi * xi;
+            }
+        }
+    }
+    acc
 }

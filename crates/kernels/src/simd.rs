@@ -205,6 +205,40 @@ impl Isa {
         self == Isa::Avx512Vnni
     }
 
+    /// Whether this ISA has kernels for `interleaved` (a format
+    /// [`WeightFormat::interleaved`] returns), so a model should repack into it: the
+    /// 8-row int8 layouts everywhere; the 4-row float layouts on x86 only (elsewhere
+    /// their rows would go through the scalar reference).
+    pub fn runs_interleaved(self, interleaved: WeightFormat) -> bool {
+        match interleaved {
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
+            _ => true,
+        }
+    }
+
+    /// The 4 rows of one `F16x4` / `BF16x4` group against one token.
+    #[inline]
+    pub fn dot_f32_rows4(self, format: WeightFormat, group: &[u8], x: &[f32]) -> [f32; 4] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::dot_f32_rows4(format, group, x) },
+            _ => scalar::dot_f32_rows4(format, group, x),
+        }
+    }
+
+    /// [`Isa::dot_f32_rows4`] for two tokens: each piece of weights converted once for
+    /// both (eight accumulators, two weight and four activation vectors live).
+    #[inline]
+    pub fn dot_f32_rows4_x2(self, format: WeightFormat, group: &[u8], xs: [&[f32]; 2]) -> [[f32; 4]; 2] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::dot_f32_rows4_x2(format, group, xs) },
+            _ => xs.map(|x| scalar::dot_f32_rows4(format, group, x)),
+        }
+    }
+
     /// [`Isa::dot_q8`] for four activation rows at once.
     #[inline]
     pub fn dot_q8_x4(self, format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
@@ -1527,6 +1561,77 @@ mod x86 {
             WeightFormat::Bf16 => dot_float_x4_t::<LoadBf16>(format, row, xs),
             f if kind32(f).is_some() => dot_block_f32_x4(format, row, xs),
             _ => xs.map(|x| dot_block_f32(format, row, x)),
+        }
+    }
+
+    /// 4 interleaved float rows (`F16x4`, `BF16x4`) against one token: per 16-column
+    /// piece (128 bytes, one stream), the activations are loaded once for the 4 rows;
+    /// two accumulators per row.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f32; 4] {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn t<L: Load8>(group: &[u8], x: &[f32]) -> [f32; 4] {
+            let n = x.len();
+            assert!(n % 16 == 0 && group.len() >= 8 * n, "rows4: {n} columns, {} bytes", group.len());
+            let (gp, xp) = (group.as_ptr(), x.as_ptr());
+            let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+            for piece in 0..n / 16 {
+                let p = gp.add(128 * piece);
+                _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+                _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
+                let (x0, x1) = (_mm256_loadu_ps(xp.add(16 * piece)), _mm256_loadu_ps(xp.add(16 * piece + 8)));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    a[0] = _mm256_fmadd_ps(L::load8(p.add(32 * r)), x0, a[0]);
+                    a[1] = _mm256_fmadd_ps(L::load8(p.add(32 * r + 16)), x1, a[1]);
+                }
+            }
+            let mut out = [0.0f32; 4];
+            for (o, a) in out.iter_mut().zip(&acc) {
+                *o = hsum(_mm256_add_ps(a[0], a[1]));
+            }
+            out
+        }
+        match format {
+            WeightFormat::F16x4 => t::<LoadF16>(group, x),
+            WeightFormat::Bf16x4 => t::<LoadBf16>(group, x),
+            _ => unreachable!("{format} does not interleave 4 float rows"),
+        }
+    }
+
+    /// [`dot_f32_rows4`] for two tokens: each piece's 8 weight vectors are converted
+    /// once for both; one accumulator per (token, row).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f32_rows4_x2(format: WeightFormat, group: &[u8], xs: [&[f32]; 2]) -> [[f32; 4]; 2] {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn t<L: Load8>(group: &[u8], xs: [&[f32]; 2]) -> [[f32; 4]; 2] {
+            let n = xs[0].len();
+            assert!(n % 16 == 0 && group.len() >= 8 * n && xs[1].len() == n, "rows4: {n} columns, {} bytes", group.len());
+            let gp = group.as_ptr();
+            let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+            for piece in 0..n / 16 {
+                let p = gp.add(128 * piece);
+                let x: [[__m256; 2]; 2] = std::array::from_fn(|t| [_mm256_loadu_ps(xs[t].as_ptr().add(16 * piece)), _mm256_loadu_ps(xs[t].as_ptr().add(16 * piece + 8))]);
+                for r in 0..4 {
+                    let (w0, w1) = (L::load8(p.add(32 * r)), L::load8(p.add(32 * r + 16)));
+                    for t in 0..2 {
+                        acc[t][r] = _mm256_fmadd_ps(w1, x[t][1], _mm256_fmadd_ps(w0, x[t][0], acc[t][r]));
+                    }
+                }
+            }
+            let mut out = [[0.0f32; 4]; 2];
+            for t in 0..2 {
+                for r in 0..4 {
+                    out[t][r] = hsum(acc[t][r]);
+                }
+            }
+            out
+        }
+        match format {
+            WeightFormat::F16x4 => t::<LoadF16>(group, xs),
+            WeightFormat::Bf16x4 => t::<LoadBf16>(group, xs),
+            _ => unreachable!("{format} does not interleave 4 float rows"),
         }
     }
 

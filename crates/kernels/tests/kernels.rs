@@ -65,7 +65,7 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => panic!("interleaved formats are made by repack_rows8"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -345,7 +345,7 @@ fn matmul_jobs_equals_one_matmul_per_job() {
             .map(|_| {
                 let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
                 match packed {
-                    Some(p) => (p, tessera_kernels::repack_rows8(format, rows, cols, &data)),
+                    Some(p) => (p, tessera_kernels::repack_interleaved(format, rows, cols, &data)),
                     None => (format, data),
                 }
             })
@@ -638,6 +638,54 @@ fn group_pairs_equal_single_groups() {
                 let want = isa.dot_q8_rows8_x4(packed_format, w.group8(2 * pair + half), xs);
                 for t in 0..4 {
                     assert_eq!(got[t][8 * half..8 * half + 8], want[t], "{packed_format} pair {pair} half {half} token {t}");
+                }
+            }
+        }
+    }
+}
+
+/// F16 / BF16 repacked into 4-row groups: the groups dequantize to the source rows, the
+/// one- and two-token kernels match the scalar reference, and matmul over the repacked
+/// matrix (1, 2, 3 and 5 tokens: pairs and a single tail) matches matmul over the source.
+#[test]
+fn interleaved_float_rows_are_the_source_rows() {
+    let isa = Isa::detect();
+    let mut rng = Rng(13);
+    for format in [WeightFormat::F16, WeightFormat::Bf16] {
+        let packed_format = format.interleaved().unwrap();
+        for (rows, cols) in [(4, 16), (8, 48), (12, 1024)] {
+            let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+            let packed = tessera_kernels::repack_interleaved(format, rows, cols, &data);
+            assert_eq!(packed.len(), data.len());
+            let src = WeightRows::new(format, rows, cols, &data).unwrap();
+            let dst = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
+            let x = random_vec(&mut rng, 5 * cols);
+            let group_bytes = 4 * packed_format.row_bytes(cols).unwrap();
+            for g in 0..rows / 4 {
+                let group = &packed[g * group_bytes..(g + 1) * group_bytes];
+                let mut w4 = vec![0.0; 4 * cols];
+                scalar::dequantize_rows4(packed_format, group, &mut w4);
+                let one = isa.dot_f32_rows4(packed_format, group, &x[..cols]);
+                let two = isa.dot_f32_rows4_x2(packed_format, group, [&x[..cols], &x[cols..2 * cols]]);
+                for r in 0..4 {
+                    let mut w = vec![0.0; cols];
+                    scalar::dequantize_row(format, src.row(4 * g + r), &mut w);
+                    assert_eq!(&w4[r * cols..(r + 1) * cols], &w[..], "{packed_format} {rows}x{cols} row {}", 4 * g + r);
+                    for (t, got) in [(0, one[r]), (0, two[0][r]), (1, two[1][r])] {
+                        let want = scalar::dot_f32(format, src.row(4 * g + r), &x[t * cols..(t + 1) * cols]);
+                        let mag: f32 = w.iter().zip(&x[t * cols..]).map(|(a, b)| (a * b).abs()).sum::<f32>() + 1.0;
+                        assert!((got - want).abs() <= 1e-5 * mag, "{packed_format} {rows}x{cols} row {r} token {t}: {got} vs {want}");
+                    }
+                }
+            }
+            for tokens in [1, 2, 3, 5] {
+                let pool = ThreadPool::new(2);
+                let mut scratch = MatmulScratch::new(tokens, cols);
+                let (mut y0, mut y1) = (vec![0.0; tokens * rows], vec![0.0; tokens * rows]);
+                matmul(&pool, isa, src, &x[..tokens * cols], tokens, &mut y0, &mut scratch);
+                matmul(&pool, isa, dst, &x[..tokens * cols], tokens, &mut y1, &mut scratch);
+                for (a, b) in y0.iter().zip(&y1) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{packed_format} matmul {tokens} tokens: {a} vs {b}");
                 }
             }
         }

@@ -65,12 +65,14 @@ impl Linear {
         Linear { name, format: WeightFormat::F32, rows, cols, storage: Storage::Owned(Arc::new(bytes), 0..len), bias: None }
     }
 
-    /// Repacks Q4_0 / Q4_1 into the 8-row interleaved layout the kernels run fastest
-    /// (same bytes; the mapped source pages are no longer touched). Matrices whose rows
-    /// do not come in whole groups of 8 stay as they are.
-    fn interleave(&mut self, ckpt: &Checkpoint) {
-        let Some(to) = self.format.interleaved().filter(|_| self.rows % 8 == 0 && self.rows > 0) else { return };
-        let data = tessera_kernels::repack_rows8(self.format, self.rows, self.cols, self.weights(ckpt).data);
+    /// Repacks Q4_0 / Q4_1 / Q8_0 into the 8-row interleaved layout the kernels run
+    /// fastest, and F16 / BF16 into the 4-row one where `isa` has kernels for it (same
+    /// bytes; the mapped source pages are no longer touched). Matrices whose rows (or
+    /// columns) do not come in whole groups (pieces) stay as they are.
+    fn interleave(&mut self, ckpt: &Checkpoint, isa: Isa) {
+        let whole = |to: &WeightFormat| self.rows > 0 && self.rows % to.rows_per_group() == 0 && to.row_bytes(self.cols).is_ok();
+        let Some(to) = self.format.interleaved().filter(|to| whole(to) && isa.runs_interleaved(*to)) else { return };
+        let data = tessera_kernels::repack_interleaved(self.format, self.rows, self.cols, self.weights(ckpt).data);
         let len = data.len();
         self.format = to;
         self.storage = Storage::Owned(Arc::new(data), 0..len);
@@ -1239,9 +1241,10 @@ impl DenseTransformer {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(todo.len().max(1));
             let per = todo.len().div_ceil(threads).max(1);
             let ckpt_ref = &*ckpt;
+            let isa = Isa::detect();
             std::thread::scope(|scope| {
                 for part in todo.chunks_mut(per) {
-                    scope.spawn(move || part.iter_mut().for_each(|l| l.interleave(ckpt_ref)));
+                    scope.spawn(move || part.iter_mut().for_each(|l| l.interleave(ckpt_ref, isa)));
                 }
             });
         }

@@ -492,3 +492,56 @@ fn attention_split_over_key_ranges_matches_one_range() {
         assert!(d <= 1e-4 * scale, "{dtype:?}: split attention differs by {d} (max |logit| {scale})");
     }
 }
+
+/// A BF16 checkpoint (whose matrices the x86 kernels repack into 4-row groups, BF16x4)
+/// gives the logits of the same values stored as F32, on the SIMD kernels and on the
+/// scalar reference: 5 tokens at once (two-token passes and a one-token tail) and one
+/// token at a time.
+#[test]
+fn bf16_matrices_give_the_logits_of_their_values_as_f32() {
+    let to_bf16 = |v: f32| f32::from_bits(v.to_bits() & 0xFFFF_0000);
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = tiny_llama_tensors(21)
+        .into_iter()
+        .map(|(n, shape, data)| {
+            let data = if shape.len() == 2 { data.into_iter().map(to_bf16).collect() } else { data };
+            (n, shape, data)
+        })
+        .collect();
+    let as_f32 = scratch("bf16-values-as-f32");
+    write_hf_dir(&as_f32, &hf_config(), &tensors);
+    let as_bf16 = scratch("bf16-values");
+    std::fs::write(as_bf16.join("config.json"), serde_json::to_string_pretty(&hf_config()).unwrap()).unwrap();
+    std::fs::write(as_bf16.join("model.safetensors"), safetensors_bytes_with(&tensors, |shape| shape.len() == 2)).unwrap();
+    let reference = load_model(&as_f32).unwrap();
+    let mut model = load_model(&as_bf16).unwrap();
+    let interleaved = model.linears().iter().filter(|l| l.format == tessera_kernels::WeightFormat::Bf16x4).count();
+    if model.isa().runs_interleaved(tessera_kernels::WeightFormat::Bf16x4) {
+        assert!(interleaved > 0, "{} repacks BF16 matrices into BF16x4", model.isa().name());
+    }
+    let tokens = [3u32, 17, 5, 29, 11];
+    let want = logits(&reference, &tokens);
+    for isa in [model.isa(), tessera_kernels::Isa::Scalar] {
+        model.set_isa(isa);
+        let got = logits(&model, &tokens);
+        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{} logit {i}: {b} vs {a} (f32)", isa.name());
+        }
+        let one = one_by_one(&model, &tokens);
+        for (i, (a, b)) in want.iter().zip(&one).enumerate() {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{} one by one, logit {i}: {b} vs {a} (f32)", isa.name());
+        }
+    }
+}
+
+fn one_by_one(model: &DenseTransformer, tokens: &[u32]) -> Vec<f32> {
+    let limits = StepLimits { tokens_per_step_max: 16, context_max: 32, sequences_per_step_max: 1 };
+    let pool = ThreadPool::new(2);
+    let mut ws = model.new_workspace(limits, pool.n_threads());
+    let mut cache = model.new_cache(limits, KvDtype::F32);
+    let v = model.cfg.vocab;
+    let mut out = vec![0.0; tokens.len() * v];
+    for (i, t) in tokens.iter().enumerate() {
+        model.forward(&pool, &mut ws, &mut cache, &[*t], LogitsFor::All, &mut out[i * v..(i + 1) * v]).unwrap();
+    }
+    out
+}

@@ -71,14 +71,22 @@ pub fn hf_config() -> serde_json::Value {
 
 /// safetensors bytes for f32 tensors (header padded to 8 bytes, as writers do).
 pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
+    safetensors_bytes_with(tensors, |_| false)
+}
+
+/// safetensors bytes with the tensors `bf16(name, shape)` picks stored as BF16 (their
+/// values truncated to bf16's bits; exact when they already are bf16 values), the rest
+/// as F32.
+pub fn safetensors_bytes_with(tensors: &[(String, Vec<usize>, Vec<f32>)], bf16: impl Fn(&[usize]) -> bool) -> Vec<u8> {
     let mut header = serde_json::Map::new();
     let mut offset = 0;
     for (name, shape, data) in tensors {
+        let (dtype, size) = if bf16(shape) { ("BF16", 2) } else { ("F32", 4) };
         header.insert(
             name.clone(),
-            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + data.len() * 4]}),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + data.len() * size]}),
         );
-        offset += data.len() * 4;
+        offset += data.len() * size;
     }
     let mut h = serde_json::to_string(&header).unwrap();
     while (8 + h.len()) % 8 != 0 {
@@ -86,9 +94,13 @@ pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> 
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
     out.extend(h.as_bytes());
-    for (_, _, data) in tensors {
+    for (_, shape, data) in tensors {
         for v in data {
-            out.extend(v.to_le_bytes());
+            if bf16(shape) {
+                out.extend(((v.to_bits() >> 16) as u16).to_le_bytes());
+            } else {
+                out.extend(v.to_le_bytes());
+            }
         }
     }
     out
