@@ -230,9 +230,10 @@ pub fn matmul_jobs<'w>(
     scratch.unit_starts = starts;
 }
 
-/// Rows per work unit of `w` for `n_tokens` tokens: one row; a group of 8 rows of an
-/// interleaved format; or two such groups where the ISA runs a pair in one pass
-/// ([`Isa::pairs_groups`]) and there are four tokens or more to share them.
+/// Rows per work unit of `w` for `n_tokens` tokens: one row; a group of an interleaved
+/// format (8 rows, or 4 for F16x4/BF16x4); or two 8-row groups where the ISA runs a
+/// pair in one pass ([`Isa::pairs_groups`]) and there are four tokens or more to share
+/// them.
 fn unit_rows(isa: Isa, w: &WeightRows<'_>, n_tokens: usize) -> usize {
     match w.format.rows_per_group() {
         8 if isa.pairs_groups() && n_tokens >= 4 && w.rows % 16 == 0 => 16,
@@ -244,106 +245,53 @@ fn unit_rows(isa: Isa, w: &WeightRows<'_>, n_tokens: usize) -> usize {
 /// from `x` (f32) or `xq` (its q8 blocks).
 #[inline]
 fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n_tokens: usize, y: SharedMut<f32>) {
-    let (rows, cols) = (w.rows, w.cols);
+    let (rows, cols, f) = (w.rows, w.cols, w.format);
     let blocks = cols / QK;
-    if unit_rows(isa, w, n_tokens) == 16 {
-        // Two groups at once, four tokens per pass; the rest one group at a time.
-        let pair = &w.data[16 * u * w.row_stride..16 * (u + 1) * w.row_stride];
-        let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
-        let mut t = 0;
-        while t + 4 <= n_tokens {
-            let v = isa.dot_q8_rows16_x4(w.format, pair, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
-            for (dt, vt) in v.iter().enumerate() {
-                for (k, vk) in vt.iter().enumerate() {
-                    // SAFETY: the unit's rows belong to this thread alone.
-                    unsafe { *y.ptr().add((t + dt) * rows + 16 * u + k) = *vk };
-                }
-            }
-            t += 4;
-        }
-        for t in t..n_tokens {
-            for half in 0..2 {
-                let v = isa.dot_q8_rows8(w.format, w.group8(2 * u + half), x_of(t));
-                for (k, vk) in v.into_iter().enumerate() {
-                    // SAFETY: as above.
-                    unsafe { *y.ptr().add(t * rows + 16 * u + 8 * half + k) = vk };
-                }
-            }
-        }
-        return;
-    }
-    if w.format.rows_per_group() == 4 {
-        // Four float rows at once (one stream); two tokens per pass, then one.
-        let group = &w.data[4 * u * w.row_stride..4 * (u + 1) * w.row_stride];
-        let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
-        let mut t = 0;
-        while t + 2 <= n_tokens {
-            let v = isa.dot_f32_rows4_x2(w.format, group, [x_of(t), x_of(t + 1)]);
-            for (dt, vt) in v.iter().enumerate() {
-                for (k, vk) in vt.iter().enumerate() {
-                    // SAFETY: the group's rows belong to this thread alone.
-                    unsafe { *y.ptr().add((t + dt) * rows + 4 * u + k) = *vk };
-                }
-            }
-            t += 2;
-        }
-        if t < n_tokens {
-            for (k, vk) in isa.dot_f32_rows4(w.format, group, x_of(t)).into_iter().enumerate() {
-                // SAFETY: as above.
-                unsafe { *y.ptr().add(t * rows + 4 * u + k) = vk };
-            }
-        }
-        return;
-    }
-    if w.format.rows_per_group() == 8 {
-        // Eight rows at once; the group's bytes stay in L1 across tokens.
-        let group = w.group8(u);
-        let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
-        let mut t = 0;
-        while t + 4 <= n_tokens {
-            let v = isa.dot_q8_rows8_x4(w.format, group, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]);
-            for (dt, vt) in v.iter().enumerate() {
-                for (k, vk) in vt.iter().enumerate() {
-                    // SAFETY: the group's rows belong to this thread alone.
-                    unsafe { *y.ptr().add((t + dt) * rows + 8 * u + k) = *vk };
-                }
-            }
-            t += 4;
-        }
-        for t in t..n_tokens {
-            let v = isa.dot_q8_rows8(w.format, group, x_of(t));
-            for (k, vk) in v.into_iter().enumerate() {
-                // SAFETY: the group's rows belong to this thread alone.
-                unsafe { *y.ptr().add(t * rows + 8 * u + k) = vk };
-            }
-        }
-        return;
-    }
-    let r = u;
-    let row = w.row(r);
-    if w.format.int8_activations() {
-        let x_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
-        each_token(n_tokens, rows, r, y, |t| isa.dot_q8_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]), |t| isa.dot_q8(w.format, row, x_of(t)));
-    } else {
-        let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
-        each_token(n_tokens, rows, r, y, |t| isa.dot_f32_x4(w.format, row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)]), |t| isa.dot_f32(w.format, row, x_of(t)));
+    let xq_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
+    let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
+    let q4 = |t: usize| [xq_of(t), xq_of(t + 1), xq_of(t + 2), xq_of(t + 3)];
+    let f4 = |t: usize| [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)];
+    let unit = |r: usize| &w.data[r * u * w.row_stride..r * (u + 1) * w.row_stride];
+    match (unit_rows(isa, w, n_tokens), f.rows_per_group()) {
+        // Two 8-row groups in one pass; a tail token takes them one at a time.
+        (16, _) => each_token::<4, 16>(n_tokens, rows, 16 * u, y, |t| isa.dot_q8_rows16_x4(f, unit(16), q4(t)), |t| {
+            let (a, b) = (isa.dot_q8_rows8(f, w.group8(2 * u), xq_of(t)), isa.dot_q8_rows8(f, w.group8(2 * u + 1), xq_of(t)));
+            std::array::from_fn(|k| if k < 8 { a[k] } else { b[k - 8] })
+        }),
+        // Four float rows (one stream), two tokens per pass.
+        (_, 4) => each_token::<2, 4>(n_tokens, rows, 4 * u, y, |t| isa.dot_f32_rows4_x2(f, unit(4), [x_of(t), x_of(t + 1)]), |t| isa.dot_f32_rows4(f, unit(4), x_of(t))),
+        (_, 8) => each_token::<4, 8>(n_tokens, rows, 8 * u, y, |t| isa.dot_q8_rows8_x4(f, unit(8), q4(t)), |t| isa.dot_q8_rows8(f, unit(8), xq_of(t))),
+        _ if f.int8_activations() => each_token::<4, 1>(n_tokens, rows, u, y, |t| isa.dot_q8_x4(f, w.row(u), q4(t)).map(|v| [v]), |t| [isa.dot_q8(f, w.row(u), xq_of(t))]),
+        _ => each_token::<4, 1>(n_tokens, rows, u, y, |t| isa.dot_f32_x4(f, w.row(u), f4(t)).map(|v| [v]), |t| [isa.dot_f32(f, w.row(u), x_of(t))]),
     }
 }
 
-/// Row `r` for every token: four per pass through `x4` (the row's bytes stay in L1),
-/// the rest one by one through `one`; results to `y[t·rows + r]`.
+/// Rows `r0 .. r0 + R` for every token: `P` tokens per pass through `many` (the unit's
+/// bytes stay in L1 across them), the rest one by one through `one`; results to
+/// `y[t·rows + r]`.
 #[inline]
-fn each_token(n_tokens: usize, rows: usize, r: usize, y: SharedMut<f32>, x4: impl Fn(usize) -> [f32; 4], one: impl Fn(usize) -> f32) {
-    let mut t = 0;
-    while t + 4 <= n_tokens {
-        for (k, vk) in x4(t).into_iter().enumerate() {
-            // SAFETY: row r belongs to this thread alone.
-            unsafe { *y.ptr().add((t + k) * rows + r) = vk };
+fn each_token<const P: usize, const R: usize>(
+    n_tokens: usize,
+    rows: usize,
+    r0: usize,
+    y: SharedMut<f32>,
+    many: impl Fn(usize) -> [[f32; R]; P],
+    one: impl Fn(usize) -> [f32; R],
+) {
+    let put = |t: usize, v: [f32; R]| {
+        for (k, vk) in v.into_iter().enumerate() {
+            // SAFETY: a unit's rows belong to the thread running it alone.
+            unsafe { *y.ptr().add(t * rows + r0 + k) = vk };
         }
-        t += 4;
+    };
+    let mut t = 0;
+    while t + P <= n_tokens {
+        for (dt, v) in many(t).into_iter().enumerate() {
+            put(t + dt, v);
+        }
+        t += P;
     }
     for t in t..n_tokens {
-        // SAFETY: as above.
-        unsafe { *y.ptr().add(t * rows + r) = one(t) };
+        put(t, one(t));
     }
 }

@@ -85,6 +85,17 @@ fn random_vec(rng: &mut Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.f32() * 2.0).collect()
 }
 
+/// `n` rows of `cols` random activations quantized to q8 blocks (scalar reference).
+fn random_q8_rows(rng: &mut Rng, n: usize, cols: usize) -> Vec<Vec<BlockQ8>> {
+    (0..n)
+        .map(|_| {
+            let mut q = vec![BlockQ8::default(); cols / 32];
+            quantize_row_scalar(&random_vec(rng, cols), &mut q);
+            q
+        })
+        .collect()
+}
+
 fn close(a: f32, b: f32, tol: f32) -> bool {
     (a - b).abs() <= tol * (1.0 + a.abs().max(b.abs()))
 }
@@ -581,13 +592,7 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
                 let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
                 let packed = tessera_kernels::repack_rows8(format, rows, cols, &data);
                 let w = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
-                let xq: Vec<Vec<BlockQ8>> = (0..4)
-                    .map(|_| {
-                        let mut q = vec![BlockQ8::default(); cols / 32];
-                        quantize_row_scalar(&random_vec(&mut rng, cols), &mut q);
-                        q
-                    })
-                    .collect();
+                let xq = random_q8_rows(&mut rng, 4, cols);
                 let xs = [&xq[0][..], &xq[1][..], &xq[2][..], &xq[3][..]];
                 for g in 0..rows / 8 {
                     let one = |isa: Isa| isa.dot_q8_rows8(packed_format, w.group8(g), xs[0]).map(f32::to_bits);
@@ -623,13 +628,7 @@ fn group_pairs_equal_single_groups() {
         let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
         let packed = tessera_kernels::repack_rows8(format, rows, cols, &data);
         let w = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
-        let xq: Vec<Vec<BlockQ8>> = (0..4)
-            .map(|_| {
-                let mut q = vec![BlockQ8::default(); cols / 32];
-                quantize_row_scalar(&random_vec(&mut rng, cols), &mut q);
-                q
-            })
-            .collect();
+        let xq = random_q8_rows(&mut rng, 4, cols);
         let xs = [&xq[0][..], &xq[1][..], &xq[2][..], &xq[3][..]];
         let group_bytes = w.group8(0).len();
         for pair in 0..rows / 16 {

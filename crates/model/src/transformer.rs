@@ -1210,6 +1210,8 @@ impl DenseTransformer {
         // per-head matrices, sliced by head) take the kernels' interleaved layout. A
         // head tied to the embedding gets its own repacked copy: one more head-sized
         // buffer buys a head read at the interleaved kernels' speed every token.
+        // One kernel flavour decides both which layouts to repack into and what runs them.
+        let isa = Isa::detect();
         if std::env::var("TESSERA_REPACK").map_or(true, |v| v != "0") {
             let mut todo: Vec<&mut Linear> = Vec::new();
             if let Some(h) = head.as_mut() {
@@ -1241,7 +1243,6 @@ impl DenseTransformer {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(todo.len().max(1));
             let per = todo.len().div_ceil(threads).max(1);
             let ckpt_ref = &*ckpt;
-            let isa = Isa::detect();
             std::thread::scope(|scope| {
                 for part in todo.chunks_mut(per) {
                     scope.spawn(move || part.iter_mut().for_each(|l| l.interleave(ckpt_ref, isa)));
@@ -1250,7 +1251,7 @@ impl DenseTransformer {
         }
         let bytes_loaded = ld.bytes_read.get();
         let recorded = ld.record.map(|r| r.into_inner()).unwrap_or_default();
-        Ok((DenseTransformer { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa: Isa::detect(), bytes_loaded, ckpt }, recorded))
+        Ok((DenseTransformer { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa, bytes_loaded, ckpt }, recorded))
     }
 
     /// Bytes this shard read from the checkpoint files while loading (0 for a whole
