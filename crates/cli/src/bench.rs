@@ -179,6 +179,14 @@ fn print_table(model: &str, r: &BenchReport) {
     };
     bw("before", &r.bandwidth_before);
     bw("after ", &r.bandwidth_after);
+    let pg = &r.pages;
+    println!(
+        "memory: weights arena {} ({} on huge pages), bandwidth buffer {} ({} on huge pages); TESSERA_HUGEPAGES=0 keeps both on small pages",
+        mib(pg.weights_arena_bytes),
+        mib(pg.weights_huge_bytes),
+        mib(pg.probe_bytes),
+        mib(pg.probe_huge_bytes)
+    );
     let peak = |name: &str, p: &[MacPeak; 2]| {
         println!(
             "compute ceiling {name}: int8 best {:.1} GMAC/s, median {:.1}; f32 best {:.1} GMAC/s, median {:.1} ({} passes each of the kernels' multiply step alone, every thread)",
@@ -270,6 +278,10 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
         "decode": decode_json(r, &r.decode),
         "batched": r.batched.iter().map(|b| decode_json(r, b)).collect::<Vec<_>>(),
         "bandwidth": { "before": bandwidth_json(&r.bandwidth_before), "after": bandwidth_json(&r.bandwidth_after) },
+        "pages": {
+            "weights_arena_bytes": r.pages.weights_arena_bytes, "weights_huge_bytes": r.pages.weights_huge_bytes,
+            "probe_bytes": r.pages.probe_bytes, "probe_huge_bytes": r.pages.probe_huge_bytes,
+        },
         "roofline": {
             "decode_gb_s": r.decode_gb_s(),
             "bandwidth_best_gb_s": r.bandwidth_best_gb_s(),

@@ -28,7 +28,7 @@ use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 use tessera_kernels::{Isa, MacKind, ThreadPool, PROBE_MACS_PER_ROUND};
-use tessera_model::{DenseTransformer, KvDtype, LogitsFor, SeqChunk, StepError, StepLimits};
+use tessera_model::{huge_pages_wanted, DenseTransformer, KvDtype, WeightBuffer, LogitsFor, SeqChunk, StepError, StepLimits};
 
 /// Bound on `--repeat`.
 pub const REPEAT_MAX: usize = 1000;
@@ -210,6 +210,17 @@ pub struct BenchReport {
     /// Compute ceilings, before the first round and after the last: [int8, f32].
     pub mac_peak_before: [MacPeak; 2],
     pub mac_peak_after: [MacPeak; 2],
+    pub pages: PageUse,
+}
+
+/// Where the streamed bytes live: how much of the weights' arena and of the bandwidth
+/// buffer the OS backs with huge pages (`tessera_model::memory`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PageUse {
+    pub weights_arena_bytes: usize,
+    pub weights_huge_bytes: usize,
+    pub probe_bytes: usize,
+    pub probe_huge_bytes: usize,
 }
 
 impl BenchReport {
@@ -359,7 +370,20 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
     // Bandwidth buffer: ≥ bytes per token, ≥ 64 MiB, whole chunks.
     let bpt = model.bytes_per_token();
     let bw_floats = bpt.max(BANDWIDTH_BYTES_MIN).div_ceil(4).next_multiple_of(READ_CHUNK_FLOATS);
-    let bw_buf: Vec<f32> = (0..bw_floats).map(|i| (i % 1024) as f32 * 1e-3).collect();
+    // Same kind of memory as the weights (huge pages where they are), so the fraction
+    // compares like with like.
+    let mut bw_mem = WeightBuffer::zeroed(bw_floats * 4, huge_pages_wanted());
+    // SAFETY: any bit pattern is an f32; a page-aligned mapping or 64-byte lines of
+    // whole floats leave no unaligned prefix (checked).
+    let (head, floats, _) = unsafe { bw_mem.align_to_mut::<f32>() };
+    assert!(head.is_empty(), "bandwidth buffer aligned for f32");
+    for (i, x) in floats.iter_mut().enumerate() {
+        *x = (i % 1024) as f32 * 1e-3;
+    }
+    // SAFETY: as above.
+    let bw_buf: &[f32] = unsafe { bw_mem.align_to::<f32>() }.1;
+    let (weights_arena_bytes, weights_huge_bytes) = model.weights_arena_bytes();
+    let pages = PageUse { weights_arena_bytes, weights_huge_bytes, probe_bytes: bw_mem.len(), probe_huge_bytes: bw_mem.huge_page_bytes() };
 
     progress("warm-up");
     stepper.reset(0)?;
@@ -367,10 +391,10 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
         step1(stepper, chunk, &mut logits)?;
     }
     step1(stepper, &d_tokens[..1], &mut logits)?;
-    read_bandwidth(&pool, &bw_buf, 1);
+    read_bandwidth(&pool, bw_buf, 1);
 
     progress("bandwidth (before)");
-    let bandwidth_before = read_bandwidth(&pool, &bw_buf, BANDWIDTH_PASSES);
+    let bandwidth_before = read_bandwidth(&pool, bw_buf, BANDWIDTH_PASSES);
     progress("compute peak (before)");
     let isa = model.isa();
     let mac_peak_before = [MacKind::Int8, MacKind::F32].map(|k| mac_peak(&pool, isa, k, PROBE_PASSES));
@@ -431,7 +455,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
     }
 
     progress("bandwidth (after)");
-    let bandwidth_after = read_bandwidth(&pool, &bw_buf, BANDWIDTH_PASSES);
+    let bandwidth_after = read_bandwidth(&pool, bw_buf, BANDWIDTH_PASSES);
     progress("compute peak (after)");
     let mac_peak_after = [MacKind::Int8, MacKind::F32].map(|k| mac_peak(&pool, isa, k, PROBE_PASSES));
     std::hint::black_box(checksum);
@@ -476,6 +500,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
         macs_per_token: model.macs_per_token(),
         mac_peak_before,
         mac_peak_after,
+        pages,
     })
 }
 

@@ -225,22 +225,30 @@ impl WeightFormat {
 /// groups of 8 rows for Q4_0 / Q4_1 / Q8_0 ([`repack_rows8`]), of 4 rows in 16-column
 /// pieces for F16 / BF16. Lossless: the same bytes, moved.
 pub fn repack_interleaved(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
+    let mut out = vec![0; data.len()];
+    repack_interleaved_into(format, rows, cols, data, &mut out);
+    out
+}
+
+/// [`repack_interleaved`] into `out` (as long as `data`: the layouts keep the bytes per
+/// row), so a loader can place matrices in memory of its choosing.
+pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
+    assert_eq!(out.len(), data.len(), "repack_interleaved: {format} {rows}×{cols}: output size");
     match format {
         WeightFormat::F16 | WeightFormat::Bf16 => {
             assert!(rows % 4 == 0 && cols % 16 == 0 && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
             let row_bytes = cols * 2;
-            let mut out = Vec::with_capacity(data.len());
+            let mut pieces = out.chunks_exact_mut(32);
             for g in 0..rows / 4 {
                 for piece in 0..cols / 16 {
                     for r in 0..4 {
                         let at = (4 * g + r) * row_bytes + 32 * piece;
-                        out.extend_from_slice(&data[at..at + 32]);
+                        pieces.next().expect("sized above").copy_from_slice(&data[at..at + 32]);
                     }
                 }
             }
-            out
         }
-        _ => repack_rows8(format, rows, cols, data),
+        _ => repack_rows8_into(format, rows, cols, data, out),
     }
 }
 
@@ -248,6 +256,12 @@ pub fn repack_interleaved(format: WeightFormat, rows: usize, cols: usize, data: 
 /// ([`WeightFormat::interleaved`]; layout in the module docs). `rows` must be a multiple
 /// of 8. Lossless: the same scales and nibbles, moved.
 pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
+    let mut out = vec![0; data.len()];
+    repack_rows8_into(format, rows, cols, data, &mut out);
+    out
+}
+
+fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     let min = match format {
         WeightFormat::Q4_0 | WeightFormat::Q8_0 => false,
         WeightFormat::Q4_1 => true,
@@ -255,24 +269,28 @@ pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8])
     };
     let eight = format == WeightFormat::Q8_0;
     let (bb, blocks) = (format.block_bytes(), cols / 32);
-    assert!(rows % 8 == 0 && cols % 32 == 0 && data.len() == rows * blocks * bb, "repack_rows8: shape");
-    let mut out = Vec::with_capacity(data.len());
+    assert!(rows % 8 == 0 && cols % 32 == 0 && data.len() == rows * blocks * bb && out.len() == data.len(), "repack_rows8: shape");
+    let mut at = 0;
+    let mut put = |bytes: &[u8]| {
+        out[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
+    };
     let q_at = if min { 4 } else { 2 };
     for g in 0..rows / 8 {
         for b in 0..blocks {
             let src = |r: usize| &data[((g * 8 + r) * blocks + b) * bb..][..bb];
             for r in 0..8 {
-                out.extend_from_slice(&src(r)[..2]);
+                put(&src(r)[..2]);
             }
             if min {
                 for r in 0..8 {
-                    out.extend_from_slice(&src(r)[2..4]);
+                    put(&src(r)[2..4]);
                 }
             }
             if eight {
                 for j in 0..8 {
                     for r in 0..8 {
-                        out.extend_from_slice(&src(r)[2 + 4 * j..2 + 4 * j + 4]);
+                        put(&src(r)[2 + 4 * j..2 + 4 * j + 4]);
                     }
                 }
                 continue;
@@ -285,14 +303,11 @@ pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8])
             };
             for j in 0..4 {
                 for r in 0..8 {
-                    for e in 0..4 {
-                        out.push(q(r, 4 * j + e) | (q(r, 4 * (j + 4) + e) << 4));
-                    }
+                    put(&std::array::from_fn::<u8, 4, _>(|e| q(r, 4 * j + e) | (q(r, 4 * (j + 4) + e) << 4)));
                 }
             }
         }
     }
-    out
 }
 
 /// Repacks MLX-quantized rows into Tessera's block layout (see the module docs).

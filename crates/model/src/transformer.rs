@@ -23,6 +23,7 @@ use crate::shard::{attention_heads, split, split_units, CollGroup, Collectives, 
 use std::ops::Range;
 use half::{f16, slice::HalfFloatSliceExt};
 use std::sync::Arc;
+use crate::memory::{huge_pages_wanted, WeightBuffer};
 use tessera_kernels::pool::SharedMut;
 use tessera_kernels::{matmul, matmul_group, matmul_jobs, ops, scalar, Isa, MatmulScratch, RowsJob, ThreadPool, WeightFormat, WeightRows, ATTEND_GROUP_MAX};
 
@@ -32,8 +33,9 @@ enum Storage {
     /// In the checkpoint's memory map.
     Mapped { file: usize, range: Range<usize> },
     /// Built at load (MLX-quantized weights repacked, MLA's per-head matrices split
-    /// from `kv_b_proj`): a byte range of a shared buffer.
-    Owned(Arc<Vec<u8>>, Range<usize>),
+    /// from `kv_b_proj`, the matrices placed in the weight arena): a byte range of a
+    /// shared buffer.
+    Owned(Arc<WeightBuffer>, Range<usize>),
 }
 
 /// A weight matrix `[rows, cols]`.
@@ -62,20 +64,36 @@ impl Linear {
         assert_eq!(data.len(), rows * cols);
         let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
         let len = bytes.len();
-        Linear { name, format: WeightFormat::F32, rows, cols, storage: Storage::Owned(Arc::new(bytes), 0..len), bias: None }
+        Linear { name, format: WeightFormat::F32, rows, cols, storage: Storage::Owned(Arc::new(bytes.into()), 0..len), bias: None }
     }
 
-    /// Repacks Q4_0 / Q4_1 / Q8_0 into the 8-row interleaved layout the kernels run
-    /// fastest, and F16 / BF16 into the 4-row one where `isa` has kernels for it (same
-    /// bytes; the mapped source pages are no longer touched). Matrices whose rows (or
-    /// columns) do not come in whole groups (pieces) stay as they are.
-    fn interleave(&mut self, ckpt: &Checkpoint, isa: Isa) {
+    /// The interleaved layout this matrix takes at load: Q4_0 / Q4_1 / Q8_0 into the
+    /// 8-row one the kernels run fastest, F16 / BF16 into the 4-row one, where `isa`
+    /// has kernels for it. Matrices whose rows (or columns) do not come in whole groups
+    /// (pieces) keep their format.
+    fn interleaved(&self, isa: Isa) -> Option<WeightFormat> {
         let whole = |to: &WeightFormat| self.rows > 0 && self.rows % to.rows_per_group() == 0 && to.row_bytes(self.cols).is_ok();
-        let Some(to) = self.format.interleaved().filter(|to| whole(to) && isa.runs_interleaved(*to)) else { return };
-        let data = tessera_kernels::repack_interleaved(self.format, self.rows, self.cols, self.weights(ckpt).data);
-        let len = data.len();
-        self.format = to;
-        self.storage = Storage::Owned(Arc::new(data), 0..len);
+        self.format.interleaved().filter(|to| whole(to) && isa.runs_interleaved(*to))
+    }
+
+    /// Writes this matrix into `out` (its bytes in the arena), repacked into `to` if
+    /// given, and lets go of the source (a heap buffer is freed once every matrix
+    /// sharing it is placed, so a load peaks near one copy of the model, not two).
+    /// [`Linear::placed`] then points it at the arena.
+    fn place(&mut self, ckpt: &Checkpoint, to: Option<WeightFormat>, out: &mut [u8]) {
+        let src = self.weights(ckpt).data;
+        match to {
+            Some(to) => {
+                tessera_kernels::repack_interleaved_into(self.format, self.rows, self.cols, src, out);
+                self.format = to;
+            }
+            None => out.copy_from_slice(src),
+        }
+        self.storage = Storage::Owned(Arc::new(Vec::new().into()), 0..0);
+    }
+
+    fn placed(&mut self, arena: &Arc<WeightBuffer>, range: Range<usize>) {
+        self.storage = Storage::Owned(Arc::clone(arena), range);
     }
 
     /// Rows `range` as their own matrix (one expert of a stack, one head).
@@ -228,6 +246,9 @@ pub struct DenseTransformer {
     inv_freq: Vec<f32>,
     isa: Isa,
     bytes_loaded: usize,
+    /// The buffer every streamed matrix lives in (see `place_in_arena`); `None` when
+    /// nothing moved (no repacking, no huge pages).
+    weights_arena: Option<Arc<WeightBuffer>>,
 }
 
 /// Per-sequence cache, `[layer][position][row]`. GQA: keys (after RoPE and k-norm)
@@ -447,11 +468,61 @@ struct MlxLayout {
     scale_bytes: usize,
 }
 
+/// Places `moves` (each matrix and the layout it takes, if any) one after another in
+/// one new buffer, on huge pages if `huge`, each at a 64-byte boundary; the copies and
+/// repacks run on every core, in runs of about equal bytes (big models have
+/// thousands of matrices). Returns the buffer, shared by the matrices' storage.
+fn place_in_arena(mut moves: Vec<(&mut Linear, Option<WeightFormat>)>, ckpt: &Checkpoint, huge: bool) -> Option<Arc<WeightBuffer>> {
+    if moves.is_empty() {
+        return None;
+    }
+    let mut ranges = Vec::with_capacity(moves.len());
+    let mut end = 0usize;
+    for (l, _) in &moves {
+        let start = end.next_multiple_of(64);
+        end = start + l.bytes();
+        ranges.push(start..end);
+    }
+    let mut arena = WeightBuffer::zeroed(end, huge);
+    {
+        let mut jobs: Vec<(&mut Linear, Option<WeightFormat>, &mut [u8])> = Vec::with_capacity(moves.len());
+        let mut rest: &mut [u8] = &mut arena;
+        let mut at = 0;
+        for ((l, to), r) in moves.iter_mut().zip(&ranges) {
+            let (mine, tail) = std::mem::take(&mut rest)[r.start - at..].split_at_mut(r.len());
+            jobs.push((&mut **l, *to, mine));
+            rest = tail;
+            at = r.end;
+        }
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
+        let share = end.div_ceil(threads).max(1);
+        std::thread::scope(|scope| {
+            let mut jobs = jobs.as_mut_slice();
+            while !jobs.is_empty() {
+                // The next run: matrices up to about `share` bytes (at least one).
+                let mut bytes = 0;
+                let n = jobs.iter().take_while(|j| {
+                    bytes += j.2.len();
+                    bytes <= share
+                }).count().max(1);
+                let (run, tail) = std::mem::take(&mut jobs).split_at_mut(n);
+                jobs = tail;
+                scope.spawn(move || run.iter_mut().for_each(|(l, to, out)| l.place(ckpt, *to, out)));
+            }
+        });
+    }
+    let arena = Arc::new(arena);
+    for ((l, _), r) in moves.iter_mut().zip(ranges) {
+        l.placed(&arena, r);
+    }
+    Some(arena)
+}
+
 /// A repacked FP8 matrix from its E4M3 bytes and f32 block scales.
 fn fp8_linear(name: &str, rows: usize, cols: usize, bytes: &[u8], scales: &[f32]) -> Linear {
     let data = tessera_kernels::repack_fp8(rows, cols, bytes, scales, (FP8_BLOCK, FP8_BLOCK));
     let len = data.len();
-    Linear { name: name.to_string(), format: WeightFormat::Fp8, rows, cols, storage: Storage::Owned(Arc::new(data), 0..len), bias: None }
+    Linear { name: name.to_string(), format: WeightFormat::Fp8, rows, cols, storage: Storage::Owned(Arc::new(data.into()), 0..len), bias: None }
 }
 
 /// One tensor as a shard holds it.
@@ -519,7 +590,7 @@ impl<'a> Loader<'a> {
             if repacked && want.contains(&0) {
                 // This rank's share of the matrix is empty (a width split with fewer
                 // quant groups than ranks): nothing stored, nothing to compute.
-                return Ok(Linear { name: t.name.clone(), format: WeightFormat::F32, rows, cols: want[k - 1], storage: Storage::Owned(Arc::new(Vec::new()), 0..0), bias: None });
+                return Ok(Linear { name: t.name.clone(), format: WeightFormat::F32, rows, cols: want[k - 1], storage: Storage::Owned(Arc::new(Vec::new().into()), 0..0), bias: None });
             }
             let mut l = self.matrix(hf, (k == 3).then_some(want[0]), want[k - 2], want[k - 1]).map_err(|e| wrong_shard(e.to_string()))?;
             l.rows = rows;
@@ -601,7 +672,7 @@ impl<'a> Loader<'a> {
             format,
             rows: elems.len() * sel.rows.len(),
             cols: sel.cols.len(),
-            storage: Storage::Owned(Arc::new(data), 0..len),
+            storage: Storage::Owned(Arc::new(data.into()), 0..len),
             bias: None,
         })
     }
@@ -842,7 +913,7 @@ impl<'a> Loader<'a> {
             tessera_kernels::repack_mlx(layout.format, rows, cols, packed, &floats(scale_bytes)?, &floats(b)?, &[])
         };
         let len = data.len();
-        Ok(Linear { name: w.name.clone(), format: layout.format, rows, cols, storage: Storage::Owned(Arc::new(data), 0..len), bias: None })
+        Ok(Linear { name: w.name.clone(), format: layout.format, rows, cols, storage: Storage::Owned(Arc::new(data.into()), 0..len), bias: None })
     }
 
     /// Rows `row_sel` of elements `elems` of a row-major `[n, rows_of, row bytes]`
@@ -1207,57 +1278,64 @@ impl DenseTransformer {
         }
         let norm = spec.last_stage().then(|| ld.vector("model.norm.weight", h)).transpose()?;
         // Matrices only ever multiplied (not the embedding, read by rows; not MLA's
-        // per-head matrices, sliced by head) take the kernels' interleaved layout. A
-        // head tied to the embedding gets its own repacked copy: one more head-sized
-        // buffer buys a head read at the interleaved kernels' speed every token.
-        // One kernel flavour decides both which layouts to repack into and what runs them.
+        // per-head matrices, sliced by head) are placed in one arena, in the order a
+        // token reads them, on huge pages where the OS has them (`memory`: streaming is
+        // ~1.2× faster there), taking the kernels' interleaved layout on the way. A head
+        // tied to the embedding gets its own repacked copy: one more head-sized buffer
+        // buys a head read at the interleaved kernels' speed every token. One kernel
+        // flavour decides both which layouts to repack into and what runs them.
         let isa = Isa::detect();
-        if std::env::var("TESSERA_REPACK").map_or(true, |v| v != "0") {
-            let mut todo: Vec<&mut Linear> = Vec::new();
-            if let Some(h) = head.as_mut() {
-                todo.push(h);
-            }
-            for l in &mut layers {
-                match &mut l.attn {
-                    Attn::Gqa(g) => todo.extend([&mut g.q, &mut g.k, &mut g.v, &mut g.o]),
-                    Attn::Mla(m) => {
-                        todo.extend([&mut m.q, &mut m.kv_a, &mut m.o]);
-                        if let Some((qa, _)) = &mut m.q_a {
-                            todo.push(qa);
-                        }
+        let repack = std::env::var("TESSERA_REPACK").map_or(true, |v| v != "0");
+        let huge = huge_pages_wanted();
+        let mut todo: Vec<&mut Linear> = Vec::new();
+        for l in &mut layers {
+            match &mut l.attn {
+                Attn::Gqa(g) => todo.extend([&mut g.q, &mut g.k, &mut g.v, &mut g.o]),
+                Attn::Mla(m) => {
+                    if let Some((qa, _)) = &mut m.q_a {
+                        todo.push(qa);
                     }
-                }
-                match &mut l.ffn {
-                    Ffn::Dense(m) => todo.extend([&mut m.gate, &mut m.up, &mut m.down]),
-                    Ffn::Moe(m) => {
-                        todo.push(&mut m.router);
-                        todo.extend(m.gate.iter_mut().chain(m.up.iter_mut()).chain(m.down.iter_mut()));
-                        if let Some(sh) = &mut m.shared {
-                            todo.extend([&mut sh.gate, &mut sh.up, &mut sh.down]);
-                        }
-                    }
+                    todo.extend([&mut m.q, &mut m.kv_a, &mut m.o]);
                 }
             }
-            // A copy of every matrix: spread it over the cores (each matrix is repacked by
-            // one thread; big models have thousands of them).
-            let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(todo.len().max(1));
-            let per = todo.len().div_ceil(threads).max(1);
-            let ckpt_ref = &*ckpt;
-            std::thread::scope(|scope| {
-                for part in todo.chunks_mut(per) {
-                    scope.spawn(move || part.iter_mut().for_each(|l| l.interleave(ckpt_ref, isa)));
+            match &mut l.ffn {
+                Ffn::Dense(m) => todo.extend([&mut m.gate, &mut m.up, &mut m.down]),
+                Ffn::Moe(m) => {
+                    todo.push(&mut m.router);
+                    if let Some(sh) = &mut m.shared {
+                        todo.extend([&mut sh.gate, &mut sh.up, &mut sh.down]);
+                    }
+                    todo.extend(m.gate.iter_mut().chain(m.up.iter_mut()).chain(m.down.iter_mut()));
                 }
-            });
+            }
         }
+        if let Some(h) = head.as_mut() {
+            todo.push(h);
+        }
+        // Repacked matrices need a new buffer anyway; the others move only to reach
+        // huge pages.
+        let moves: Vec<(&mut Linear, Option<WeightFormat>)> = todo
+            .into_iter()
+            .filter_map(|l| {
+                let to = if repack { l.interleaved(isa) } else { None };
+                (to.is_some() || (huge && l.bytes() > 0)).then_some((l, to))
+            })
+            .collect();
+        let weights_arena = place_in_arena(moves, &ckpt, huge);
         let bytes_loaded = ld.bytes_read.get();
         let recorded = ld.record.map(|r| r.into_inner()).unwrap_or_default();
-        Ok((DenseTransformer { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa, bytes_loaded, ckpt }, recorded))
+        Ok((DenseTransformer { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa, bytes_loaded, weights_arena, ckpt }, recorded))
     }
 
     /// Bytes this shard read from the checkpoint files while loading (0 for a whole
     /// model viewed in its memory map).
     pub fn bytes_loaded(&self) -> usize {
         self.bytes_loaded
+    }
+
+    /// (bytes, bytes on huge pages) of the buffer the streamed matrices live in.
+    pub fn weights_arena_bytes(&self) -> (usize, usize) {
+        self.weights_arena.as_ref().map_or((0, 0), |a| (a.len(), a.huge_page_bytes()))
     }
 
     pub fn checkpoint(&self) -> &Checkpoint {
