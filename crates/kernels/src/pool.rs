@@ -22,9 +22,19 @@ use std::thread::JoinHandle;
 
 /// Spin iterations before a waiting worker parks (~50–100 µs on current CPUs).
 const SPIN_ITERS_MAX: u32 = 20_000;
-/// Threads whose shares [`ThreadPool::parallel_for`] tracks on the stack; beyond
-/// this, chunks come from one shared counter.
-const SHARES_MAX: usize = 64;
+/// Keeps a value on cache lines of its own (128 bytes: adjacent-line prefetchers pair
+/// lines). Words that different threads write each region would otherwise bounce one
+/// line between cores: measured here, a 20 KB two-thread region took 4.3 µs, against
+/// 2.3 µs for one thread alone.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
 
 /// One thread's share of a region's chunks, `[front, back)` packed in one word: the
 /// owner takes from the front, others from the back.
@@ -32,7 +42,16 @@ struct Share(AtomicU64);
 
 impl Share {
     fn new(r: std::ops::Range<usize>) -> Share {
-        Share(AtomicU64::new(((r.start as u64) << 32) | r.end as u64))
+        Share(AtomicU64::new(Share::pack(r)))
+    }
+
+    fn pack(r: std::ops::Range<usize>) -> u64 {
+        ((r.start as u64) << 32) | r.end as u64
+    }
+
+    /// Only between regions (no thread takes from it).
+    fn reset(&self, r: std::ops::Range<usize>) {
+        self.0.store(Share::pack(r), Ordering::Relaxed);
     }
 
     fn take(&self, front: bool) -> Option<usize> {
@@ -66,12 +85,15 @@ type Job = dyn Fn(usize, usize) + Sync;
 
 const CLOSED: u64 = u64::MAX;
 
+/// The caller writes `epoch`, `open_epoch` and `job` once per region and workers
+/// spin reading them; workers write `joined` and `left`: two lines, so neither side's
+/// writes evict the line the other side polls.
 struct Shared {
-    epoch: AtomicU64,
+    epoch: Padded<AtomicU64>,
     /// Epoch of the region workers may still join; `CLOSED` between regions.
     open_epoch: AtomicU64,
     /// Monotonic totals: a region is over when every worker that joined has left.
-    joined: AtomicUsize,
+    joined: Padded<AtomicUsize>,
     left: AtomicUsize,
     /// The current job; valid while a region is running. A raw fat pointer with its
     /// lifetime erased: `run` does not return before every worker has finished it.
@@ -93,6 +115,9 @@ pub struct ThreadPool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     n_threads: usize,
+    /// [`ThreadPool::parallel_for`]'s per-thread chunk ranges, one line each; rewritten
+    /// before each region (regions never overlap: `run` waits for every thread).
+    shares: Box<[Padded<Share>]>,
 }
 
 impl ThreadPool {
@@ -101,9 +126,9 @@ impl ThreadPool {
     pub fn new(n_threads: usize) -> ThreadPool {
         let n_threads = n_threads.clamp(1, THREADS_MAX);
         let shared = Arc::new(Shared {
-            epoch: AtomicU64::new(0),
+            epoch: Padded(AtomicU64::new(0)),
             open_epoch: AtomicU64::new(CLOSED),
-            joined: AtomicUsize::new(0),
+            joined: Padded(AtomicUsize::new(0)),
             left: AtomicUsize::new(0),
             job: AtomicJob(std::cell::UnsafeCell::new(None)),
             panicked: AtomicBool::new(false),
@@ -121,7 +146,8 @@ impl ThreadPool {
                     .expect("spawning a compute thread at start-up")
             })
             .collect();
-        ThreadPool { shared, workers, n_threads }
+        let shares = (0..n_threads).map(|_| Padded(Share::new(0..0))).collect();
+        ThreadPool { shared, workers, n_threads, shares }
     }
 
     /// Threads available to a region, the caller included.
@@ -190,7 +216,7 @@ impl ThreadPool {
         }
         let chunks = n.div_ceil(grain);
         let threads = self.n_threads;
-        if threads > SHARES_MAX || chunks > u32::MAX as usize {
+        if chunks > u32::MAX as usize {
             let next = AtomicUsize::new(0);
             self.run(&|tid, _| loop {
                 let start = next.fetch_add(grain, Ordering::Relaxed);
@@ -201,8 +227,10 @@ impl ThreadPool {
             });
             return;
         }
-        let shares: [Share; SHARES_MAX] = std::array::from_fn(|t| if t < threads { Share::new(split_range(chunks, t, threads)) } else { Share::new(0..0) });
-        let shares = &shares[..threads];
+        let shares = &self.shares[..];
+        for (t, share) in shares.iter().enumerate() {
+            share.reset(split_range(chunks, t, threads));
+        }
         let run_chunk = |tid: usize, c: usize| f(tid, c * grain..((c + 1) * grain).min(n));
         self.run(&|tid, _| {
             while let Some(c) = shares[tid].take_front() {
