@@ -16,6 +16,12 @@
 //!   the source format.
 //! - Q8_0x8 (GGUF Q8_0 repacked the same way): per 32-column block the 8 rows' f16 d,
 //!   then 256 bytes: byte 32·j + 4·r + e is row r's element 4·j + e, j < 8.
+//! - Q4_Kx8 (GGUF Q4_K repacked at load on x86, groups of 8 rows): per 256-column
+//!   super-block (1184 bytes, 148 per row), the 8 rows' f16 d, their f16 dmin, then the
+//!   6-bit sub-block scales unpacked to bytes (byte 8·s + r: row r's sub-block s), the
+//!   mins likewise, then per 32-column sub-block s 128 bytes of nibbles in Q4_0x8's
+//!   order for its 32 columns. w = d·scale_s·q − dmin·min_s, as in Q4_K. Unpacked scales
+//!   cost 4 bytes per 256 weights (+2.8 %) and spare the kernel the bit surgery.
 //! - F16x4 / BF16x4 (F16 / BF16 repacked at load on x86, groups of 4 rows): per
 //!   16-column piece, the 4 rows' 16 values one row after another (128 bytes). A
 //!   group is one stream of memory instead of four rows read one after another; same
@@ -49,6 +55,8 @@ pub enum WeightFormat {
     Q4_0x8,
     Q4_1x8,
     Q8_0x8,
+    /// Q4_K interleaved by groups of 8 rows (module docs).
+    Q4Kx8,
     /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
     F16x4,
     Bf16x4,
@@ -119,6 +127,7 @@ impl WeightFormat {
             WeightFormat::Q4_0x8 => "Q4_0x8",
             WeightFormat::Q4_1x8 => "Q4_1x8",
             WeightFormat::Q8_0x8 => "Q8_0x8",
+            WeightFormat::Q4Kx8 => "Q4_Kx8",
             WeightFormat::F16x4 => "F16x4",
             WeightFormat::Bf16x4 => "BF16x4",
             WeightFormat::Mxfp4 => "MXFP4",
@@ -147,6 +156,7 @@ impl WeightFormat {
                 | WeightFormat::Q4_0x8
                 | WeightFormat::Q4_1x8
                 | WeightFormat::Q8_0x8
+                | WeightFormat::Q4Kx8
                 | WeightFormat::Q4K
                 | WeightFormat::Q5K
                 | WeightFormat::Q6K
@@ -157,7 +167,7 @@ impl WeightFormat {
     /// together, and row slices must fall on multiples of it.
     pub fn rows_per_group(self) -> usize {
         match self {
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => 8,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 => 8,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
         }
@@ -169,6 +179,7 @@ impl WeightFormat {
             WeightFormat::Q4_0 => Some(WeightFormat::Q4_0x8),
             WeightFormat::Q4_1 => Some(WeightFormat::Q4_1x8),
             WeightFormat::Q8_0 => Some(WeightFormat::Q8_0x8),
+            WeightFormat::Q4K => Some(WeightFormat::Q4Kx8),
             WeightFormat::F16 => Some(WeightFormat::F16x4),
             WeightFormat::Bf16 => Some(WeightFormat::Bf16x4),
             _ => None,
@@ -182,7 +193,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
-            WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => 256,
+            WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
     }
@@ -198,6 +209,7 @@ impl WeightFormat {
             WeightFormat::Q4_1 | WeightFormat::Q4_1x8 => 20,
             WeightFormat::Mxfp4 => 17,
             WeightFormat::Q4K => 144,
+            WeightFormat::Q4Kx8 => 148,
             WeightFormat::Q5K => 176,
             WeightFormat::Q6K => 210,
             WeightFormat::Fp8 => 36,
@@ -225,16 +237,23 @@ impl WeightFormat {
 /// groups of 8 rows for Q4_0 / Q4_1 / Q8_0 ([`repack_rows8`]), of 4 rows in 16-column
 /// pieces for F16 / BF16. Lossless: the same bytes, moved.
 pub fn repack_interleaved(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
-    let mut out = vec![0; data.len()];
+    let mut out = vec![0; interleaved_bytes(format, rows, cols)];
     repack_interleaved_into(format, rows, cols, data, &mut out);
     out
 }
 
-/// [`repack_interleaved`] into `out` (as long as `data`: the layouts keep the bytes per
-/// row), so a loader can place matrices in memory of its choosing.
+/// Bytes of `rows × cols` of `format` once repacked into its interleaved layout.
+pub fn interleaved_bytes(format: WeightFormat, rows: usize, cols: usize) -> usize {
+    let to = format.interleaved().unwrap_or_else(|| panic!("{format} has no interleaved layout"));
+    rows * to.row_bytes(cols).unwrap_or_else(|e| panic!("repack_interleaved: {e}"))
+}
+
+/// [`repack_interleaved`] into `out` ([`interleaved_bytes`] long), so a loader can
+/// place matrices in memory of its choosing.
 pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
-    assert_eq!(out.len(), data.len(), "repack_interleaved: {format} {rows}×{cols}: output size");
+    assert_eq!(out.len(), interleaved_bytes(format, rows, cols), "repack_interleaved: {format} {rows}×{cols}: output size");
     match format {
+        WeightFormat::Q4K => repack_k4_rows8_into(rows, cols, data, out),
         WeightFormat::F16 | WeightFormat::Bf16 => {
             assert!(rows % 4 == 0 && cols % 16 == 0 && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
             let row_bytes = cols * 2;
@@ -249,6 +268,43 @@ pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, d
             }
         }
         _ => repack_rows8_into(format, rows, cols, data, out),
+    }
+}
+
+/// Q4_K rows into [`WeightFormat::Q4Kx8`] (module docs): the same d, dmin, scales, mins
+/// and nibbles, the 6-bit scales and mins unpacked to bytes.
+fn repack_k4_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
+    let supers = cols / 256;
+    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * 144, "repack Q4_K: shape");
+    let mut chunks = out.chunks_exact_mut(1184);
+    for g in 0..rows / 8 {
+        for sb in 0..supers {
+            let o = chunks.next().expect("sized by the caller");
+            let src = |r: usize| &data[((g * 8 + r) * supers + sb) * 144..][..144];
+            for r in 0..8 {
+                o[2 * r..2 * r + 2].copy_from_slice(&src(r)[0..2]);
+                o[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src(r)[2..4]);
+                for s in 0..8 {
+                    let (scale, min) = crate::scalar::scale_min_k4(&src(r)[4..16], s);
+                    o[32 + 8 * s + r] = scale;
+                    o[96 + 8 * s + r] = min;
+                }
+            }
+            // Sub-block s element l: nibble s % 2 of byte 32·(s / 2) + l of the row's qs.
+            let q = |r: usize, s: usize, l: usize| {
+                let byte = src(r)[16 + 32 * (s / 2) + l];
+                if s % 2 == 0 { byte & 0x0F } else { byte >> 4 }
+            };
+            for s in 0..8 {
+                for j in 0..4 {
+                    for r in 0..8 {
+                        for e in 0..4 {
+                            o[160 + 128 * s + 32 * j + 4 * r + e] = q(r, s, 4 * j + e) | (q(r, s, 4 * (j + 4) + e) << 4);
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

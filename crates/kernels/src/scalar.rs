@@ -110,7 +110,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
@@ -182,7 +182,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
 
 /// The 6-bit scale and min of sub-block `s` (0..8) of a Q4_K/Q5_K super-block.
 #[inline]
-fn scale_min_k4(b: &[u8], s: usize) -> (u8, u8) {
+pub(crate) fn scale_min_k4(b: &[u8], s: usize) -> (u8, u8) {
     if s < 4 {
         (b[s] & 63, b[s + 4] & 63)
     } else {
@@ -319,12 +319,34 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
     }
 }
 
-/// The 8 rows of one group of an interleaved format (`Q4_0x8`, `Q4_1x8`, `Q8_0x8`) as
-/// f32, `out[r·cols + c]`.
+/// `Q4_Kx8`: row `r`'s nibble `l` (0..32) of sub-block `s` of a super-block, and its
+/// scale and min.
+fn k4x8_q(sup: &[u8], r: usize, s: usize, l: usize) -> (i32, u8, u8) {
+    let (j, e, high) = ((l % 16) / 4, l % 4, l >= 16);
+    let byte = sup[160 + 128 * s + 32 * j + 4 * r + e];
+    ((if high { byte >> 4 } else { byte & 0x0F }) as i32, sup[32 + 8 * s + r], sup[96 + 8 * s + r])
+}
+
+/// The 8 rows of one group of an interleaved format (`Q4_0x8`, `Q4_1x8`, `Q8_0x8`,
+/// `Q4_Kx8`) as f32, `out[r·cols + c]`.
 pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
+    let cols = out.len() / 8;
+    if format == WeightFormat::Q4Kx8 {
+        for (sb, sup) in group.chunks_exact(1184).take(cols / 256).enumerate() {
+            for r in 0..8 {
+                let (d, dmin) = (f16_at(sup, 2 * r), f16_at(sup, 16 + 2 * r));
+                for s in 0..8 {
+                    for l in 0..32 {
+                        let (q, scale, min) = k4x8_q(sup, r, s, l);
+                        out[r * cols + 256 * sb + 32 * s + l] = d * scale as f32 * q as f32 - dmin * min as f32;
+                    }
+                }
+            }
+        }
+        return;
+    }
     let min = format == WeightFormat::Q4_1x8;
     let bb = 8 * format.block_bytes();
-    let cols = out.len() / 8;
     for (b, blk) in group.chunks_exact(bb).take(cols / 32).enumerate() {
         for r in 0..8 {
             let d = f16_at(blk, 2 * r);
@@ -340,6 +362,26 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
 /// Dot products of the 8 rows of one interleaved group with q8 activations, integer
 /// inner sums: what the SIMD kernel computes, written plainly.
 pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+    if format == WeightFormat::Q4Kx8 {
+        // As Q4_K's dot (dot_q8), 8 rows at a time.
+        let mut acc = [0.0f32; 8];
+        for (sup, xs) in group.chunks_exact(1184).zip(x.chunks_exact(8)) {
+            for (r, a) in acc.iter_mut().enumerate() {
+                let (d, dmin) = (f16_at(sup, 2 * r), f16_at(sup, 16 + 2 * r));
+                for (s, xb) in xs.iter().enumerate() {
+                    let mut isum = 0i32;
+                    let (mut scale, mut min) = (0, 0);
+                    for l in 0..32 {
+                        let q;
+                        (q, scale, min) = k4x8_q(sup, r, s, l);
+                        isum += q * xb.qs[l] as i32;
+                    }
+                    *a += d * scale as f32 * xb.d * isum as f32 - dmin * min as f32 * xb.sum;
+                }
+            }
+        }
+        return acc;
+    }
     let min = format == WeightFormat::Q4_1x8;
     let bb = 8 * format.block_bytes();
     let mut acc = [0.0f32; 8];

@@ -160,7 +160,8 @@ impl Isa {
             Isa::Avx2 => unsafe { x86::dot_q8_rows8(format, group, x) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
-            Isa::Neon => unsafe { arm::dot_q8_rows8(format, group, x) },
+            // (NEON keeps Q4_K in rows: `runs_interleaved`.)
+            Isa::Neon if format != WeightFormat::Q4Kx8 => unsafe { arm::dot_q8_rows8(format, group, x) },
             _ => scalar::dot_q8_rows8(format, group, x),
         }
     }
@@ -190,7 +191,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_q8_rows8.
-            Isa::Avx512Vnni => unsafe { x86::dot_q8_rows16_x4_zmm(format, pair, xs) },
+            Isa::Avx512Vnni if format != WeightFormat::Q4Kx8 => unsafe { x86::dot_q8_rows16_x4_zmm(format, pair, xs) },
             _ => {
                 let (a, b) = pair.split_at(pair.len() / 2);
                 let (va, vb) = (self.dot_q8_rows8_x4(format, a, xs), self.dot_q8_rows8_x4(format, b, xs));
@@ -211,7 +212,7 @@ impl Isa {
     /// their rows would go through the scalar reference).
     pub fn runs_interleaved(self, interleaved: WeightFormat) -> bool {
         match interleaved {
-            WeightFormat::F16x4 | WeightFormat::Bf16x4 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::Q4Kx8 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
             _ => true,
         }
     }
@@ -916,10 +917,51 @@ mod x86 {
                     out
                 }
 
+                /// Q4_Kx8: per 32-column sub-block the Q4_0x8 integer dot, then the 8
+                /// rows' unpacked scales and mins (bytes) as floats; d and dmin once per
+                /// super-block.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn k4(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                    let supers = x.len() / 8;
+                    assert!(x.len() % 8 == 0 && group.len() >= supers * 1184);
+                    let low = _mm256_set1_epi8(0x0F);
+                    let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    for sb in 0..supers {
+                        let p = group.as_ptr().add(sb * 1184);
+                        let (mut acc_s, mut acc_ms) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                        for (s, xb) in x[8 * sb..8 * sb + 8].iter().enumerate() {
+                            let qp = p.add(160 + 128 * s);
+                            _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+                            _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
+                            let y = xb.qs.as_ptr() as *const i32;
+                            let mut sum: $acc = $zero;
+                            for j in 0..4 {
+                                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                                let lo = _mm256_and_si256(c, low);
+                                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                                let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                                let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
+                                sum = $u4_pair(sum, lo, y_lo, hi, y_hi);
+                            }
+                            let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(32 + 8 * s) as *const __m128i)));
+                            let min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(96 + 8 * s) as *const __m128i)));
+                            acc_s = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum(sum)), acc_s);
+                            acc_ms = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.sum), acc_ms);
+                        }
+                        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), acc_s, acc);
+                        acc_m = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)), acc_ms, acc_m);
+                    }
+                    let mut out = [0.0f32; 8];
+                    _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc, acc_m));
+                    out
+                }
+
                 match format {
                     WeightFormat::Q4_0x8 => u4::<false>(group, x),
                     WeightFormat::Q4_1x8 => u4::<true>(group, x),
                     WeightFormat::Q8_0x8 => i8(group, x),
+                    WeightFormat::Q4Kx8 => k4(group, x),
                     _ => unreachable!("{format} does not interleave rows"),
                 }
             }
@@ -1007,7 +1049,60 @@ mod x86 {
                     out
                 }
 
+                /// Q4_Kx8 for four tokens: each sub-block's nibbles unpacked and its
+                /// scales and mins converted once for all four.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn k4(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                    let blocks = xs[0].len();
+                    let supers = blocks / 8;
+                    assert!(blocks % 8 == 0 && group.len() >= supers * 1184 && xs.iter().all(|x| x.len() == blocks));
+                    let low = _mm256_set1_epi8(0x0F);
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    let mut acc_m = [_mm256_setzero_ps(); 4];
+                    let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+                    for sb in 0..supers {
+                        let p = group.as_ptr().add(sb * 1184);
+                        let mut acc_s = [_mm256_setzero_ps(); 4];
+                        let mut acc_ms = [_mm256_setzero_ps(); 4];
+                        for s in 0..8 {
+                            let b = 8 * sb + s;
+                            let qp = p.add(160 + 128 * s);
+                            let mut sum: [$acc; 4] = [$zero; 4];
+                            for j in 0..4 {
+                                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                                let lo = _mm256_and_si256(c, low);
+                                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                                for t in 0..4 {
+                                    let y = ys[t].add(b * STRIDE + QS);
+                                    let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
+                                    let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
+                                    sum[t] = $u4_pair(sum[t], lo, y_lo, hi, y_hi);
+                                }
+                            }
+                            let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(32 + 8 * s) as *const __m128i)));
+                            let min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(96 + 8 * s) as *const __m128i)));
+                            for t in 0..4 {
+                                let xb = &xs[t][b];
+                                acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum(sum[t])), acc_s[t]);
+                                acc_ms[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.sum), acc_ms[t]);
+                            }
+                        }
+                        let (d, dmin) = (_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)));
+                        for t in 0..4 {
+                            acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
+                            acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
+                        }
+                    }
+                    let mut out = [[0.0f32; 8]; 4];
+                    for t in 0..4 {
+                        _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_sub_ps(acc[t], acc_m[t]));
+                    }
+                    out
+                }
+
                 match format {
+                    WeightFormat::Q4Kx8 => k4(group, xs),
                     WeightFormat::Q4_0x8 => u4::<false>(group, xs),
                     WeightFormat::Q4_1x8 => u4::<true>(group, xs),
                     WeightFormat::Q8_0x8 => i8(group, xs),

@@ -65,7 +65,7 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -382,20 +382,23 @@ fn matmul_jobs_equals_one_matmul_per_job() {
     }
 }
 
-/// Q4_0 / Q4_1 / Q8_0 repacked into groups of 8 interleaved rows: the same weights (every
-/// row dequantizes identically), the same dot products as the source rows (scalar and
-/// SIMD), and matmul over the repacked matrix (5 tokens: the four-token kernel and the
-/// one-token tail) equals matmul over the source.
+/// Q4_0 / Q4_1 / Q8_0 / Q4_K repacked into groups of 8 interleaved rows: the same
+/// weights (every row dequantizes identically), the same dot products as the source
+/// rows (scalar and SIMD), and matmul over the repacked matrix (5 tokens: the
+/// four-token kernel and the one-token tail) equals matmul over the source.
 #[test]
 fn interleaved_rows_are_the_source_rows() {
     let isa = Isa::detect();
     let mut rng = Rng(6);
-    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K] {
         let packed_format = format.interleaved().unwrap();
-        for (rows, cols) in [(8, 32), (16, 96), (24, 576)] {
+        let shapes = if format == WeightFormat::Q4K { [(8, 256), (16, 512), (24, 1024)] } else { [(8, 32), (16, 96), (24, 576)] };
+        for (rows, cols) in shapes {
             let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
-            let packed = tessera_kernels::repack_rows8(format, rows, cols, &data);
-            assert_eq!(packed.len(), data.len());
+            let packed = tessera_kernels::repack_interleaved(format, rows, cols, &data);
+            // The same bytes per row, but for Q4_K's unpacked scales (4 per 256 weights).
+            let extra = if format == WeightFormat::Q4K { rows * cols / 256 * 4 } else { 0 };
+            assert_eq!(packed.len(), data.len() + extra);
             let src = WeightRows::new(format, rows, cols, &data).unwrap();
             let dst = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
             let x = random_vec(&mut rng, 5 * cols);
@@ -585,12 +588,13 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
         }
         let (avx2, vnni) = (Isa::Avx2, Isa::Avx512Vnni);
         let mut rng = Rng(11);
-        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K] {
             let packed_format = format.interleaved().unwrap();
-            for cols in [32, 96, 576, 2048] {
+            let widths = if format == WeightFormat::Q4K { [256, 512, 768, 2048] } else { [32, 96, 576, 2048] };
+            for cols in widths {
                 let rows = 16;
                 let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
-                let packed = tessera_kernels::repack_rows8(format, rows, cols, &data);
+                let packed = tessera_kernels::repack_interleaved(format, rows, cols, &data);
                 let w = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
                 let xq = random_q8_rows(&mut rng, 4, cols);
                 let xs = [&xq[0][..], &xq[1][..], &xq[2][..], &xq[3][..]];

@@ -478,9 +478,10 @@ fn place_in_arena(mut moves: Vec<(&mut Linear, Option<WeightFormat>)>, ckpt: &Ch
     }
     let mut ranges = Vec::with_capacity(moves.len());
     let mut end = 0usize;
-    for (l, _) in &moves {
+    for (l, to) in &moves {
         let start = end.next_multiple_of(64);
-        end = start + l.bytes();
+        // A layout may store more per row than its source (Q4_Kx8's unpacked scales).
+        end = start + to.map_or(l.bytes(), |to| l.rows * to.row_bytes(l.cols).expect("whole groups, checked by `interleaved`"));
         ranges.push(start..end);
     }
     let mut arena = WeightBuffer::zeroed(end, huge);
