@@ -22,6 +22,13 @@
 //!   mins likewise, then per 32-column sub-block s 128 bytes of nibbles in Q4_0x8's
 //!   order for its 32 columns. w = d·scale_s·q − dmin·min_s, as in Q4_K. Unpacked scales
 //!   cost 4 bytes per 256 weights (+2.8 %) and spare the kernel the bit surgery.
+//! - Q6_Kx8 (GGUF Q6_K repacked at load on x86, groups of 8 rows; 210 bytes per row as
+//!   in Q6_K): per 256-column super-block, the 8 rows' f16 d, their i8 scales (byte
+//!   16 + 8·g + r: row r's scale of 16-column group g), then per 32-column sub-block s
+//!   192 bytes: the low 4 bits of the 6-bit quants in Q4_0x8's nibble order, then two
+//!   32-byte vectors of their high 2 bits, matching the nibble bytes position for
+//!   position: vector j / 2, bits 4·(j % 2) .. +1 for chunk j's low-nibble element, the
+//!   next two bits for its high-nibble element. w = d·scale_g·(q − 32), as in Q6_K.
 //! - F16x4 / BF16x4 (F16 / BF16 repacked at load on x86, groups of 4 rows): per
 //!   16-column piece, the 4 rows' 16 values one row after another (128 bytes). A
 //!   group is one stream of memory instead of four rows read one after another; same
@@ -55,8 +62,9 @@ pub enum WeightFormat {
     Q4_0x8,
     Q4_1x8,
     Q8_0x8,
-    /// Q4_K interleaved by groups of 8 rows (module docs).
+    /// Q4_K and Q6_K interleaved by groups of 8 rows (module docs).
     Q4Kx8,
+    Q6Kx8,
     /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
     F16x4,
     Bf16x4,
@@ -128,6 +136,7 @@ impl WeightFormat {
             WeightFormat::Q4_1x8 => "Q4_1x8",
             WeightFormat::Q8_0x8 => "Q8_0x8",
             WeightFormat::Q4Kx8 => "Q4_Kx8",
+            WeightFormat::Q6Kx8 => "Q6_Kx8",
             WeightFormat::F16x4 => "F16x4",
             WeightFormat::Bf16x4 => "BF16x4",
             WeightFormat::Mxfp4 => "MXFP4",
@@ -157,6 +166,7 @@ impl WeightFormat {
                 | WeightFormat::Q4_1x8
                 | WeightFormat::Q8_0x8
                 | WeightFormat::Q4Kx8
+                | WeightFormat::Q6Kx8
                 | WeightFormat::Q4K
                 | WeightFormat::Q5K
                 | WeightFormat::Q6K
@@ -167,10 +177,16 @@ impl WeightFormat {
     /// together, and row slices must fall on multiples of it.
     pub fn rows_per_group(self) -> usize {
         match self {
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 => 8,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 => 8,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
         }
+    }
+
+    /// The interleaved K-quants (`Q4_Kx8`, `Q6_Kx8`): 8-row groups of 256-column
+    /// super-blocks, which have no two-group (16-row) pass.
+    pub fn is_k_interleaved(self) -> bool {
+        matches!(self, WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8)
     }
 
     /// The interleaved layout this format is repacked into at load, if it has one.
@@ -180,6 +196,7 @@ impl WeightFormat {
             WeightFormat::Q4_1 => Some(WeightFormat::Q4_1x8),
             WeightFormat::Q8_0 => Some(WeightFormat::Q8_0x8),
             WeightFormat::Q4K => Some(WeightFormat::Q4Kx8),
+            WeightFormat::Q6K => Some(WeightFormat::Q6Kx8),
             WeightFormat::F16 => Some(WeightFormat::F16x4),
             WeightFormat::Bf16 => Some(WeightFormat::Bf16x4),
             _ => None,
@@ -193,7 +210,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
-            WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 => 256,
+            WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
     }
@@ -210,6 +227,7 @@ impl WeightFormat {
             WeightFormat::Mxfp4 => 17,
             WeightFormat::Q4K => 144,
             WeightFormat::Q4Kx8 => 148,
+            WeightFormat::Q6Kx8 => 210,
             WeightFormat::Q5K => 176,
             WeightFormat::Q6K => 210,
             WeightFormat::Fp8 => 36,
@@ -254,6 +272,7 @@ pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, d
     assert_eq!(out.len(), interleaved_bytes(format, rows, cols), "repack_interleaved: {format} {rows}×{cols}: output size");
     match format {
         WeightFormat::Q4K => repack_k4_rows8_into(rows, cols, data, out),
+        WeightFormat::Q6K => repack_k6_rows8_into(rows, cols, data, out),
         WeightFormat::F16 | WeightFormat::Bf16 => {
             assert!(rows % 4 == 0 && cols % 16 == 0 && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
             let row_bytes = cols * 2;
@@ -300,6 +319,48 @@ fn repack_k4_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
                     for r in 0..8 {
                         for e in 0..4 {
                             o[160 + 128 * s + 32 * j + 4 * r + e] = q(r, s, 4 * j + e) | (q(r, s, 4 * (j + 4) + e) << 4);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Q6_K rows into [`WeightFormat::Q6Kx8`] (module docs): the same d, scales and 6-bit
+/// quants, moved.
+fn repack_k6_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
+    let supers = cols / 256;
+    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * 210, "repack Q6_K: shape");
+    let mut chunks = out.chunks_exact_mut(8 * 210);
+    for g in 0..rows / 8 {
+        for sb in 0..supers {
+            let o = chunks.next().expect("sized by the caller");
+            let src = |r: usize| &data[((g * 8 + r) * supers + sb) * 210..][..210];
+            // Element n (0..256) of a row's super-block, 0..64 (ggml's Q6_K layout).
+            let q = |r: usize, n: usize| {
+                let b = src(r);
+                let (h, j, l) = (n / 128, (n % 128) / 32, n % 32);
+                let byte = b[64 * h + l + 32 * (j % 2)];
+                let nib = if j < 2 { byte & 0x0F } else { byte >> 4 };
+                nib | (((b[128 + 32 * h + l] >> (2 * j)) & 3) << 4)
+            };
+            for r in 0..8 {
+                o[2 * r..2 * r + 2].copy_from_slice(&src(r)[208..210]);
+                for grp in 0..16 {
+                    o[16 + 8 * grp + r] = src(r)[192 + grp];
+                }
+            }
+            for s in 0..8 {
+                let sub = &mut o[144 + 192 * s..144 + 192 * (s + 1)];
+                sub[128..].fill(0);
+                for j in 0..4 {
+                    for r in 0..8 {
+                        for e in 0..4 {
+                            let (a, b) = (q(r, 32 * s + 4 * j + e), q(r, 32 * s + 16 + 4 * j + e));
+                            let p = 4 * r + e;
+                            sub[32 * j + p] = (a & 0x0F) | ((b & 0x0F) << 4);
+                            sub[128 + 32 * (j / 2) + p] |= ((a >> 4) | ((b >> 4) << 2)) << (4 * (j % 2));
                         }
                     }
                 }

@@ -110,7 +110,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
@@ -327,10 +327,35 @@ fn k4x8_q(sup: &[u8], r: usize, s: usize, l: usize) -> (i32, u8, u8) {
     ((if high { byte >> 4 } else { byte & 0x0F }) as i32, sup[32 + 8 * s + r], sup[96 + 8 * s + r])
 }
 
+/// `Q6_Kx8`: row `r`'s quant `l` (0..32) of sub-block `s` of a super-block, 0..64, and
+/// its i8 scale.
+fn k6x8_q(sup: &[u8], r: usize, s: usize, l: usize) -> (i32, i8) {
+    let (j, e, high) = ((l % 16) / 4, l % 4, l >= 16);
+    let sub = &sup[144 + 192 * s..];
+    let byte = sub[32 * j + 4 * r + e];
+    let nib = if high { byte >> 4 } else { byte & 0x0F };
+    let hbits = (sub[128 + 32 * (j / 2) + 4 * r + e] >> (4 * (j % 2) + if high { 2 } else { 0 })) & 3;
+    ((nib | (hbits << 4)) as i32, sup[16 + 8 * (2 * s + l / 16) + r] as i8)
+}
+
 /// The 8 rows of one group of an interleaved format (`Q4_0x8`, `Q4_1x8`, `Q8_0x8`,
-/// `Q4_Kx8`) as f32, `out[r·cols + c]`.
+/// `Q4_Kx8`, `Q6_Kx8`) as f32, `out[r·cols + c]`.
 pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
     let cols = out.len() / 8;
+    if format == WeightFormat::Q6Kx8 {
+        for (sb, sup) in group.chunks_exact(8 * 210).take(cols / 256).enumerate() {
+            for r in 0..8 {
+                let d = f16_at(sup, 2 * r);
+                for s in 0..8 {
+                    for l in 0..32 {
+                        let (q, scale) = k6x8_q(sup, r, s, l);
+                        out[r * cols + 256 * sb + 32 * s + l] = d * scale as f32 * (q - 32) as f32;
+                    }
+                }
+            }
+        }
+        return;
+    }
     if format == WeightFormat::Q4Kx8 {
         for (sb, sup) in group.chunks_exact(1184).take(cols / 256).enumerate() {
             for r in 0..8 {
@@ -362,6 +387,26 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
 /// Dot products of the 8 rows of one interleaved group with q8 activations, integer
 /// inner sums: what the SIMD kernel computes, written plainly.
 pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+    if format == WeightFormat::Q6Kx8 {
+        // As Q6_K's dot (dot_q8), 8 rows at a time: two 16-wide scales per q8 block.
+        let mut acc = [0.0f32; 8];
+        for (sup, xs) in group.chunks_exact(8 * 210).zip(x.chunks_exact(8)) {
+            for (r, a) in acc.iter_mut().enumerate() {
+                let d = f16_at(sup, 2 * r);
+                for (s, xb) in xs.iter().enumerate() {
+                    let mut isum = [0i32; 2];
+                    let mut scale = [0i8; 2];
+                    for l in 0..32 {
+                        let (q, sc) = k6x8_q(sup, r, s, l);
+                        isum[l / 16] += (q - 32) * xb.qs[l] as i32;
+                        scale[l / 16] = sc;
+                    }
+                    *a += d * xb.d * (scale[0] as f32 * isum[0] as f32 + scale[1] as f32 * isum[1] as f32);
+                }
+            }
+        }
+        return acc;
+    }
     if format == WeightFormat::Q4Kx8 {
         // As Q4_K's dot (dot_q8), 8 rows at a time.
         let mut acc = [0.0f32; 8];

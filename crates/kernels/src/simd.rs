@@ -161,7 +161,7 @@ impl Isa {
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
             // (NEON keeps Q4_K in rows: `runs_interleaved`.)
-            Isa::Neon if format != WeightFormat::Q4Kx8 => unsafe { arm::dot_q8_rows8(format, group, x) },
+            Isa::Neon if !format.is_k_interleaved() => unsafe { arm::dot_q8_rows8(format, group, x) },
             _ => scalar::dot_q8_rows8(format, group, x),
         }
     }
@@ -191,7 +191,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_q8_rows8.
-            Isa::Avx512Vnni if format != WeightFormat::Q4Kx8 => unsafe { x86::dot_q8_rows16_x4_zmm(format, pair, xs) },
+            Isa::Avx512Vnni if !format.is_k_interleaved() => unsafe { x86::dot_q8_rows16_x4_zmm(format, pair, xs) },
             _ => {
                 let (a, b) = pair.split_at(pair.len() / 2);
                 let (va, vb) = (self.dot_q8_rows8_x4(format, a, xs), self.dot_q8_rows8_x4(format, b, xs));
@@ -212,7 +212,7 @@ impl Isa {
     /// their rows would go through the scalar reference).
     pub fn runs_interleaved(self, interleaved: WeightFormat) -> bool {
         match interleaved {
-            WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::Q4Kx8 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
             _ => true,
         }
     }
@@ -957,11 +957,50 @@ mod x86 {
                     out
                 }
 
+                /// Q6_Kx8: per 32-column sub-block, the 6-bit quants rebuilt from their
+                /// nibbles and high bits, less 32, as signed bytes (the Q8 sign trick),
+                /// summed separately for the two 16-column scale groups.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn k6(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                    let supers = x.len() / 8;
+                    assert!(x.len() % 8 == 0 && group.len() >= supers * 1680);
+                    let mut acc = _mm256_setzero_ps();
+                    for sb in 0..supers {
+                        let p = group.as_ptr().add(sb * 1680);
+                        let mut acc_s = _mm256_setzero_ps();
+                        for (s, xb) in x[8 * sb..8 * sb + 8].iter().enumerate() {
+                            let qp = p.add(144 + 192 * s);
+                            for line in 0..3 {
+                                _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+                            }
+                            let q = k6_quants(qp);
+                            let y = xb.qs.as_ptr() as *const i32;
+                            let yb = |k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(y.add(k)));
+                            let (mut sum_a, mut sum_b): ($acc, $acc) = ($zero, $zero);
+                            for jj in [0, 2] {
+                                let (l0, l1, h0, h1) = (q[2 * jj], q[2 * jj + 2], q[2 * jj + 1], q[2 * jj + 3]);
+                                sum_a = $i8_pair(sum_a, _mm256_sign_epi8(l0, l0), _mm256_sign_epi8(yb(jj), l0), _mm256_sign_epi8(l1, l1), _mm256_sign_epi8(yb(jj + 1), l1));
+                                sum_b = $i8_pair(sum_b, _mm256_sign_epi8(h0, h0), _mm256_sign_epi8(yb(4 + jj), h0), _mm256_sign_epi8(h1, h1), _mm256_sign_epi8(yb(5 + jj), h1));
+                            }
+                            let sc_a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 16 * s) as *const __m128i)));
+                            let sc_b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(24 + 16 * s) as *const __m128i)));
+                            let v = _mm256_fmadd_ps(sc_a, _mm256_cvtepi32_ps($sum_i8(sum_a)), _mm256_mul_ps(sc_b, _mm256_cvtepi32_ps($sum_i8(sum_b))));
+                            acc_s = _mm256_fmadd_ps(v, _mm256_set1_ps(xb.d), acc_s);
+                        }
+                        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), acc_s, acc);
+                    }
+                    let mut out = [0.0f32; 8];
+                    _mm256_storeu_ps(out.as_mut_ptr(), acc);
+                    out
+                }
+
                 match format {
                     WeightFormat::Q4_0x8 => u4::<false>(group, x),
                     WeightFormat::Q4_1x8 => u4::<true>(group, x),
                     WeightFormat::Q8_0x8 => i8(group, x),
                     WeightFormat::Q4Kx8 => k4(group, x),
+                    WeightFormat::Q6Kx8 => k6(group, x),
                     _ => unreachable!("{format} does not interleave rows"),
                 }
             }
@@ -1101,7 +1140,50 @@ mod x86 {
                     out
                 }
 
+                /// Q6_Kx8 for four tokens: each sub-block's quants rebuilt once for all four.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn k6(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                    let blocks = xs[0].len();
+                    let supers = blocks / 8;
+                    assert!(blocks % 8 == 0 && group.len() >= supers * 1680 && xs.iter().all(|x| x.len() == blocks));
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+                    for sb in 0..supers {
+                        let p = group.as_ptr().add(sb * 1680);
+                        let mut acc_s = [_mm256_setzero_ps(); 4];
+                        for s in 0..8 {
+                            let b = 8 * sb + s;
+                            let q = k6_quants(p.add(144 + 192 * s));
+                            let sc_a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 16 * s) as *const __m128i)));
+                            let sc_b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(24 + 16 * s) as *const __m128i)));
+                            for t in 0..4 {
+                                let y = ys[t].add(b * STRIDE + QS);
+                                let yb = |k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(y.add(k)));
+                                let (mut sum_a, mut sum_b): ($acc, $acc) = ($zero, $zero);
+                                for jj in [0, 2] {
+                                    let (l0, l1, h0, h1) = (q[2 * jj], q[2 * jj + 2], q[2 * jj + 1], q[2 * jj + 3]);
+                                    sum_a = $i8_pair(sum_a, _mm256_sign_epi8(l0, l0), _mm256_sign_epi8(yb(jj), l0), _mm256_sign_epi8(l1, l1), _mm256_sign_epi8(yb(jj + 1), l1));
+                                    sum_b = $i8_pair(sum_b, _mm256_sign_epi8(h0, h0), _mm256_sign_epi8(yb(4 + jj), h0), _mm256_sign_epi8(h1, h1), _mm256_sign_epi8(yb(5 + jj), h1));
+                                }
+                                let v = _mm256_fmadd_ps(sc_a, _mm256_cvtepi32_ps($sum_i8(sum_a)), _mm256_mul_ps(sc_b, _mm256_cvtepi32_ps($sum_i8(sum_b))));
+                                acc_s[t] = _mm256_fmadd_ps(v, _mm256_set1_ps(xs[t][b].d), acc_s[t]);
+                            }
+                        }
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        for t in 0..4 {
+                            acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
+                        }
+                    }
+                    let mut out = [[0.0f32; 8]; 4];
+                    for t in 0..4 {
+                        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+                    }
+                    out
+                }
+
                 match format {
+                    WeightFormat::Q6Kx8 => k6(group, xs),
                     WeightFormat::Q4Kx8 => k4(group, xs),
                     WeightFormat::Q4_0x8 => u4::<false>(group, xs),
                     WeightFormat::Q4_1x8 => u4::<true>(group, xs),
@@ -1147,6 +1229,29 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     unsafe fn vnni_sum(acc: [__m256i; 2]) -> __m256i {
         _mm256_add_epi32(acc[0], acc[1])
+    }
+
+    /// One `Q6_Kx8` sub-block's quants less 32 as signed bytes, in chunk order: for
+    /// chunk j, `[2j]` its low-nibble elements (columns 4j + e), `[2j + 1]` its
+    /// high-nibble ones (16 + 4j + e). The high bits of chunks 2i and 2i + 1 share
+    /// vector i (format module docs); 16-bit shifts are safe as every result is masked
+    /// to bits that came from its own byte.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn k6_quants(qp: *const u8) -> [__m256i; 8] {
+        let (low, high, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30), _mm256_set1_epi8(32));
+        let mut q = [_mm256_setzero_si256(); 8];
+        for i in 0..2 {
+            let hv = _mm256_loadu_si256(qp.add(128 + 32 * i) as *const __m256i);
+            let (c0, c1) = (_mm256_loadu_si256(qp.add(64 * i) as *const __m256i), _mm256_loadu_si256(qp.add(64 * i + 32) as *const __m256i));
+            // Bits 0–1, 2–3, 4–5, 6–7 of hv moved to 4–5.
+            let h = [_mm256_slli_epi16(hv, 4), _mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 2)].map(|v| _mm256_and_si256(v, high));
+            q[4 * i] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c0, low), h[0]), m32);
+            q[4 * i + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c0, 4), low), h[1]), m32);
+            q[4 * i + 2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c1, low), h[2]), m32);
+            q[4 * i + 3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), h[3]), m32);
+        }
+        q
     }
 
     rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);

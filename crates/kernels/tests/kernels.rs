@@ -65,7 +65,7 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -348,8 +348,8 @@ fn matmul_jobs_equals_one_matmul_per_job() {
     let mut rng = Rng(9);
     let (cols, rows) = (96, 24);
     let runs = [0..2, 2..3, 3..3, 3..9, 9..10];
-    for format in [WeightFormat::Q4_0, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::F16] {
-        let cols = if matches!(format, WeightFormat::Q4K) { 256 } else { cols };
+    for format in [WeightFormat::Q4_0, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::F16] {
+        let cols = if format.block_elems() == 256 { 256 } else { cols };
         let packed = format.interleaved();
         // Two matrices per run (gate and up), each stored in the loaded layout.
         let mats: Vec<(WeightFormat, Vec<u8>)> = (0..2 * runs.len())
@@ -382,7 +382,7 @@ fn matmul_jobs_equals_one_matmul_per_job() {
     }
 }
 
-/// Q4_0 / Q4_1 / Q8_0 / Q4_K repacked into groups of 8 interleaved rows: the same
+/// Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K repacked into groups of 8 interleaved rows: the same
 /// weights (every row dequantizes identically), the same dot products as the source
 /// rows (scalar and SIMD), and matmul over the repacked matrix (5 tokens: the
 /// four-token kernel and the one-token tail) equals matmul over the source.
@@ -390,9 +390,9 @@ fn matmul_jobs_equals_one_matmul_per_job() {
 fn interleaved_rows_are_the_source_rows() {
     let isa = Isa::detect();
     let mut rng = Rng(6);
-    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K] {
+    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
         let packed_format = format.interleaved().unwrap();
-        let shapes = if format == WeightFormat::Q4K { [(8, 256), (16, 512), (24, 1024)] } else { [(8, 32), (16, 96), (24, 576)] };
+        let shapes = if format.block_elems() == 256 { [(8, 256), (16, 512), (24, 1024)] } else { [(8, 32), (16, 96), (24, 576)] };
         for (rows, cols) in shapes {
             let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
             let packed = tessera_kernels::repack_interleaved(format, rows, cols, &data);
@@ -588,9 +588,9 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
         }
         let (avx2, vnni) = (Isa::Avx2, Isa::Avx512Vnni);
         let mut rng = Rng(11);
-        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K] {
+        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
             let packed_format = format.interleaved().unwrap();
-            let widths = if format == WeightFormat::Q4K { [256, 512, 768, 2048] } else { [32, 96, 576, 2048] };
+            let widths = if format.block_elems() == 256 { [256, 512, 768, 2048] } else { [32, 96, 576, 2048] };
             for cols in widths {
                 let rows = 16;
                 let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();

@@ -46,40 +46,48 @@ fn gguf_blocks_match_gguf_py() {
     }
 }
 
-/// Q4_K repacked into 8-row groups (`Q4_Kx8`: scales and mins unpacked to bytes,
-/// nibbles moved) still dequantizes to gguf-py's values, including the random-byte
-/// blocks whose 6-bit scales use their high bits; the SIMD group dot (one and four
-/// tokens) agrees with the exact dot of those values.
+/// Q4_K and Q6_K repacked into 8-row groups (`Q4_Kx8`: scales and mins unpacked to
+/// bytes; `Q6_Kx8`: nibbles and high bits regrouped) still dequantize to gguf-py's
+/// values, including the random-byte blocks (every bit of the scales and high bits in
+/// use); the SIMD group dot (one and four tokens) agrees with the exact dot of those
+/// values.
 #[test]
-fn q4_k_groups_of_8_rows_match_gguf_py() {
-    let bytes = std::fs::read(dir().join("Q4_K.bin")).unwrap();
-    let want = f32s(&std::fs::read(dir().join("Q4_K.f32")).unwrap());
-    // Eight rows of one super-block each: the fixture's 7 blocks, then the first again.
-    let rows: Vec<usize> = (0..8).map(|r| r % 7).collect();
-    let data: Vec<u8> = rows.iter().flat_map(|&b| bytes[b * 144..(b + 1) * 144].to_vec()).collect();
-    let packed = repack_interleaved(WeightFormat::Q4K, 8, 256, &data);
-    let mut got = vec![0.0; 8 * 256];
-    scalar::dequantize_rows8(WeightFormat::Q4Kx8, &packed, &mut got);
-    for (r, &b) in rows.iter().enumerate() {
-        assert_eq!(&got[r * 256..(r + 1) * 256], &want[b * 256..(b + 1) * 256], "row {r} (fixture block {b})");
-    }
-    let xs: Vec<Vec<f32>> = (0..4).map(|t| (0..256).map(|i| ((i * 7919 + 31 * t) % 97) as f32 / 97.0 - 0.5).collect()).collect();
-    let xq: Vec<Vec<BlockQ8>> = xs.iter().map(|x| {
-        let mut q = vec![BlockQ8::default(); 8];
-        quantize_row_scalar(x, &mut q);
-        q
-    }).collect();
-    let isa = Isa::detect();
-    let one = isa.dot_q8_rows8(WeightFormat::Q4Kx8, &packed, &xq[0]);
-    let four = isa.dot_q8_rows8_x4(WeightFormat::Q4Kx8, &packed, [&xq[0], &xq[1], &xq[2], &xq[3]]);
-    for (r, &b) in rows.iter().enumerate() {
-        let w = &want[b * 256..(b + 1) * 256];
-        for (t, got) in [(0, one[r]), (0, four[0][r]), (1, four[1][r]), (2, four[2][r]), (3, four[3][r])] {
-            // Against the exact dot of the dequantized weights with the q8 activations.
-            let xd: Vec<f32> = xq[t].iter().flat_map(|blk| blk.qs.iter().map(move |&q| q as f32 * blk.d)).collect();
-            let exact: f64 = w.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
-            let mag: f64 = w.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
-            assert!((got as f64 - exact).abs() <= 1e-5 * mag + 1e-6, "row {r} token {t}: {got} vs {exact}");
+fn k_quant_groups_of_8_rows_match_gguf_py() {
+    for (name, format, block_bytes) in [("Q4_K", WeightFormat::Q4K, 144), ("Q6_K", WeightFormat::Q6K, 210)] {
+        let packed_format = format.interleaved().unwrap();
+        let bytes = std::fs::read(dir().join(format!("{name}.bin"))).unwrap();
+        let want = f32s(&std::fs::read(dir().join(format!("{name}.f32"))).unwrap());
+        let blocks = bytes.len() / block_bytes;
+        // Eight rows of one super-block each: the fixture's blocks, then again from the first.
+        let rows: Vec<usize> = (0..8).map(|r| r % blocks).collect();
+        let data: Vec<u8> = rows.iter().flat_map(|&b| bytes[b * block_bytes..(b + 1) * block_bytes].to_vec()).collect();
+        let packed = repack_interleaved(format, 8, 256, &data);
+        let mut got = vec![0.0; 8 * 256];
+        scalar::dequantize_rows8(packed_format, &packed, &mut got);
+        for (r, &b) in rows.iter().enumerate() {
+            assert_eq!(&got[r * 256..(r + 1) * 256], &want[b * 256..(b + 1) * 256], "{name} row {r} (fixture block {b})");
+        }
+        let xs: Vec<Vec<f32>> = (0..4).map(|t| (0..256).map(|i| ((i * 7919 + 31 * t) % 97) as f32 / 97.0 - 0.5).collect()).collect();
+        let xq: Vec<Vec<BlockQ8>> = xs
+            .iter()
+            .map(|x| {
+                let mut q = vec![BlockQ8::default(); 8];
+                quantize_row_scalar(x, &mut q);
+                q
+            })
+            .collect();
+        let isa = Isa::detect();
+        let one = isa.dot_q8_rows8(packed_format, &packed, &xq[0]);
+        let four = isa.dot_q8_rows8_x4(packed_format, &packed, [&xq[0], &xq[1], &xq[2], &xq[3]]);
+        for (r, &b) in rows.iter().enumerate() {
+            let w = &want[b * 256..(b + 1) * 256];
+            for (t, got) in [(0, one[r]), (0, four[0][r]), (1, four[1][r]), (2, four[2][r]), (3, four[3][r])] {
+                // Against the exact dot of the dequantized weights with the q8 activations.
+                let xd: Vec<f32> = xq[t].iter().flat_map(|blk| blk.qs.iter().map(move |&q| q as f32 * blk.d)).collect();
+                let exact: f64 = w.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mag: f64 = w.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                assert!((got as f64 - exact).abs() <= 1e-5 * mag + 1e-6, "{name} row {r} token {t}: {got} vs {exact}");
+            }
         }
     }
 }
