@@ -17,7 +17,7 @@ fn main() {
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
-const FORMATS: [WeightFormat; 19] = [
+const FORMATS: [WeightFormat; 20] = [
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
     WeightFormat::Q4_0x8,
@@ -27,6 +27,7 @@ const FORMATS: [WeightFormat; 19] = [
     WeightFormat::Q4K,
     WeightFormat::Q4Kx8,
     WeightFormat::Q5K,
+    WeightFormat::Q5Kx8,
     WeightFormat::Q6K,
     WeightFormat::Q6Kx8,
     WeightFormat::Mxfp4,
@@ -56,7 +57,7 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
 /// float formats, small normal values.
 fn matrix(format: WeightFormat) -> Vec<u8> {
     if format.rows_per_group() > 1 {
-        let source = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::F16, WeightFormat::Bf16].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
+        let source = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::F16, WeightFormat::Bf16].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
         return tessera_kernels::repack_interleaved(source, ROWS, COLS, &matrix(source));
     }
     let row = format.row_bytes(COLS).expect("COLS fits every block size");

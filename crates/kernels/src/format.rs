@@ -22,6 +22,9 @@
 //!   mins likewise, then per 32-column sub-block s 128 bytes of nibbles in Q4_0x8's
 //!   order for its 32 columns. w = d·scale_s·q − dmin·min_s, as in Q4_K. Unpacked scales
 //!   cost 4 bytes per 256 weights (+2.8 %) and spare the kernel the bit surgery.
+//! - Q5_Kx8 (GGUF Q5_K, likewise; 180 bytes per row): Q4_Kx8 with 160 bytes per
+//!   sub-block, the 128 of nibbles then 32 bytes of fifth bits matching the nibble bytes
+//!   position for position (bit 2j: chunk j's low-nibble element, 2j + 1: its high one).
 //! - Q6_Kx8 (GGUF Q6_K repacked at load on x86, groups of 8 rows; 210 bytes per row as
 //!   in Q6_K): per 256-column super-block, the 8 rows' f16 d, their i8 scales (byte
 //!   16 + 8·g + r: row r's scale of 16-column group g), then per 32-column sub-block s
@@ -62,8 +65,9 @@ pub enum WeightFormat {
     Q4_0x8,
     Q4_1x8,
     Q8_0x8,
-    /// Q4_K and Q6_K interleaved by groups of 8 rows (module docs).
+    /// Q4_K, Q5_K and Q6_K interleaved by groups of 8 rows (module docs).
     Q4Kx8,
+    Q5Kx8,
     Q6Kx8,
     /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
     F16x4,
@@ -136,6 +140,7 @@ impl WeightFormat {
             WeightFormat::Q4_1x8 => "Q4_1x8",
             WeightFormat::Q8_0x8 => "Q8_0x8",
             WeightFormat::Q4Kx8 => "Q4_Kx8",
+            WeightFormat::Q5Kx8 => "Q5_Kx8",
             WeightFormat::Q6Kx8 => "Q6_Kx8",
             WeightFormat::F16x4 => "F16x4",
             WeightFormat::Bf16x4 => "BF16x4",
@@ -166,6 +171,7 @@ impl WeightFormat {
                 | WeightFormat::Q4_1x8
                 | WeightFormat::Q8_0x8
                 | WeightFormat::Q4Kx8
+                | WeightFormat::Q5Kx8
                 | WeightFormat::Q6Kx8
                 | WeightFormat::Q4K
                 | WeightFormat::Q5K
@@ -177,16 +183,16 @@ impl WeightFormat {
     /// together, and row slices must fall on multiples of it.
     pub fn rows_per_group(self) -> usize {
         match self {
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 => 8,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 8,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
         }
     }
 
-    /// The interleaved K-quants (`Q4_Kx8`, `Q6_Kx8`): 8-row groups of 256-column
+    /// The interleaved K-quants (`Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8`): 8-row groups of 256-column
     /// super-blocks, which have no two-group (16-row) pass.
     pub fn is_k_interleaved(self) -> bool {
-        matches!(self, WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8)
+        matches!(self, WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8)
     }
 
     /// The interleaved layout this format is repacked into at load, if it has one.
@@ -196,6 +202,7 @@ impl WeightFormat {
             WeightFormat::Q4_1 => Some(WeightFormat::Q4_1x8),
             WeightFormat::Q8_0 => Some(WeightFormat::Q8_0x8),
             WeightFormat::Q4K => Some(WeightFormat::Q4Kx8),
+            WeightFormat::Q5K => Some(WeightFormat::Q5Kx8),
             WeightFormat::Q6K => Some(WeightFormat::Q6Kx8),
             WeightFormat::F16 => Some(WeightFormat::F16x4),
             WeightFormat::Bf16 => Some(WeightFormat::Bf16x4),
@@ -210,7 +217,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
-            WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 => 256,
+            WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
     }
@@ -227,6 +234,7 @@ impl WeightFormat {
             WeightFormat::Mxfp4 => 17,
             WeightFormat::Q4K => 144,
             WeightFormat::Q4Kx8 => 148,
+            WeightFormat::Q5Kx8 => 180,
             WeightFormat::Q6Kx8 => 210,
             WeightFormat::Q5K => 176,
             WeightFormat::Q6K => 210,
@@ -271,7 +279,8 @@ pub fn interleaved_bytes(format: WeightFormat, rows: usize, cols: usize) -> usiz
 pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     assert_eq!(out.len(), interleaved_bytes(format, rows, cols), "repack_interleaved: {format} {rows}×{cols}: output size");
     match format {
-        WeightFormat::Q4K => repack_k4_rows8_into(rows, cols, data, out),
+        WeightFormat::Q4K => repack_k4_rows8_into::<false>(rows, cols, data, out),
+        WeightFormat::Q5K => repack_k4_rows8_into::<true>(rows, cols, data, out),
         WeightFormat::Q6K => repack_k6_rows8_into(rows, cols, data, out),
         WeightFormat::F16 | WeightFormat::Bf16 => {
             assert!(rows % 4 == 0 && cols % 16 == 0 && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
@@ -290,16 +299,18 @@ pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, d
     }
 }
 
-/// Q4_K rows into [`WeightFormat::Q4Kx8`] (module docs): the same d, dmin, scales, mins
-/// and nibbles, the 6-bit scales and mins unpacked to bytes.
-fn repack_k4_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
+/// Q4_K (Q5_K when `FIVE`) rows into [`WeightFormat::Q4Kx8`] ([`WeightFormat::Q5Kx8`])
+/// (module docs): the same d, dmin, scales, mins, nibbles (and fifth bits), the 6-bit
+/// scales and mins unpacked to bytes.
+fn repack_k4_rows8_into<const FIVE: bool>(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     let supers = cols / 256;
-    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * 144, "repack Q4_K: shape");
-    let mut chunks = out.chunks_exact_mut(1184);
+    let (src_bytes, qs_at, sub_bytes) = if FIVE { (176, 48, 160) } else { (144, 16, 128) };
+    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * src_bytes, "repack Q4_K/Q5_K: shape");
+    let mut chunks = out.chunks_exact_mut(160 + 8 * sub_bytes);
     for g in 0..rows / 8 {
         for sb in 0..supers {
             let o = chunks.next().expect("sized by the caller");
-            let src = |r: usize| &data[((g * 8 + r) * supers + sb) * 144..][..144];
+            let src = |r: usize| &data[((g * 8 + r) * supers + sb) * src_bytes..][..src_bytes];
             for r in 0..8 {
                 o[2 * r..2 * r + 2].copy_from_slice(&src(r)[0..2]);
                 o[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src(r)[2..4]);
@@ -309,16 +320,27 @@ fn repack_k4_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
                     o[96 + 8 * s + r] = min;
                 }
             }
-            // Sub-block s element l: nibble s % 2 of byte 32·(s / 2) + l of the row's qs.
+            // Sub-block s element l: nibble s % 2 of byte 32·(s / 2) + l of the row's qs
+            // (Q5_K: its fifth bit is bit s of qh[l]).
             let q = |r: usize, s: usize, l: usize| {
-                let byte = src(r)[16 + 32 * (s / 2) + l];
+                let byte = src(r)[qs_at + 32 * (s / 2) + l];
                 if s % 2 == 0 { byte & 0x0F } else { byte >> 4 }
             };
+            let fifth = |r: usize, s: usize, l: usize| (src(r)[16 + l] >> s) & 1;
             for s in 0..8 {
+                let sub = &mut o[160 + sub_bytes * s..160 + sub_bytes * (s + 1)];
                 for j in 0..4 {
                     for r in 0..8 {
                         for e in 0..4 {
-                            o[160 + 128 * s + 32 * j + 4 * r + e] = q(r, s, 4 * j + e) | (q(r, s, 4 * (j + 4) + e) << 4);
+                            let (a, b) = (4 * j + e, 4 * (j + 4) + e);
+                            sub[32 * j + 4 * r + e] = q(r, s, a) | (q(r, s, b) << 4);
+                        }
+                    }
+                }
+                if FIVE {
+                    for r in 0..8 {
+                        for e in 0..4 {
+                            sub[128 + 4 * r + e] = (0..4).map(|j| (fifth(r, s, 4 * j + e) | (fifth(r, s, 16 + 4 * j + e) << 1)) << (2 * j)).sum();
                         }
                     }
                 }

@@ -110,7 +110,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
@@ -319,12 +319,17 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
     }
 }
 
-/// `Q4_Kx8`: row `r`'s nibble `l` (0..32) of sub-block `s` of a super-block, and its
-/// scale and min.
-fn k4x8_q(sup: &[u8], r: usize, s: usize, l: usize) -> (i32, u8, u8) {
+/// `Q4_Kx8` (`Q5_Kx8` when `five`): row `r`'s quant `l` (0..32) of sub-block `s` of a
+/// super-block, and its scale and min.
+fn k4x8_q(sup: &[u8], five: bool, r: usize, s: usize, l: usize) -> (i32, u8, u8) {
     let (j, e, high) = ((l % 16) / 4, l % 4, l >= 16);
-    let byte = sup[160 + 128 * s + 32 * j + 4 * r + e];
-    ((if high { byte >> 4 } else { byte & 0x0F }) as i32, sup[32 + 8 * s + r], sup[96 + 8 * s + r])
+    let sub = &sup[160 + if five { 160 } else { 128 } * s..];
+    let byte = sub[32 * j + 4 * r + e];
+    let mut q = if high { byte >> 4 } else { byte & 0x0F };
+    if five {
+        q |= ((sub[128 + 4 * r + e] >> (2 * j + usize::from(high))) & 1) << 4;
+    }
+    (q as i32, sup[32 + 8 * s + r], sup[96 + 8 * s + r])
 }
 
 /// `Q6_Kx8`: row `r`'s quant `l` (0..32) of sub-block `s` of a super-block, 0..64, and
@@ -342,6 +347,21 @@ fn k6x8_q(sup: &[u8], r: usize, s: usize, l: usize) -> (i32, i8) {
 /// `Q4_Kx8`, `Q6_Kx8`) as f32, `out[r·cols + c]`.
 pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
     let cols = out.len() / 8;
+    if matches!(format, WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8) {
+        let five = format == WeightFormat::Q5Kx8;
+        for (sb, sup) in group.chunks_exact(8 * format.block_bytes()).take(cols / 256).enumerate() {
+            for r in 0..8 {
+                let (d, dmin) = (f16_at(sup, 2 * r), f16_at(sup, 16 + 2 * r));
+                for s in 0..8 {
+                    for l in 0..32 {
+                        let (q, scale, min) = k4x8_q(sup, five, r, s, l);
+                        out[r * cols + 256 * sb + 32 * s + l] = d * scale as f32 * q as f32 - dmin * min as f32;
+                    }
+                }
+            }
+        }
+        return;
+    }
     if format == WeightFormat::Q6Kx8 {
         for (sb, sup) in group.chunks_exact(8 * 210).take(cols / 256).enumerate() {
             for r in 0..8 {
@@ -350,20 +370,6 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
                     for l in 0..32 {
                         let (q, scale) = k6x8_q(sup, r, s, l);
                         out[r * cols + 256 * sb + 32 * s + l] = d * scale as f32 * (q - 32) as f32;
-                    }
-                }
-            }
-        }
-        return;
-    }
-    if format == WeightFormat::Q4Kx8 {
-        for (sb, sup) in group.chunks_exact(1184).take(cols / 256).enumerate() {
-            for r in 0..8 {
-                let (d, dmin) = (f16_at(sup, 2 * r), f16_at(sup, 16 + 2 * r));
-                for s in 0..8 {
-                    for l in 0..32 {
-                        let (q, scale, min) = k4x8_q(sup, r, s, l);
-                        out[r * cols + 256 * sb + 32 * s + l] = d * scale as f32 * q as f32 - dmin * min as f32;
                     }
                 }
             }
@@ -407,10 +413,11 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
         }
         return acc;
     }
-    if format == WeightFormat::Q4Kx8 {
-        // As Q4_K's dot (dot_q8), 8 rows at a time.
+    if matches!(format, WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8) {
+        // As Q4_K's (Q5_K's) dot (dot_q8), 8 rows at a time.
+        let five = format == WeightFormat::Q5Kx8;
         let mut acc = [0.0f32; 8];
-        for (sup, xs) in group.chunks_exact(1184).zip(x.chunks_exact(8)) {
+        for (sup, xs) in group.chunks_exact(8 * format.block_bytes()).zip(x.chunks_exact(8)) {
             for (r, a) in acc.iter_mut().enumerate() {
                 let (d, dmin) = (f16_at(sup, 2 * r), f16_at(sup, 16 + 2 * r));
                 for (s, xb) in xs.iter().enumerate() {
@@ -418,7 +425,7 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
                     let (mut scale, mut min) = (0, 0);
                     for l in 0..32 {
                         let q;
-                        (q, scale, min) = k4x8_q(sup, r, s, l);
+                        (q, scale, min) = k4x8_q(sup, five, r, s, l);
                         isum += q * xb.qs[l] as i32;
                     }
                     *a += d * scale as f32 * xb.d * isum as f32 - dmin * min as f32 * xb.sum;

@@ -212,7 +212,8 @@ impl Isa {
     /// their rows would go through the scalar reference).
     pub fn runs_interleaved(self, interleaved: WeightFormat) -> bool {
         match interleaved {
-            WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
+            f if f.is_k_interleaved() => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
             _ => true,
         }
     }
@@ -917,36 +918,48 @@ mod x86 {
                     out
                 }
 
-                /// Q4_Kx8: per 32-column sub-block the Q4_0x8 integer dot, then the 8
-                /// rows' unpacked scales and mins (bytes) as floats; d and dmin once per
+                /// Q4_Kx8 (Q5_Kx8 when `FIVE`): per 32-column sub-block the Q4_0x8 integer
+                /// dot (Q5: with the fifth bits or'ed in, summed in 32-bit lanes at once:
+                /// 5-bit pair sums would overflow the 16-bit ones), then the 8 rows'
+                /// unpacked scales and mins (bytes) as floats; d and dmin once per
                 /// super-block.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn k4(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                unsafe fn k4<const FIVE: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                    let (sup_bytes, sub_bytes) = if FIVE { (1440, 160) } else { (1184, 128) };
                     let supers = x.len() / 8;
-                    assert!(x.len() % 8 == 0 && group.len() >= supers * 1184);
+                    assert!(x.len() % 8 == 0 && group.len() >= supers * sup_bytes);
                     let low = _mm256_set1_epi8(0x0F);
                     let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for sb in 0..supers {
-                        let p = group.as_ptr().add(sb * 1184);
+                        let p = group.as_ptr().add(sb * sup_bytes);
                         let (mut acc_s, mut acc_ms) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                         for (s, xb) in x[8 * sb..8 * sb + 8].iter().enumerate() {
-                            let qp = p.add(160 + 128 * s);
-                            _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
-                            _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
+                            let qp = p.add(160 + sub_bytes * s);
+                            for line in 0..if FIVE { 3 } else { 2 } {
+                                _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+                            }
                             let y = xb.qs.as_ptr() as *const i32;
+                            let hv = if FIVE { _mm256_loadu_si256(qp.add(128) as *const __m256i) } else { _mm256_setzero_si256() };
                             let mut sum: $acc = $zero;
                             for j in 0..4 {
                                 let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                                let lo = _mm256_and_si256(c, low);
-                                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                                let mut lo = _mm256_and_si256(c, low);
+                                let mut hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
                                 let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
                                 let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                                sum = $u4_pair(sum, lo, y_lo, hi, y_hi);
+                                if FIVE {
+                                    lo = _mm256_or_si256(lo, bit_to_4(hv, 2 * j));
+                                    hi = _mm256_or_si256(hi, bit_to_4(hv, 2 * j + 1));
+                                    sum = $i8_pair(sum, lo, y_lo, hi, y_hi);
+                                } else {
+                                    sum = $u4_pair(sum, lo, y_lo, hi, y_hi);
+                                }
                             }
+                            let isum = if FIVE { $sum_i8(sum) } else { $sum(sum) };
                             let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(32 + 8 * s) as *const __m128i)));
                             let min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(96 + 8 * s) as *const __m128i)));
-                            acc_s = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum(sum)), acc_s);
+                            acc_s = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc_s);
                             acc_ms = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.sum), acc_ms);
                         }
                         acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), acc_s, acc);
@@ -999,7 +1012,8 @@ mod x86 {
                     WeightFormat::Q4_0x8 => u4::<false>(group, x),
                     WeightFormat::Q4_1x8 => u4::<true>(group, x),
                     WeightFormat::Q8_0x8 => i8(group, x),
-                    WeightFormat::Q4Kx8 => k4(group, x),
+                    WeightFormat::Q4Kx8 => k4::<false>(group, x),
+                    WeightFormat::Q5Kx8 => k4::<true>(group, x),
                     WeightFormat::Q6Kx8 => k6(group, x),
                     _ => unreachable!("{format} does not interleave rows"),
                 }
@@ -1088,42 +1102,49 @@ mod x86 {
                     out
                 }
 
-                /// Q4_Kx8 for four tokens: each sub-block's nibbles unpacked and its
-                /// scales and mins converted once for all four.
+                /// Q4_Kx8 (Q5_Kx8) for four tokens: each sub-block's quants unpacked and
+                /// its scales and mins converted once for all four.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn k4(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                unsafe fn k4<const FIVE: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                    let (sup_bytes, sub_bytes) = if FIVE { (1440, 160) } else { (1184, 128) };
                     let blocks = xs[0].len();
                     let supers = blocks / 8;
-                    assert!(blocks % 8 == 0 && group.len() >= supers * 1184 && xs.iter().all(|x| x.len() == blocks));
+                    assert!(blocks % 8 == 0 && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
                     let low = _mm256_set1_epi8(0x0F);
                     let mut acc = [_mm256_setzero_ps(); 4];
                     let mut acc_m = [_mm256_setzero_ps(); 4];
                     let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
                     for sb in 0..supers {
-                        let p = group.as_ptr().add(sb * 1184);
+                        let p = group.as_ptr().add(sb * sup_bytes);
                         let mut acc_s = [_mm256_setzero_ps(); 4];
                         let mut acc_ms = [_mm256_setzero_ps(); 4];
                         for s in 0..8 {
                             let b = 8 * sb + s;
-                            let qp = p.add(160 + 128 * s);
+                            let qp = p.add(160 + sub_bytes * s);
+                            let hv = if FIVE { _mm256_loadu_si256(qp.add(128) as *const __m256i) } else { _mm256_setzero_si256() };
                             let mut sum: [$acc; 4] = [$zero; 4];
                             for j in 0..4 {
                                 let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                                let lo = _mm256_and_si256(c, low);
-                                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                                let mut lo = _mm256_and_si256(c, low);
+                                let mut hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                                if FIVE {
+                                    lo = _mm256_or_si256(lo, bit_to_4(hv, 2 * j));
+                                    hi = _mm256_or_si256(hi, bit_to_4(hv, 2 * j + 1));
+                                }
                                 for t in 0..4 {
                                     let y = ys[t].add(b * STRIDE + QS);
                                     let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
                                     let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                                    sum[t] = $u4_pair(sum[t], lo, y_lo, hi, y_hi);
+                                    sum[t] = if FIVE { $i8_pair(sum[t], lo, y_lo, hi, y_hi) } else { $u4_pair(sum[t], lo, y_lo, hi, y_hi) };
                                 }
                             }
                             let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(32 + 8 * s) as *const __m128i)));
                             let min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(96 + 8 * s) as *const __m128i)));
                             for t in 0..4 {
                                 let xb = &xs[t][b];
-                                acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum(sum[t])), acc_s[t]);
+                                let isum = if FIVE { $sum_i8(sum[t]) } else { $sum(sum[t]) };
+                                acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc_s[t]);
                                 acc_ms[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.sum), acc_ms[t]);
                             }
                         }
@@ -1184,7 +1205,8 @@ mod x86 {
 
                 match format {
                     WeightFormat::Q6Kx8 => k6(group, xs),
-                    WeightFormat::Q4Kx8 => k4(group, xs),
+                    WeightFormat::Q4Kx8 => k4::<false>(group, xs),
+                    WeightFormat::Q5Kx8 => k4::<true>(group, xs),
                     WeightFormat::Q4_0x8 => u4::<false>(group, xs),
                     WeightFormat::Q4_1x8 => u4::<true>(group, xs),
                     WeightFormat::Q8_0x8 => i8(group, xs),
@@ -1229,6 +1251,24 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     unsafe fn vnni_sum(acc: [__m256i; 2]) -> __m256i {
         _mm256_add_epi32(acc[0], acc[1])
+    }
+
+    /// Bit `k` of every byte of `v`, moved to bit 4 (the rest zero). 16-bit shifts are
+    /// safe: the bit kept always comes from its own byte.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn bit_to_4(v: __m256i, k: usize) -> __m256i {
+        let moved = match k {
+            0 => _mm256_slli_epi16(v, 4),
+            1 => _mm256_slli_epi16(v, 3),
+            2 => _mm256_slli_epi16(v, 2),
+            3 => _mm256_slli_epi16(v, 1),
+            4 => v,
+            5 => _mm256_srli_epi16(v, 1),
+            6 => _mm256_srli_epi16(v, 2),
+            _ => _mm256_srli_epi16(v, 3),
+        };
+        _mm256_and_si256(moved, _mm256_set1_epi8(0x10))
     }
 
     /// One `Q6_Kx8` sub-block's quants less 32 as signed bytes, in chunk order: for

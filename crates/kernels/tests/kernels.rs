@@ -65,7 +65,7 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -348,7 +348,7 @@ fn matmul_jobs_equals_one_matmul_per_job() {
     let mut rng = Rng(9);
     let (cols, rows) = (96, 24);
     let runs = [0..2, 2..3, 3..3, 3..9, 9..10];
-    for format in [WeightFormat::Q4_0, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::F16] {
+    for format in [WeightFormat::Q4_0, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::F16] {
         let cols = if format.block_elems() == 256 { 256 } else { cols };
         let packed = format.interleaved();
         // Two matrices per run (gate and up), each stored in the loaded layout.
@@ -382,7 +382,7 @@ fn matmul_jobs_equals_one_matmul_per_job() {
     }
 }
 
-/// Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K repacked into groups of 8 interleaved rows: the same
+/// Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked into groups of 8 interleaved rows: the same
 /// weights (every row dequantizes identically), the same dot products as the source
 /// rows (scalar and SIMD), and matmul over the repacked matrix (5 tokens: the
 /// four-token kernel and the one-token tail) equals matmul over the source.
@@ -390,14 +390,14 @@ fn matmul_jobs_equals_one_matmul_per_job() {
 fn interleaved_rows_are_the_source_rows() {
     let isa = Isa::detect();
     let mut rng = Rng(6);
-    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
+    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K] {
         let packed_format = format.interleaved().unwrap();
         let shapes = if format.block_elems() == 256 { [(8, 256), (16, 512), (24, 1024)] } else { [(8, 32), (16, 96), (24, 576)] };
         for (rows, cols) in shapes {
             let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
             let packed = tessera_kernels::repack_interleaved(format, rows, cols, &data);
-            // The same bytes per row, but for Q4_K's unpacked scales (4 per 256 weights).
-            let extra = if format == WeightFormat::Q4K { rows * cols / 256 * 4 } else { 0 };
+            // The same bytes per row, but for Q4_K's / Q5_K's unpacked scales (4 per 256 weights).
+            let extra = if matches!(format, WeightFormat::Q4K | WeightFormat::Q5K) { rows * cols / 256 * 4 } else { 0 };
             assert_eq!(packed.len(), data.len() + extra);
             let src = WeightRows::new(format, rows, cols, &data).unwrap();
             let dst = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
@@ -588,7 +588,7 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
         }
         let (avx2, vnni) = (Isa::Avx2, Isa::Avx512Vnni);
         let mut rng = Rng(11);
-        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
+        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K] {
             let packed_format = format.interleaved().unwrap();
             let widths = if format.block_elems() == 256 { [256, 512, 768, 2048] } else { [32, 96, 576, 2048] };
             for cols in widths {

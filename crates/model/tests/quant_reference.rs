@@ -46,14 +46,14 @@ fn gguf_blocks_match_gguf_py() {
     }
 }
 
-/// Q4_K and Q6_K repacked into 8-row groups (`Q4_Kx8`: scales and mins unpacked to
-/// bytes; `Q6_Kx8`: nibbles and high bits regrouped) still dequantize to gguf-py's
+/// Q4_K, Q5_K and Q6_K repacked into 8-row groups (`Q4_Kx8`/`Q5_Kx8`: scales and mins
+/// unpacked to bytes; fifth and high bits regrouped to match the nibbles) still dequantize to gguf-py's
 /// values, including the random-byte blocks (every bit of the scales and high bits in
 /// use); the SIMD group dot (one and four tokens) agrees with the exact dot of those
 /// values.
 #[test]
 fn k_quant_groups_of_8_rows_match_gguf_py() {
-    for (name, format, block_bytes) in [("Q4_K", WeightFormat::Q4K, 144), ("Q6_K", WeightFormat::Q6K, 210)] {
+    for (name, format, block_bytes) in [("Q4_K", WeightFormat::Q4K, 144), ("Q5_K", WeightFormat::Q5K, 176), ("Q6_K", WeightFormat::Q6K, 210)] {
         let packed_format = format.interleaved().unwrap();
         let bytes = std::fs::read(dir().join(format!("{name}.bin"))).unwrap();
         let want = f32s(&std::fs::read(dir().join(format!("{name}.f32"))).unwrap());
