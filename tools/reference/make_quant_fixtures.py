@@ -642,14 +642,18 @@ def random_kquant_blocks(rng, qt, n):
         raw[:, 2:4] = f16_bytes(rng.uniform(1e-3, 2e-2, n)).reshape(n, 2)  # dmin
     elif qt == QT.Q6_K:
         raw[:, 208:210] = f16_bytes(rng.uniform(1e-3, 2e-2, n)).reshape(n, 2)  # d
-    elif qt == QT.Q8_0:
+    elif qt in (QT.Q8_0, QT.Q5_0):
         raw[:, 0:2] = f16_bytes(rng.uniform(1e-3, 2e-2, n)).reshape(n, 2)
+    elif qt == QT.Q5_1:
+        raw[:, 0:2] = f16_bytes(rng.uniform(1e-3, 2e-2, n)).reshape(n, 2)  # d
+        raw[:, 2:4] = f16_bytes(rng.uniform(-2e-1, 2e-1, n)).reshape(n, 2)  # m
     elif qt == QT.MXFP4:
         raw[:, 0] = rng.integers(118, 134, size=n)  # E8M0 exponent 2^-9 .. 2^6
     return raw
 
 
-KQ_TYPES = {"Q4_K": QT.Q4_K, "Q5_K": QT.Q5_K, "Q6_K": QT.Q6_K, "MXFP4": QT.MXFP4, "Q8_0": QT.Q8_0}
+# Q5_0 / Q5_1 last, so the random draws of the earlier types (and their files) stay as they were.
+KQ_TYPES = {"Q4_K": QT.Q4_K, "Q5_K": QT.Q5_K, "Q6_K": QT.Q6_K, "MXFP4": QT.MXFP4, "Q8_0": QT.Q8_0, "Q5_0": QT.Q5_0, "Q5_1": QT.Q5_1}
 N_BLOCKS = 7
 N_FROM_QUANTIZER = 4  # blocks 0..3 from a quantizer, blocks 4..6 random raw bytes
 
@@ -703,6 +707,20 @@ def by_hand_dequant(name, raw):
             d = h16(0)
             q = raw_u8(b[2:34]).view(np.int8).astype(np.float32)
             out.extend(np.float32(d) * q)
+        elif name in ("Q5_0", "Q5_1"):
+            # d, (m,) 32 fifth bits (u32 LE), 16 bytes of nibbles: element j < 16 is the low
+            # nibble of byte j, element j + 16 the high one; fifth bit j of the u32.
+            at = 2 if name == "Q5_0" else 4
+            d = h16(0)
+            qh = int(b[at]) | int(b[at + 1]) << 8 | int(b[at + 2]) << 16 | int(b[at + 3]) << 24
+            qs = b[at + 4:at + 20]
+            for j in range(32):
+                nib = (qs[j] & 15) if j < 16 else (qs[j - 16] >> 4)
+                q = int(nib) | (((qh >> j) & 1) << 4)
+                if name == "Q5_0":
+                    out.append(np.float32(d) * np.float32(q - 16))
+                else:
+                    out.append(np.float32(np.float32(d) * np.float32(q)) + np.float32(h16(2)))
     return np.array(out, dtype=np.float32)
 
 
@@ -751,6 +769,7 @@ def part_kquants():
             "blocks_0_3": f"{src} of random N(0,1) rows x [0.02, 0.5, 3, 40] (one row of {bs} per block)",
             "blocks_4_6": "random bytes (numpy default_rng) with the f16 scale fields set to U(1e-3, 2e-2)"
                           + (" (d, dmin)" if name in ("Q4_K", "Q5_K") else "")
+                          + ("; m in U(-0.2, 0.2)" if name == "Q5_1" else "")
                           + ("; E8M0 byte in [118, 133]" if name == "MXFP4" else ""),
             "gguf_py_can_quantize": gguf_can_quantize,
             "gguf_dequant_equals_ggml_to_float": bool(np.array_equal(deq, ggml_deq)),

@@ -7,6 +7,13 @@
 //! Nibble order: element j < 16 is the low nibble of byte j, element j+16 the high one.
 //! - MXFP4: 32 weights in 17 bytes: u8 E8M0 exponent e, 16 bytes of E2M1 nibbles (same
 //!   order); w = e2m1(q)·2^(e−127). GGUF type 39; MLX `mxfp4` is repacked into it.
+//! - Q5_0: 32 weights in 22 bytes: f16 d, u32 qh, 16 bytes of nibbles; w = d·(q−16),
+//!   q = nibble | (bit j of qh) << 4 (nibble order as Q4_0).
+//! - Q5_1: 32 weights in 24 bytes: f16 d, f16 m, u32 qh, 16 bytes; w = d·q + m.
+//! - Q5_0x8 / Q5_1x8 (repacked at load on x86, groups of 8 rows; same bytes per row): as
+//!   Q4_0x8 / Q4_1x8, each block's 128 nibble bytes followed by 32 bytes of fifth bits
+//!   matching them position for position (bit 2j: chunk j's low-nibble element, 2j + 1:
+//!   its high one), as in Q5_Kx8.
 //! - Q4_0x8 / Q4_1x8 (GGUF Q4_0 / Q4_1 repacked at load, groups of 8 rows): per
 //!   32-column block, the 8 rows' f16 d (then, Q4_1, their f16 m), then 128 bytes of
 //!   nibbles: byte 32·j + 4·r + e holds row r's element 4·j + e (low nibble) and element
@@ -51,6 +58,8 @@ pub enum WeightFormat {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Mxfp4,
     /// GGUF k-quants: super-blocks of 256 with 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K)
     /// sub-block scales (spec §4.3).
@@ -64,6 +73,8 @@ pub enum WeightFormat {
     /// Q4_0 / Q4_1 interleaved by groups of 8 rows (see the module docs).
     Q4_0x8,
     Q4_1x8,
+    Q5_0x8,
+    Q5_1x8,
     Q8_0x8,
     /// Q4_K, Q5_K and Q6_K interleaved by groups of 8 rows (module docs).
     Q4Kx8,
@@ -105,13 +116,15 @@ impl fmt::Display for WeightFormat {
 
 impl WeightFormat {
     /// One of each kind (affine formats with each supported group), for tests.
-    pub const ALL: [WeightFormat; 17] = [
+    pub const ALL: [WeightFormat; 19] = [
         WeightFormat::F32,
         WeightFormat::F16,
         WeightFormat::Bf16,
         WeightFormat::Q8_0,
         WeightFormat::Q4_0,
         WeightFormat::Q4_1,
+        WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
         WeightFormat::Mxfp4,
         WeightFormat::Q4K,
         WeightFormat::Q5K,
@@ -136,6 +149,10 @@ impl WeightFormat {
             WeightFormat::Q8_0 => "Q8_0",
             WeightFormat::Q4_0 => "Q4_0",
             WeightFormat::Q4_1 => "Q4_1",
+            WeightFormat::Q5_0 => "Q5_0",
+            WeightFormat::Q5_1 => "Q5_1",
+            WeightFormat::Q5_0x8 => "Q5_0x8",
+            WeightFormat::Q5_1x8 => "Q5_1x8",
             WeightFormat::Q4_0x8 => "Q4_0x8",
             WeightFormat::Q4_1x8 => "Q4_1x8",
             WeightFormat::Q8_0x8 => "Q8_0x8",
@@ -167,6 +184,10 @@ impl WeightFormat {
             WeightFormat::Q8_0
                 | WeightFormat::Q4_0
                 | WeightFormat::Q4_1
+                | WeightFormat::Q5_0
+                | WeightFormat::Q5_1
+                | WeightFormat::Q5_0x8
+                | WeightFormat::Q5_1x8
                 | WeightFormat::Q4_0x8
                 | WeightFormat::Q4_1x8
                 | WeightFormat::Q8_0x8
@@ -183,16 +204,18 @@ impl WeightFormat {
     /// together, and row slices must fall on multiples of it.
     pub fn rows_per_group(self) -> usize {
         match self {
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 8,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 8,
+            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 8,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
         }
     }
 
-    /// The interleaved K-quants (`Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8`): 8-row groups of 256-column
-    /// super-blocks, which have no two-group (16-row) pass.
-    pub fn is_k_interleaved(self) -> bool {
-        matches!(self, WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8)
+    /// The 8-row layouts with AVX2/VNNI kernels only (`Q5_0x8`, `Q5_1x8` and the
+    /// K-quants `Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8`): no NEON kernels (other ISAs keep rows) and
+    /// no two-group (16-row) pass.
+    pub fn is_x86_interleaved(self) -> bool {
+        matches!(self, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8)
     }
 
     /// The interleaved layout this format is repacked into at load, if it has one.
@@ -200,6 +223,8 @@ impl WeightFormat {
         match self {
             WeightFormat::Q4_0 => Some(WeightFormat::Q4_0x8),
             WeightFormat::Q4_1 => Some(WeightFormat::Q4_1x8),
+            WeightFormat::Q5_0 => Some(WeightFormat::Q5_0x8),
+            WeightFormat::Q5_1 => Some(WeightFormat::Q5_1x8),
             WeightFormat::Q8_0 => Some(WeightFormat::Q8_0x8),
             WeightFormat::Q4K => Some(WeightFormat::Q4Kx8),
             WeightFormat::Q5K => Some(WeightFormat::Q5Kx8),
@@ -214,8 +239,8 @@ impl WeightFormat {
     pub fn block_elems(self) -> usize {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
-            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 => 32,
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
@@ -231,6 +256,8 @@ impl WeightFormat {
             WeightFormat::Q8_0 | WeightFormat::Q8_0x8 => 34,
             WeightFormat::Q4_0 | WeightFormat::Q4_0x8 => 18,
             WeightFormat::Q4_1 | WeightFormat::Q4_1x8 => 20,
+            WeightFormat::Q5_0 | WeightFormat::Q5_0x8 => 22,
+            WeightFormat::Q5_1 | WeightFormat::Q5_1x8 => 24,
             WeightFormat::Mxfp4 => 17,
             WeightFormat::Q4K => 144,
             WeightFormat::Q4Kx8 => 148,
@@ -401,9 +428,11 @@ pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8])
 }
 
 fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
-    let min = match format {
-        WeightFormat::Q4_0 | WeightFormat::Q8_0 => false,
-        WeightFormat::Q4_1 => true,
+    let (min, five) = match format {
+        WeightFormat::Q4_0 | WeightFormat::Q8_0 => (false, false),
+        WeightFormat::Q4_1 => (true, false),
+        WeightFormat::Q5_0 => (false, true),
+        WeightFormat::Q5_1 => (true, true),
         _ => panic!("repack_rows8: {format} has no interleaved layout"),
     };
     let eight = format == WeightFormat::Q8_0;
@@ -414,7 +443,8 @@ fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8]
         out[at..at + bytes.len()].copy_from_slice(bytes);
         at += bytes.len();
     };
-    let q_at = if min { 4 } else { 2 };
+    // Where the nibbles start (after d, m and, for Q5, the u32 of fifth bits).
+    let q_at = 2 + 2 * usize::from(min) + 4 * usize::from(five);
     for g in 0..rows / 8 {
         for b in 0..blocks {
             let src = |r: usize| &data[((g * 8 + r) * blocks + b) * bb..][..bb];
@@ -435,14 +465,23 @@ fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8]
                 continue;
             }
             // Element i of a source block: low nibble of byte i (i < 16), else high
-            // nibble of byte i − 16.
+            // nibble of byte i − 16; Q5: its fifth bit is bit i of the u32 before them.
             let q = |r: usize, i: usize| {
                 let byte = src(r)[q_at + i % 16];
                 if i < 16 { byte & 0x0F } else { byte >> 4 }
             };
+            let fifth = |r: usize, i: usize| {
+                let qh = &src(r)[q_at - 4..q_at];
+                (u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]) >> i) as u8 & 1
+            };
             for j in 0..4 {
                 for r in 0..8 {
                     put(&std::array::from_fn::<u8, 4, _>(|e| q(r, 4 * j + e) | (q(r, 4 * (j + 4) + e) << 4)));
+                }
+            }
+            if five {
+                for r in 0..8 {
+                    put(&std::array::from_fn::<u8, 4, _>(|e| (0..4).map(|j| (fifth(r, 4 * j + e) | (fifth(r, 16 + 4 * j + e) << 1)) << (2 * j)).sum()));
                 }
             }
         }

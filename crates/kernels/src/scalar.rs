@@ -89,6 +89,16 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            let min = format == WeightFormat::Q5_1;
+            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(format.block_bytes())) {
+                let d = f16_at(b, 0);
+                for (j, w) in o.iter_mut().enumerate() {
+                    let q = q5_at(b, min, j);
+                    *w = if min { d * q as f32 + f16_at(b, 2) } else { d * (q - 16) as f32 };
+                }
+            }
+        }
         WeightFormat::Q4_1 => {
             for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(20)) {
                 let d = f16_at(b, 0);
@@ -110,7 +120,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
@@ -180,6 +190,16 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Element `j` (0..32) of a Q5_0 / Q5_1 block (`min`: Q5_1), 0..32: its nibble (low of
+/// byte j, or high of byte j − 16) and bit j of the u32 before the nibbles.
+fn q5_at(b: &[u8], min: bool, j: usize) -> i32 {
+    let at = if min { 4 } else { 2 };
+    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let byte = b[at + 4 + j % 16];
+    let nib = if j < 16 { byte & 0x0F } else { byte >> 4 };
+    (nib as u32 | ((qh >> j) & 1) << 4) as i32
+}
+
 /// The 6-bit scale and min of sub-block `s` (0..8) of a Q4_K/Q5_K super-block.
 #[inline]
 pub(crate) fn scale_min_k4(b: &[u8], s: usize) -> (u8, u8) {
@@ -243,6 +263,15 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                     isum += ((q >> 4) as i32 - 8) * xb.qs[j + 16] as i32;
                 }
                 acc += f16_at(b, 0) * xb.d * isum as f32;
+            }
+        }
+        WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            let min = format == WeightFormat::Q5_1;
+            for (b, xb) in row.chunks_exact(format.block_bytes()).zip(x) {
+                let isum: i32 = (0..QK).map(|j| q5_at(b, min, j) * xb.qs[j] as i32).sum();
+                // Q5_0: w = d·(q − 16), the −16·d a per-block offset like Q4_1's m.
+                let m = if min { f16_at(b, 2) } else { -16.0 * f16_at(b, 0) };
+                acc += f16_at(b, 0) * xb.d * isum as f32 + m * xb.sum;
             }
         }
         WeightFormat::Q4_1 => {
@@ -310,11 +339,20 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
     match format {
         WeightFormat::Q8_0x8 => (blk[16 + 32 * (i / 4) + 4 * r + i % 4] as i8 as i32, 0.0),
         _ => {
-            let q0 = if format == WeightFormat::Q4_1x8 { 32 } else { 16 };
+            let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
+            let q0 = if min { 32 } else { 16 };
             let (j, e, high) = ((i % 16) / 4, i % 4, i >= 16);
             let byte = blk[q0 + 32 * j + 4 * r + e];
-            let q = if high { byte >> 4 } else { byte & 0x0F };
-            (q as i32, if format == WeightFormat::Q4_0x8 { -8.0 } else { 0.0 })
+            let mut q = if high { byte >> 4 } else { byte & 0x0F };
+            if matches!(format, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8) {
+                q |= ((blk[q0 + 128 + 4 * r + e] >> (2 * j + usize::from(high))) & 1) << 4;
+            }
+            let off = match format {
+                WeightFormat::Q4_0x8 => -8.0,
+                WeightFormat::Q5_0x8 => -16.0,
+                _ => 0.0,
+            };
+            (q as i32, off)
         }
     }
 }
@@ -376,7 +414,7 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
         }
         return;
     }
-    let min = format == WeightFormat::Q4_1x8;
+    let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
     let bb = 8 * format.block_bytes();
     for (b, blk) in group.chunks_exact(bb).take(cols / 32).enumerate() {
         for r in 0..8 {
@@ -434,7 +472,7 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
         }
         return acc;
     }
-    let min = format == WeightFormat::Q4_1x8;
+    let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
     let bb = 8 * format.block_bytes();
     let mut acc = [0.0f32; 8];
     for (blk, xb) in group.chunks_exact(bb).zip(x) {

@@ -161,7 +161,7 @@ impl Isa {
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
             // (NEON keeps Q4_K in rows: `runs_interleaved`.)
-            Isa::Neon if !format.is_k_interleaved() => unsafe { arm::dot_q8_rows8(format, group, x) },
+            Isa::Neon if !format.is_x86_interleaved() => unsafe { arm::dot_q8_rows8(format, group, x) },
             _ => scalar::dot_q8_rows8(format, group, x),
         }
     }
@@ -191,7 +191,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_q8_rows8.
-            Isa::Avx512Vnni if !format.is_k_interleaved() => unsafe { x86::dot_q8_rows16_x4_zmm(format, pair, xs) },
+            Isa::Avx512Vnni if !format.is_x86_interleaved() => unsafe { x86::dot_q8_rows16_x4_zmm(format, pair, xs) },
             _ => {
                 let (a, b) = pair.split_at(pair.len() / 2);
                 let (va, vb) = (self.dot_q8_rows8_x4(format, a, xs), self.dot_q8_rows8_x4(format, b, xs));
@@ -213,7 +213,7 @@ impl Isa {
     pub fn runs_interleaved(self, interleaved: WeightFormat) -> bool {
         match interleaved {
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
-            f if f.is_k_interleaved() => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
+            f if f.is_x86_interleaved() => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
             _ => true,
         }
     }
@@ -828,6 +828,8 @@ mod x86 {
             WeightFormat::Q4K => dot_q8_k4::<false>(row, x),
             WeightFormat::Q5K => dot_q8_k4::<true>(row, x),
             WeightFormat::Q6K => dot_q8_q6k(row, x),
+            // Q5_0/Q5_1 run interleaved (Q5_0x8/Q5_1x8); rows left over take the reference.
+            WeightFormat::Q5_0 | WeightFormat::Q5_1 => scalar::dot_q8(format, row, x),
             _ => unreachable!("float formats take f32 activations"),
         }
     }
@@ -858,8 +860,9 @@ mod x86 {
             pub unsafe fn $one(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn u4<const MIN: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-                    let bb = if MIN { 160 } else { 144 };
+                unsafe fn u4<const MIN: bool, const FIVE: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                    // Q5: 32 bytes of fifth bits after the nibbles.
+                    let bb = if MIN { 160 } else { 144 } + if FIVE { 32 } else { 0 };
                     assert!(group.len() >= x.len() * bb);
                     let low = _mm256_set1_epi8(0x0F);
                     let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -873,6 +876,7 @@ mod x86 {
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                         let qp = p.add(if MIN { 32 } else { 16 });
                         let y = xb.qs.as_ptr() as *const i32;
+                        let hv = if FIVE { _mm256_loadu_si256(qp.add(128) as *const __m256i) } else { _mm256_setzero_si256() };
                         let mut sum: $acc = $zero;
                         for j in 0..4 {
                             let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
@@ -880,12 +884,17 @@ mod x86 {
                             let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
                             let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
                             let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                            sum = $u4_pair(sum, lo, y_lo, hi, y_hi);
+                            sum = if FIVE {
+                                // 5-bit pair sums would overflow 16-bit lanes: 32-bit at once.
+                                $i8_pair(sum, _mm256_or_si256(lo, bit_to_4(hv, 2 * j)), y_lo, _mm256_or_si256(hi, bit_to_4(hv, 2 * j + 1)), y_hi)
+                            } else {
+                                $u4_pair(sum, lo, y_lo, hi, y_hi)
+                            };
                         }
-                        let isum = _mm256_cvtepi32_ps($sum(sum));
+                        let isum = _mm256_cvtepi32_ps(if FIVE { $sum_i8(sum) } else { $sum(sum) });
                         acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc);
-                        // w = d·q + m (Q4_0: m = −8·d): the m term is m · x_sum.
-                        let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
+                        // w = d·q + m (Q4_0: m = −8·d, Q5_0: −16·d): the m term is m · x_sum.
+                        let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(if FIVE { -16.0 } else { -8.0 })) };
                         acc_m = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc_m);
                     }
                     let mut out = [0.0f32; 8];
@@ -1009,8 +1018,10 @@ mod x86 {
                 }
 
                 match format {
-                    WeightFormat::Q4_0x8 => u4::<false>(group, x),
-                    WeightFormat::Q4_1x8 => u4::<true>(group, x),
+                    WeightFormat::Q4_0x8 => u4::<false, false>(group, x),
+                    WeightFormat::Q4_1x8 => u4::<true, false>(group, x),
+                    WeightFormat::Q5_0x8 => u4::<false, true>(group, x),
+                    WeightFormat::Q5_1x8 => u4::<true, true>(group, x),
                     WeightFormat::Q8_0x8 => i8(group, x),
                     WeightFormat::Q4Kx8 => k4::<false>(group, x),
                     WeightFormat::Q5Kx8 => k4::<true>(group, x),
@@ -1029,8 +1040,8 @@ mod x86 {
 
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn u4<const MIN: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-                    let bb = if MIN { 160 } else { 144 };
+                unsafe fn u4<const MIN: bool, const FIVE: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                    let bb = if MIN { 160 } else { 144 } + if FIVE { 32 } else { 0 };
                     let blocks = xs[0].len();
                     assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
                     let low = _mm256_set1_epi8(0x0F);
@@ -1039,23 +1050,29 @@ mod x86 {
                     for b in 0..blocks {
                         let p = group.as_ptr().add(b * bb);
                         let qp = p.add(if MIN { 32 } else { 16 });
+                        let hv = if FIVE { _mm256_loadu_si256(qp.add(128) as *const __m256i) } else { _mm256_setzero_si256() };
                         let mut sum: [$acc; 4] = [$zero; 4];
                         for j in 0..4 {
                             let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                            let lo = _mm256_and_si256(c, low);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                            let mut lo = _mm256_and_si256(c, low);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                            if FIVE {
+                                lo = _mm256_or_si256(lo, bit_to_4(hv, 2 * j));
+                                hi = _mm256_or_si256(hi, bit_to_4(hv, 2 * j + 1));
+                            }
                             for t in 0..4 {
                                 let y = ys[t].add(b * STRIDE + QS);
                                 let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
                                 let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                                sum[t] = $u4_pair(sum[t], lo, y_lo, hi, y_hi);
+                                sum[t] = if FIVE { $i8_pair(sum[t], lo, y_lo, hi, y_hi) } else { $u4_pair(sum[t], lo, y_lo, hi, y_hi) };
                             }
                         }
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                        let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
+                        let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(if FIVE { -16.0 } else { -8.0 })) };
                         for t in 0..4 {
                             let xb = &xs[t][b];
-                            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum(sum[t])), acc[t]);
+                            let isum = if FIVE { $sum_i8(sum[t]) } else { $sum(sum[t]) };
+                            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc[t]);
                             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
                         }
                     }
@@ -1207,8 +1224,10 @@ mod x86 {
                     WeightFormat::Q6Kx8 => k6(group, xs),
                     WeightFormat::Q4Kx8 => k4::<false>(group, xs),
                     WeightFormat::Q5Kx8 => k4::<true>(group, xs),
-                    WeightFormat::Q4_0x8 => u4::<false>(group, xs),
-                    WeightFormat::Q4_1x8 => u4::<true>(group, xs),
+                    WeightFormat::Q4_0x8 => u4::<false, false>(group, xs),
+                    WeightFormat::Q4_1x8 => u4::<true, false>(group, xs),
+                    WeightFormat::Q5_0x8 => u4::<false, true>(group, xs),
+                    WeightFormat::Q5_1x8 => u4::<true, true>(group, xs),
                     WeightFormat::Q8_0x8 => i8(group, xs),
                     _ => unreachable!("{format}: no four-token interleaved kernel"),
                 }
@@ -1744,7 +1763,7 @@ mod x86 {
     /// once for all four (prefill and batched decode are compute-bound on the unpack).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_x4(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
-        if matches!(format, WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K) {
+        if matches!(format, WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q5_0 | WeightFormat::Q5_1) {
             return xs.map(|x| dot_q8(format, row, x));
         }
         let bb = format.block_bytes();

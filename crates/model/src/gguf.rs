@@ -212,6 +212,8 @@ fn ggml_type(id: u32) -> Option<(TensorDtype, u64, u64)> {
         1 => (TensorDtype::F16, 1, 2),
         2 => (TensorDtype::Q4_0, 32, 18),
         3 => (TensorDtype::Q4_1, 32, 20),
+        6 => (TensorDtype::Q5_0, 32, 22),
+        7 => (TensorDtype::Q5_1, 32, 24),
         8 => (TensorDtype::Q8_0, 32, 34),
         12 => (TensorDtype::Q4K, 256, 144),
         13 => (TensorDtype::Q5K, 256, 176),

@@ -1,4 +1,4 @@
-//! Block dequantizers against independent references: GGUF blocks (Q8_0, Q4_K, Q5_K,
+//! Block dequantizers against independent references: GGUF blocks (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K,
 //! Q6_K, MXFP4) against `gguf.quants.dequantize`; MLX affine and mxfp4 rows, repacked
 //! by our loader path, against `mx.dequantize` (tools/reference/make_quant_fixtures.py).
 
@@ -34,6 +34,8 @@ fn check(format: WeightFormat, bytes: &[u8], want: &[f32]) {
 fn gguf_blocks_match_gguf_py() {
     for (name, format) in [
         ("Q8_0", WeightFormat::Q8_0),
+        ("Q5_0", WeightFormat::Q5_0),
+        ("Q5_1", WeightFormat::Q5_1),
         ("Q4_K", WeightFormat::Q4K),
         ("Q5_K", WeightFormat::Q5K),
         ("Q6_K", WeightFormat::Q6K),
@@ -46,32 +48,34 @@ fn gguf_blocks_match_gguf_py() {
     }
 }
 
-/// Q4_K, Q5_K and Q6_K repacked into 8-row groups (`Q4_Kx8`/`Q5_Kx8`: scales and mins
-/// unpacked to bytes; fifth and high bits regrouped to match the nibbles) still dequantize to gguf-py's
+/// Q5_0, Q5_1, Q4_K, Q5_K and Q6_K repacked into 8-row groups (`Q4_Kx8`/`Q5_Kx8`:
+/// scales and mins unpacked to bytes; fifth and high bits regrouped to match the nibbles) still dequantize to gguf-py's
 /// values, including the random-byte blocks (every bit of the scales and high bits in
 /// use); the SIMD group dot (one and four tokens) agrees with the exact dot of those
 /// values.
 #[test]
-fn k_quant_groups_of_8_rows_match_gguf_py() {
-    for (name, format, block_bytes) in [("Q4_K", WeightFormat::Q4K, 144), ("Q5_K", WeightFormat::Q5K, 176), ("Q6_K", WeightFormat::Q6K, 210)] {
+fn groups_of_8_rows_match_gguf_py() {
+    for (name, format, block_bytes) in [("Q5_0", WeightFormat::Q5_0, 22), ("Q5_1", WeightFormat::Q5_1, 24), ("Q4_K", WeightFormat::Q4K, 144), ("Q5_K", WeightFormat::Q5K, 176), ("Q6_K", WeightFormat::Q6K, 210)] {
         let packed_format = format.interleaved().unwrap();
+        // One block per row.
+        let cols = format.block_elems();
         let bytes = std::fs::read(dir().join(format!("{name}.bin"))).unwrap();
         let want = f32s(&std::fs::read(dir().join(format!("{name}.f32"))).unwrap());
         let blocks = bytes.len() / block_bytes;
         // Eight rows of one super-block each: the fixture's blocks, then again from the first.
         let rows: Vec<usize> = (0..8).map(|r| r % blocks).collect();
         let data: Vec<u8> = rows.iter().flat_map(|&b| bytes[b * block_bytes..(b + 1) * block_bytes].to_vec()).collect();
-        let packed = repack_interleaved(format, 8, 256, &data);
-        let mut got = vec![0.0; 8 * 256];
+        let packed = repack_interleaved(format, 8, cols, &data);
+        let mut got = vec![0.0; 8 * cols];
         scalar::dequantize_rows8(packed_format, &packed, &mut got);
         for (r, &b) in rows.iter().enumerate() {
-            assert_eq!(&got[r * 256..(r + 1) * 256], &want[b * 256..(b + 1) * 256], "{name} row {r} (fixture block {b})");
+            assert_eq!(&got[r * cols..(r + 1) * cols], &want[b * cols..(b + 1) * cols], "{name} row {r} (fixture block {b})");
         }
-        let xs: Vec<Vec<f32>> = (0..4).map(|t| (0..256).map(|i| ((i * 7919 + 31 * t) % 97) as f32 / 97.0 - 0.5).collect()).collect();
+        let xs: Vec<Vec<f32>> = (0..4).map(|t| (0..cols).map(|i| ((i * 7919 + 31 * t) % 97) as f32 / 97.0 - 0.5).collect()).collect();
         let xq: Vec<Vec<BlockQ8>> = xs
             .iter()
             .map(|x| {
-                let mut q = vec![BlockQ8::default(); 8];
+                let mut q = vec![BlockQ8::default(); cols / 32];
                 quantize_row_scalar(x, &mut q);
                 q
             })
@@ -80,7 +84,7 @@ fn k_quant_groups_of_8_rows_match_gguf_py() {
         let one = isa.dot_q8_rows8(packed_format, &packed, &xq[0]);
         let four = isa.dot_q8_rows8_x4(packed_format, &packed, [&xq[0], &xq[1], &xq[2], &xq[3]]);
         for (r, &b) in rows.iter().enumerate() {
-            let w = &want[b * 256..(b + 1) * 256];
+            let w = &want[b * cols..(b + 1) * cols];
             for (t, got) in [(0, one[r]), (0, four[0][r]), (1, four[1][r]), (2, four[2][r]), (3, four[3][r])] {
                 // Against the exact dot of the dequantized weights with the q8 activations.
                 let xd: Vec<f32> = xq[t].iter().flat_map(|blk| blk.qs.iter().map(move |&q| q as f32 * blk.d)).collect();
