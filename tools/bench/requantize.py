@@ -10,8 +10,9 @@ so the benchmark MoE in Q4_K_M is made from its Q4_0 GGUF by llama.cpp itself:
 
 Requantizing from Q4_0 adds llama.cpp's requantization error to the weights; both engines read the
 same file, so the speed comparison is unaffected. Matrices whose width is not a multiple of 256 fall
-back to other types (llama.cpp prints which); SmolLM2 (width 576) falls back to Q5_0, which Tessera
-does not read yet.
+back to other types (llama.cpp prints which): SmolLM2 (width 576) becomes mostly Q5_0.
+
+  python tools/bench/requantize.py models/SmolLM2-135M-Instruct.Q4_1.gguf models/SmolLM2-135M-Instruct.Q4_K_M.gguf
 """
 
 import argparse
