@@ -854,7 +854,39 @@ mod x86 {
     /// The integer sums are exact either way, so the two ISAs' results are equal bit for
     /// bit (`vnni_kernels_equal_avx2_bit_for_bit`).
     macro_rules! rows8_kernels {
-        ($features:literal, $one:ident, $four:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+        ($features:literal, $one:ident, $four:ident, $sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+            /// The integer sums of one 32-column block of 8 interleaved rows against `T`
+            /// tokens: nibbles at `qp` (Q4_0x8 order), Q5's fifth bits at `qp + 128`;
+            /// `ys[t]` points at token t's q8 activations for the block (8 words). Each
+            /// result holds the 8 rows' sums in 8 i32 lanes.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $sums<const FIVE: bool, const T: usize>(qp: *const u8, ys: [*const i32; T]) -> [__m256i; T] {
+                let low = _mm256_set1_epi8(0x0F);
+                let hv = if FIVE { _mm256_loadu_si256(qp.add(128) as *const __m256i) } else { _mm256_setzero_si256() };
+                let mut sum: [$acc; T] = [$zero; T];
+                for j in 0..4 {
+                    let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                    let mut lo = _mm256_and_si256(c, low);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                    if FIVE {
+                        lo = _mm256_or_si256(lo, bit_to_4(hv, 2 * j));
+                        hi = _mm256_or_si256(hi, bit_to_4(hv, 2 * j + 1));
+                    }
+                    for t in 0..T {
+                        let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(ys[t].add(j)));
+                        let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(ys[t].add(4 + j)));
+                        // 5-bit pair sums would overflow 16-bit lanes: 32-bit at once.
+                        sum[t] = if FIVE { $i8_pair(sum[t], lo, y_lo, hi, y_hi) } else { $u4_pair(sum[t], lo, y_lo, hi, y_hi) };
+                    }
+                }
+                let mut out = [_mm256_setzero_si256(); T];
+                for t in 0..T {
+                    out[t] = if FIVE { $sum_i8(sum[t]) } else { $sum(sum[t]) };
+                }
+                out
+            }
+
             /// 8 interleaved rows against one token (see `rows8_kernels!`).
             #[target_feature(enable = $features)]
             pub unsafe fn $one(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
@@ -864,7 +896,6 @@ mod x86 {
                     // Q5: 32 bytes of fifth bits after the nibbles.
                     let bb = if MIN { 160 } else { 144 } + if FIVE { 32 } else { 0 };
                     assert!(group.len() >= x.len() * bb);
-                    let low = _mm256_set1_epi8(0x0F);
                     let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for (b, xb) in x.iter().enumerate() {
                         let p = group.as_ptr().add(b * bb);
@@ -875,23 +906,8 @@ mod x86 {
                         _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 128) as *const i8, _MM_HINT_T0);
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                         let qp = p.add(if MIN { 32 } else { 16 });
-                        let y = xb.qs.as_ptr() as *const i32;
-                        let hv = if FIVE { _mm256_loadu_si256(qp.add(128) as *const __m256i) } else { _mm256_setzero_si256() };
-                        let mut sum: $acc = $zero;
-                        for j in 0..4 {
-                            let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                            let lo = _mm256_and_si256(c, low);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-                            let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
-                            let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                            sum = if FIVE {
-                                // 5-bit pair sums would overflow 16-bit lanes: 32-bit at once.
-                                $i8_pair(sum, _mm256_or_si256(lo, bit_to_4(hv, 2 * j)), y_lo, _mm256_or_si256(hi, bit_to_4(hv, 2 * j + 1)), y_hi)
-                            } else {
-                                $u4_pair(sum, lo, y_lo, hi, y_hi)
-                            };
-                        }
-                        let isum = _mm256_cvtepi32_ps(if FIVE { $sum_i8(sum) } else { $sum(sum) });
+                        let [sum] = $sums::<FIVE, 1>(qp, [xb.qs.as_ptr() as *const i32]);
+                        let isum = _mm256_cvtepi32_ps(sum);
                         acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc);
                         // w = d·q + m (Q4_0: m = −8·d, Q5_0: −16·d): the m term is m · x_sum.
                         let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(if FIVE { -16.0 } else { -8.0 })) };
@@ -938,7 +954,6 @@ mod x86 {
                     let (sup_bytes, sub_bytes) = if FIVE { (1440, 160) } else { (1184, 128) };
                     let supers = x.len() / 8;
                     assert!(x.len() % 8 == 0 && group.len() >= supers * sup_bytes);
-                    let low = _mm256_set1_epi8(0x0F);
                     let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for sb in 0..supers {
                         let p = group.as_ptr().add(sb * sup_bytes);
@@ -948,24 +963,7 @@ mod x86 {
                             for line in 0..if FIVE { 3 } else { 2 } {
                                 _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
                             }
-                            let y = xb.qs.as_ptr() as *const i32;
-                            let hv = if FIVE { _mm256_loadu_si256(qp.add(128) as *const __m256i) } else { _mm256_setzero_si256() };
-                            let mut sum: $acc = $zero;
-                            for j in 0..4 {
-                                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                                let mut lo = _mm256_and_si256(c, low);
-                                let mut hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-                                let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
-                                let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                                if FIVE {
-                                    lo = _mm256_or_si256(lo, bit_to_4(hv, 2 * j));
-                                    hi = _mm256_or_si256(hi, bit_to_4(hv, 2 * j + 1));
-                                    sum = $i8_pair(sum, lo, y_lo, hi, y_hi);
-                                } else {
-                                    sum = $u4_pair(sum, lo, y_lo, hi, y_hi);
-                                }
-                            }
-                            let isum = if FIVE { $sum_i8(sum) } else { $sum(sum) };
+                            let [isum] = $sums::<FIVE, 1>(qp, [xb.qs.as_ptr() as *const i32]);
                             let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(32 + 8 * s) as *const __m128i)));
                             let min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(96 + 8 * s) as *const __m128i)));
                             acc_s = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc_s);
@@ -1044,35 +1042,17 @@ mod x86 {
                     let bb = if MIN { 160 } else { 144 } + if FIVE { 32 } else { 0 };
                     let blocks = xs[0].len();
                     assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
-                    let low = _mm256_set1_epi8(0x0F);
                     let mut acc = [_mm256_setzero_ps(); 4];
                     let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
                     for b in 0..blocks {
                         let p = group.as_ptr().add(b * bb);
                         let qp = p.add(if MIN { 32 } else { 16 });
-                        let hv = if FIVE { _mm256_loadu_si256(qp.add(128) as *const __m256i) } else { _mm256_setzero_si256() };
-                        let mut sum: [$acc; 4] = [$zero; 4];
-                        for j in 0..4 {
-                            let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                            let mut lo = _mm256_and_si256(c, low);
-                            let mut hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-                            if FIVE {
-                                lo = _mm256_or_si256(lo, bit_to_4(hv, 2 * j));
-                                hi = _mm256_or_si256(hi, bit_to_4(hv, 2 * j + 1));
-                            }
-                            for t in 0..4 {
-                                let y = ys[t].add(b * STRIDE + QS);
-                                let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
-                                let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                                sum[t] = if FIVE { $i8_pair(sum[t], lo, y_lo, hi, y_hi) } else { $u4_pair(sum[t], lo, y_lo, hi, y_hi) };
-                            }
-                        }
+                        let sum = $sums::<FIVE, 4>(qp, [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)));
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                         let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(if FIVE { -16.0 } else { -8.0 })) };
                         for t in 0..4 {
                             let xb = &xs[t][b];
-                            let isum = if FIVE { $sum_i8(sum[t]) } else { $sum(sum[t]) };
-                            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc[t]);
+                            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
                             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
                         }
                     }
@@ -1128,7 +1108,6 @@ mod x86 {
                     let blocks = xs[0].len();
                     let supers = blocks / 8;
                     assert!(blocks % 8 == 0 && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
-                    let low = _mm256_set1_epi8(0x0F);
                     let mut acc = [_mm256_setzero_ps(); 4];
                     let mut acc_m = [_mm256_setzero_ps(); 4];
                     let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
@@ -1139,29 +1118,12 @@ mod x86 {
                         for s in 0..8 {
                             let b = 8 * sb + s;
                             let qp = p.add(160 + sub_bytes * s);
-                            let hv = if FIVE { _mm256_loadu_si256(qp.add(128) as *const __m256i) } else { _mm256_setzero_si256() };
-                            let mut sum: [$acc; 4] = [$zero; 4];
-                            for j in 0..4 {
-                                let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
-                                let mut lo = _mm256_and_si256(c, low);
-                                let mut hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-                                if FIVE {
-                                    lo = _mm256_or_si256(lo, bit_to_4(hv, 2 * j));
-                                    hi = _mm256_or_si256(hi, bit_to_4(hv, 2 * j + 1));
-                                }
-                                for t in 0..4 {
-                                    let y = ys[t].add(b * STRIDE + QS);
-                                    let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j)));
-                                    let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(y.add(4 + j)));
-                                    sum[t] = if FIVE { $i8_pair(sum[t], lo, y_lo, hi, y_hi) } else { $u4_pair(sum[t], lo, y_lo, hi, y_hi) };
-                                }
-                            }
+                            let sum = $sums::<FIVE, 4>(qp, [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)));
                             let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(32 + 8 * s) as *const __m128i)));
                             let min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(96 + 8 * s) as *const __m128i)));
                             for t in 0..4 {
                                 let xb = &xs[t][b];
-                                let isum = if FIVE { $sum_i8(sum[t]) } else { $sum(sum[t]) };
-                                acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc_s[t]);
+                                acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(sum[t]), acc_s[t]);
                                 acc_ms[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.sum), acc_ms[t]);
                             }
                         }
@@ -1313,8 +1275,8 @@ mod x86 {
         q
     }
 
-    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
-    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
+    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, avx2_block_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
+    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, vnni_block_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
 
     /// Two 8-row groups against four tokens on 512-bit registers: each chunk's two
     /// 32-byte halves (group g, group g + 1) share the broadcast activations, so one
