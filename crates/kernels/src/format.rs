@@ -287,8 +287,9 @@ impl WeightFormat {
 }
 
 /// Repacks `rows` rows of `format` into its interleaved layout ([`WeightFormat::interleaved`]):
-/// groups of 8 rows for Q4_0 / Q4_1 / Q8_0 ([`repack_rows8`]), of 4 rows in 16-column
-/// pieces for F16 / BF16. Lossless: the same bytes, moved.
+/// groups of 8 rows for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 ([`repack_rows8`]) and the
+/// K-quants, of 4 rows in 16-column pieces for F16 / BF16. Lossless: the same values,
+/// moved (Q4_K's and Q5_K's 6-bit scales unpacked to bytes).
 pub fn repack_interleaved(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
     let mut out = vec![0; interleaved_bytes(format, rows, cols)];
     repack_interleaved_into(format, rows, cols, data, &mut out);
@@ -418,7 +419,7 @@ fn repack_k6_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     }
 }
 
-/// Repacks `rows` rows of Q4_0 / Q4_1 / Q8_0 (GGUF layout) into groups of 8 interleaved rows
+/// Repacks `rows` rows of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (GGUF layout) into groups of 8 interleaved rows
 /// ([`WeightFormat::interleaved`]; layout in the module docs). `rows` must be a multiple
 /// of 8. Lossless: the same scales and nibbles, moved.
 pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {

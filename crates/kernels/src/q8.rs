@@ -1,5 +1,6 @@
 //! Activations quantized to 8 bits, per block of 32, for integer dot products with
-//! Q4_0 / Q4_1 / Q8_0 weights (as llama.cpp does with q8_0/q8_1). The scale stays
+//! the GGUF block formats and K-quants (as llama.cpp does with q8_0/q8_1; it uses 256-wide
+//! q8_K blocks for the K-quants). The scale stays
 //! f32 (llama.cpp rounds it to f16): a little more accurate for the same speed.
 
 pub const QK: usize = 32;

@@ -67,8 +67,8 @@ impl Linear {
         Linear { name, format: WeightFormat::F32, rows, cols, storage: Storage::Owned(Arc::new(bytes.into()), 0..len), bias: None }
     }
 
-    /// The interleaved layout this matrix takes at load: Q4_0 / Q4_1 / Q8_0 into the
-    /// 8-row one the kernels run fastest, F16 / BF16 into the 4-row one, where `isa`
+    /// The interleaved layout this matrix takes at load: the GGUF block formats into
+    /// the 8-row ones the kernels run fastest, F16 / BF16 into the 4-row one, where `isa`
     /// has kernels for it. Matrices whose rows (or columns) do not come in whole groups
     /// (pieces) keep their format.
     fn interleaved(&self, isa: Isa) -> Option<WeightFormat> {
