@@ -2251,18 +2251,31 @@ mod arm {
         let bb = format.block_bytes();
         let mut acc = 0.0f32;
         match format {
-            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
                 assert!(row.len() >= x.len() * bb);
+                // Q5: 16 fifth bits (one per element) as 0x10 or 0 in 16 byte lanes.
+                let bit_of_lane: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+                let fifth = |bits: u32| {
+                    let v = vcombine_u8(vdup_n_u8(bits as u8), vdup_n_u8((bits >> 8) as u8));
+                    vandq_u8(vtstq_u8(v, vld1q_u8(bit_of_lane.as_ptr())), vdupq_n_u8(0x10))
+                };
+                let five = |p: *const u8| {
+                    let qh = std::ptr::read_unaligned(p as *const u32);
+                    let c = vld1q_u8(p.add(4));
+                    [vreinterpretq_s8_u8(vorrq_u8(vandq_u8(c, low), fifth(qh))), vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8::<4>(c), fifth(qh >> 16)))]
+                };
                 for (i, xb) in x.iter().enumerate() {
                     let b = row.as_ptr().add(i * bb);
                     let q = match format {
                         WeightFormat::Q8_0 => [vld1q_s8(b.add(2) as *const i8), vld1q_s8(b.add(18) as *const i8)],
                         WeightFormat::Q4_0 => nib(b.add(2)).map(|v| vsubq_s8(v, vdupq_n_s8(8))),
+                        WeightFormat::Q5_0 => five(b.add(2)).map(|v| vsubq_s8(v, vdupq_n_s8(16))),
+                        WeightFormat::Q5_1 => five(b.add(4)),
                         _ => nib(b.add(4)),
                     };
                     let isum = dot32(q, xb.qs.as_ptr());
                     acc += f16(b) * xb.d * isum as f32;
-                    if format == WeightFormat::Q4_1 {
+                    if matches!(format, WeightFormat::Q4_1 | WeightFormat::Q5_1) {
                         acc += f16(b.add(2)) * xb.sum;
                     }
                 }
