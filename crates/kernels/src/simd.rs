@@ -854,7 +854,7 @@ mod x86 {
     /// The integer sums are exact either way, so the two ISAs' results are equal bit for
     /// bit (`vnni_kernels_equal_avx2_bit_for_bit`).
     macro_rules! rows8_kernels {
-        ($features:literal, $one:ident, $four:ident, $sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+        ($features:literal, $one:ident, $four:ident, $sums:ident, $k6_dot:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
             /// The integer sums of one 32-column block of 8 interleaved rows against `T`
             /// tokens: nibbles at `qp` (Q4_0x8 order), Q5's fifth bits at `qp + 128`;
             /// `ys[t]` points at token t's q8 activations for the block (8 words). Each
@@ -885,6 +885,22 @@ mod x86 {
                     out[t] = if FIVE { $sum_i8(sum[t]) } else { $sum(sum[t]) };
                 }
                 out
+            }
+
+            /// One `Q6_Kx8` sub-block's 8 rows against one token: `q` from `k6_quants`,
+            /// `y` the token's q8 words for the block, `sc` the two 16-column groups'
+            /// scales (`k6_scales`). Scaled by the group scales, not yet by d or x.d.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $k6_dot(q: &[__m256i; 8], y: *const i32, sc: [__m256; 2]) -> __m256 {
+                let yb = |k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(y.add(k)));
+                let (mut sum_a, mut sum_b): ($acc, $acc) = ($zero, $zero);
+                for jj in [0, 2] {
+                    let (l0, l1, h0, h1) = (q[2 * jj], q[2 * jj + 2], q[2 * jj + 1], q[2 * jj + 3]);
+                    sum_a = $i8_pair(sum_a, _mm256_sign_epi8(l0, l0), _mm256_sign_epi8(yb(jj), l0), _mm256_sign_epi8(l1, l1), _mm256_sign_epi8(yb(jj + 1), l1));
+                    sum_b = $i8_pair(sum_b, _mm256_sign_epi8(h0, h0), _mm256_sign_epi8(yb(4 + jj), h0), _mm256_sign_epi8(h1, h1), _mm256_sign_epi8(yb(5 + jj), h1));
+                }
+                _mm256_fmadd_ps(sc[0], _mm256_cvtepi32_ps($sum_i8(sum_a)), _mm256_mul_ps(sc[1], _mm256_cvtepi32_ps($sum_i8(sum_b))))
             }
 
             /// 8 interleaved rows against one token (see `rows8_kernels!`).
@@ -994,18 +1010,7 @@ mod x86 {
                             for line in 0..3 {
                                 _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
                             }
-                            let q = k6_quants(qp);
-                            let y = xb.qs.as_ptr() as *const i32;
-                            let yb = |k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(y.add(k)));
-                            let (mut sum_a, mut sum_b): ($acc, $acc) = ($zero, $zero);
-                            for jj in [0, 2] {
-                                let (l0, l1, h0, h1) = (q[2 * jj], q[2 * jj + 2], q[2 * jj + 1], q[2 * jj + 3]);
-                                sum_a = $i8_pair(sum_a, _mm256_sign_epi8(l0, l0), _mm256_sign_epi8(yb(jj), l0), _mm256_sign_epi8(l1, l1), _mm256_sign_epi8(yb(jj + 1), l1));
-                                sum_b = $i8_pair(sum_b, _mm256_sign_epi8(h0, h0), _mm256_sign_epi8(yb(4 + jj), h0), _mm256_sign_epi8(h1, h1), _mm256_sign_epi8(yb(5 + jj), h1));
-                            }
-                            let sc_a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 16 * s) as *const __m128i)));
-                            let sc_b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(24 + 16 * s) as *const __m128i)));
-                            let v = _mm256_fmadd_ps(sc_a, _mm256_cvtepi32_ps($sum_i8(sum_a)), _mm256_mul_ps(sc_b, _mm256_cvtepi32_ps($sum_i8(sum_b))));
+                            let v = $k6_dot(&k6_quants(qp), xb.qs.as_ptr() as *const i32, k6_scales(p, s));
                             acc_s = _mm256_fmadd_ps(v, _mm256_set1_ps(xb.d), acc_s);
                         }
                         acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), acc_s, acc);
@@ -1154,19 +1159,9 @@ mod x86 {
                         let mut acc_s = [_mm256_setzero_ps(); 4];
                         for s in 0..8 {
                             let b = 8 * sb + s;
-                            let q = k6_quants(p.add(144 + 192 * s));
-                            let sc_a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 16 * s) as *const __m128i)));
-                            let sc_b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(24 + 16 * s) as *const __m128i)));
+                            let (q, sc) = (k6_quants(p.add(144 + 192 * s)), k6_scales(p, s));
                             for t in 0..4 {
-                                let y = ys[t].add(b * STRIDE + QS);
-                                let yb = |k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(y.add(k)));
-                                let (mut sum_a, mut sum_b): ($acc, $acc) = ($zero, $zero);
-                                for jj in [0, 2] {
-                                    let (l0, l1, h0, h1) = (q[2 * jj], q[2 * jj + 2], q[2 * jj + 1], q[2 * jj + 3]);
-                                    sum_a = $i8_pair(sum_a, _mm256_sign_epi8(l0, l0), _mm256_sign_epi8(yb(jj), l0), _mm256_sign_epi8(l1, l1), _mm256_sign_epi8(yb(jj + 1), l1));
-                                    sum_b = $i8_pair(sum_b, _mm256_sign_epi8(h0, h0), _mm256_sign_epi8(yb(4 + jj), h0), _mm256_sign_epi8(h1, h1), _mm256_sign_epi8(yb(5 + jj), h1));
-                                }
-                                let v = _mm256_fmadd_ps(sc_a, _mm256_cvtepi32_ps($sum_i8(sum_a)), _mm256_mul_ps(sc_b, _mm256_cvtepi32_ps($sum_i8(sum_b))));
+                                let v = $k6_dot(&q, ys[t].add(b * STRIDE + QS), sc);
                                 acc_s[t] = _mm256_fmadd_ps(v, _mm256_set1_ps(xs[t][b].d), acc_s[t]);
                             }
                         }
@@ -1252,6 +1247,15 @@ mod x86 {
         _mm256_and_si256(moved, _mm256_set1_epi8(0x10))
     }
 
+    /// The i8 scales of `Q6_Kx8` sub-block `s`'s two 16-column groups (2s, 2s + 1) for the
+    /// 8 rows of the super-block at `p`, as floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn k6_scales(p: *const u8, s: usize) -> [__m256; 2] {
+        let group = |at: usize| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(at + 16 * s) as *const __m128i)));
+        [group(16), group(24)]
+    }
+
     /// One `Q6_Kx8` sub-block's quants less 32 as signed bytes, in chunk order: for
     /// chunk j, `[2j]` its low-nibble elements (columns 4j + e), `[2j + 1]` its
     /// high-nibble ones (16 + 4j + e). The high bits of chunks 2i and 2i + 1 share
@@ -1275,8 +1279,8 @@ mod x86 {
         q
     }
 
-    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, avx2_block_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
-    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, vnni_block_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
+    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, avx2_block_sums, avx2_k6_dot, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
+    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, vnni_block_sums, vnni_k6_dot, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
 
     /// Two 8-row groups against four tokens on 512-bit registers: each chunk's two
     /// 32-byte halves (group g, group g + 1) share the broadcast activations, so one
