@@ -297,6 +297,9 @@ pub fn repack_interleaved(format: WeightFormat, rows: usize, cols: usize, data: 
 }
 
 /// Bytes of `rows × cols` of `format` once repacked into its interleaved layout.
+/// Panics (a caller bug) when `format` has no such layout or `cols` is not a whole
+/// number of its blocks: loaders check both with [`WeightFormat::interleaved`] and
+/// [`WeightFormat::row_bytes`] first.
 pub fn interleaved_bytes(format: WeightFormat, rows: usize, cols: usize) -> usize {
     let to = format.interleaved().unwrap_or_else(|| panic!("{format} has no interleaved layout"));
     rows * to.row_bytes(cols).unwrap_or_else(|e| panic!("repack_interleaved: {e}"))

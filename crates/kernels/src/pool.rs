@@ -118,6 +118,19 @@ pub struct ThreadPool {
     /// [`ThreadPool::parallel_for`]'s per-thread chunk ranges, one line each; rewritten
     /// before each region (regions never overlap: `run` waits for every thread).
     shares: Box<[Padded<Share>]>,
+    /// Set while a region runs. The job slot, the epoch and the shares serve one region
+    /// at a time; a region started inside another (nested, or from a second thread)
+    /// is refused with a panic instead of corrupting them.
+    in_region: AtomicBool,
+}
+
+/// Clears [`ThreadPool::in_region`] when the region ends, unwinding included.
+struct RegionGuard<'a>(&'a AtomicBool);
+
+impl Drop for RegionGuard<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 impl ThreadPool {
@@ -147,7 +160,7 @@ impl ThreadPool {
             })
             .collect();
         let shares = (0..n_threads).map(|_| Padded(Share::new(0..0))).collect();
-        ThreadPool { shared, workers, n_threads, shares }
+        ThreadPool { shared, workers, n_threads, shares, in_region: AtomicBool::new(false) }
     }
 
     /// Threads available to a region, the caller included.
@@ -165,6 +178,18 @@ impl ThreadPool {
             job(0, 1);
             return;
         }
+        let _region = self.enter();
+        self.run_entered(job);
+    }
+
+    fn enter(&self) -> RegionGuard<'_> {
+        let busy = self.in_region.swap(true, Ordering::Acquire);
+        assert!(!busy, "ThreadPool: a parallel region was started while another runs (nested, or from a second thread); a pool runs one region at a time");
+        RegionGuard(&self.in_region)
+    }
+
+    /// [`ThreadPool::run`] once the caller holds the region.
+    fn run_entered(&self, job: &(dyn Fn(usize, usize) + Sync)) {
         let s = &*self.shared;
         // SAFETY: lifetime erased; workers only call it while the region is open or
         // after joining it, and we wait below for every worker that joined.
@@ -227,12 +252,14 @@ impl ThreadPool {
             });
             return;
         }
+        // Held before the shares are rewritten: they belong to the region.
+        let _region = self.enter();
         let shares = &self.shares[..];
         for (t, share) in shares.iter().enumerate() {
             share.reset(split_range(chunks, t, threads));
         }
         let run_chunk = |tid: usize, c: usize| f(tid, c * grain..((c + 1) * grain).min(n));
-        self.run(&|tid, _| {
+        self.run_entered(&|tid, _| {
             while let Some(c) = shares[tid].take_front() {
                 run_chunk(tid, c);
             }
@@ -352,6 +379,13 @@ mod tests {
                 assert_eq!(next, n);
             }
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "one region at a time")]
+    fn a_region_inside_a_region_is_refused() {
+        let pool = ThreadPool::new(2);
+        pool.parallel_for(8, 1, &|_, _| pool.parallel_for(8, 1, &|_, _| {}));
     }
 
     #[test]
