@@ -11,8 +11,11 @@ Parts (run all, or name some on the command line):
             logits vs mlx-lm's. Also creates the HF fixture tests/fixtures/qwen3_moe_all_moe/
             (qwen3_moe with mlp_only_layers [], which llama.cpp's qwen3moe can run).
   kquants   tests/fixtures/kquants/: GGUF block test vectors (<type>.bin + <type>.f32, 7 blocks each)
-            for Q4_K, Q5_K, Q6_K, MXFP4 and Q8_0, dequantized with gguf-py (and cross-checked
-            against ggml's own to_float through ctypes).
+            for Q4_K, Q5_K, Q6_K, MXFP4, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS, dequantized
+            with gguf-py (and cross-checked against ggml's own to_float through ctypes and against
+            the formulas written out by hand).
+  lowbit    tests/fixtures/gguf_lowbit/: a 256-wide qwen3_moe quantized by llama.cpp's own quantizer
+            into Q2_K, Q3_K_S, IQ4_NL and IQ4_XS files, with llama.cpp's logits for each.
   mlx       tests/fixtures/kquants/mlx_quant.safetensors: mx.quantize / mx.dequantize test vectors
             (affine 4/8 bit with group 32/64/128, mxfp4, mxfp8, nvfp4).
   fp8       tests/fixtures/fp8/deepseek_v3_fp8/: a DeepSeek-V3 official-FP8-style checkpoint
@@ -649,11 +652,21 @@ def random_kquant_blocks(rng, qt, n):
         raw[:, 2:4] = f16_bytes(rng.uniform(-2e-1, 2e-1, n)).reshape(n, 2)  # m
     elif qt == QT.MXFP4:
         raw[:, 0] = rng.integers(118, 134, size=n)  # E8M0 exponent 2^-9 .. 2^6
+    elif qt == QT.Q2_K:
+        raw[:, 80:82] = f16_bytes(rng.uniform(1e-3, 2e-2, n)).reshape(n, 2)  # d
+        raw[:, 82:84] = f16_bytes(rng.uniform(1e-3, 2e-2, n)).reshape(n, 2)  # dmin
+    elif qt == QT.Q3_K:
+        raw[:, 108:110] = f16_bytes(rng.uniform(1e-3, 2e-2, n)).reshape(n, 2)  # d
+    elif qt in (QT.IQ4_NL, QT.IQ4_XS):
+        raw[:, 0:2] = f16_bytes(rng.uniform(1e-3, 2e-2, n)).reshape(n, 2)  # d
     return raw
 
 
 # Q5_0 / Q5_1 last, so the random draws of the earlier types (and their files) stay as they were.
-KQ_TYPES = {"Q4_K": QT.Q4_K, "Q5_K": QT.Q5_K, "Q6_K": QT.Q6_K, "MXFP4": QT.MXFP4, "Q8_0": QT.Q8_0, "Q5_0": QT.Q5_0, "Q5_1": QT.Q5_1}
+# Q2_K, Q3_K, IQ4_NL, IQ4_XS after them, for the same reason.
+KQ_TYPES = {"Q4_K": QT.Q4_K, "Q5_K": QT.Q5_K, "Q6_K": QT.Q6_K, "MXFP4": QT.MXFP4, "Q8_0": QT.Q8_0, "Q5_0": QT.Q5_0, "Q5_1": QT.Q5_1,
+            "Q2_K": QT.Q2_K, "Q3_K": QT.Q3_K, "IQ4_NL": QT.IQ4_NL, "IQ4_XS": QT.IQ4_XS}
+IQ4_LEVELS = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
 N_BLOCKS = 7
 N_FROM_QUANTIZER = 4  # blocks 0..3 from a quantizer, blocks 4..6 random raw bytes
 
@@ -721,6 +734,39 @@ def by_hand_dequant(name, raw):
                     out.append(np.float32(d) * np.float32(q - 16))
                 else:
                     out.append(np.float32(np.float32(d) * np.float32(q)) + np.float32(h16(2)))
+        elif name in ("Q2_K", "Q3_K"):
+            # Element n: half h = n // 128 reads 32 bytes of qs four times (quarter j, two bits
+            # deeper each time); one scale per 16. Q2_K: 16 bytes of scale | min << 4, qs at 16,
+            # d, dmin at 80. Q3_K: 32 bytes of high bits (bit 4h + j of byte n % 32), qs at 32,
+            # 12 bytes of 6-bit scales at 96 (less 32), d at 108; value = low + 4*high - 4.
+            for n in range(256):
+                h, j, within = n // 128, (n % 128) // 32, n % 32
+                if name == "Q2_K":
+                    d, dmin = h16(80), h16(82)
+                    q = (b[16 + 32 * h + within] >> (2 * j)) & 3
+                    sc = b[n // 16]
+                    out.append(np.float32(np.float32(d) * np.float32(sc & 15)) * np.float32(q) - np.float32(np.float32(dmin) * np.float32(sc >> 4)))
+                else:
+                    d = h16(108)
+                    low = (b[32 + 32 * h + within] >> (2 * j)) & 3
+                    high = (b[within] >> (4 * h + j)) & 1
+                    k = n // 16
+                    lo4 = (b[96 + k] & 15) if k < 8 else (b[96 + k - 8] >> 4)
+                    hi2 = (b[104 + k % 4] >> (2 * (k // 4))) & 3
+                    sc = int(lo4 | (hi2 << 4)) - 32
+                    out.append(np.float32(np.float32(d) * np.float32(sc)) * np.float32(int(low) + 4 * int(high) - 4))
+        elif name in ("IQ4_NL", "IQ4_XS"):
+            d = h16(0)
+            subs = [(d, 2)] if name == "IQ4_NL" else []
+            if name == "IQ4_XS":
+                sh = int(b[2]) | int(b[3]) << 8
+                for ib in range(8):
+                    ls = ((b[4 + ib // 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)
+                    subs.append((np.float32(np.float32(d) * np.float32(int(ls) - 32)), 8 + 16 * ib))
+            for dl, at in subs:
+                for jj in range(32):
+                    idx = (b[at + jj] & 15) if jj < 16 else (b[at + jj - 16] >> 4)
+                    out.append(np.float32(dl) * np.float32(IQ4_LEVELS[int(idx)]))
     return np.array(out, dtype=np.float32)
 
 
@@ -770,7 +816,8 @@ def part_kquants():
             "blocks_4_6": "random bytes (numpy default_rng) with the f16 scale fields set to U(1e-3, 2e-2)"
                           + (" (d, dmin)" if name in ("Q4_K", "Q5_K") else "")
                           + ("; m in U(-0.2, 0.2)" if name == "Q5_1" else "")
-                          + ("; E8M0 byte in [118, 133]" if name == "MXFP4" else ""),
+                          + ("; E8M0 byte in [118, 133]" if name == "MXFP4" else "")
+                          + (" (d, dmin)" if name == "Q2_K" else ""),
             "gguf_py_can_quantize": gguf_can_quantize,
             "gguf_dequant_equals_ggml_to_float": bool(np.array_equal(deq, ggml_deq)),
             "gguf_dequant_equals_spec_formula_by_hand": bool(np.array_equal(deq, hand)),
@@ -791,6 +838,74 @@ def part_kquants():
     }
     jsonfmt.dump_file(doc, KQ_DIR / "README.json")
     print(f"wrote {KQ_DIR / 'README.json'}")
+
+
+# ================================================================================================
+# Low-bit GGUF models (Q2_K, Q3_K, IQ4_NL, IQ4_XS) quantized by llama.cpp, with its logits
+# ================================================================================================
+
+LOWBIT_DIR = FIX / "gguf_lowbit"
+# llama.cpp file type -> what most matrices become (the mix adds Q3_K/Q4_K/Q5_K/Q6_K where its rules say).
+LOWBIT_FTYPES = {"q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "q3_k_s": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
+                 "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
+
+
+def lowbit_cfg():
+    """qwen3_moe with every matrix 256 wide (K-quant super-blocks need widths that are multiples of
+    256; narrower ones fall back to other types), 2 layers, 4 experts top-2: small files."""
+    return mmf.qwen3_moe_cfg(mlp_only_layers=[], hidden_size=256, num_hidden_layers=2, head_dim=64,
+                             intermediate_size=256, moe_intermediate_size=256, num_experts=4, max_window_layers=2)
+
+
+def part_lowbit():
+    import llama_cpp
+
+    LOWBIT_DIR.mkdir(parents=True, exist_ok=True)
+    cfg = lowbit_cfg()
+    rng = np.random.default_rng(25611)
+    st = mmf.random_hf_params(cfg, rng)
+    prompt = [int(t) for t in rng.integers(3, cfg["vocab_size"], size=PROMPT_LEN)]
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        f32 = Path(tmp) / "lowbit.f32.gguf"
+        write_converter_gguf(f32, cfg, st, gguf.MODEL_ARCH.QWEN3MOE, gguf.LlamaFileType.ALL_F32, qwen3moe_params)
+        pl32, _, _ = llama_cpp_run(f32, prompt)
+        for name, ftype in LOWBIT_FTYPES.items():
+            path = LOWBIT_DIR / f"qwen3_moe_w256.{name}.gguf"
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, ftype)
+            params.nthread = N_THREADS
+            rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), ctypes.byref(params))
+            assert rc == 0, (name, rc)
+            pl, dl, ids = llama_cpp_run(path, prompt)
+            tensors = {"prompt_logits": mx.array(pl), "decode_logits": mx.array(dl),
+                       "greedy_ids": mx.array(np.array(ids, dtype=np.int32))}
+            mx.save_safetensors(str(path.with_suffix(".llama_cpp.safetensors")), tensors, metadata={"format": "pt"})
+            types = {}
+            for t in gguf.GGUFReader(str(path)).tensors:
+                types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+            report[path.name] = {
+                "bytes": path.stat().st_size,
+                "llama_cpp_ftype": ftype,
+                "tensor_types": types,
+                "max_abs_prompt_logit": float(np.abs(pl).max()),
+                "max_abs_diff_prompt_logits_vs_llama_cpp_f32_file": float(np.abs(pl - pl32).max()),
+                "greedy_ids": ids,
+                "min_decode_margin": float(margins(dl).min()),
+            }
+            print(f"  {path.name}: {report[path.name]}")
+    doc = {
+        "meta": dict(meta(), script="tools/reference/make_quant_fixtures.py (part lowbit)", seed=25611),
+        "model": {"config": cfg, "weights": "make_moe_fixtures.random_hf_params(cfg, default_rng(25611)); "
+                  "prompt: the next PROMPT_LEN draws in [3, vocab)", "prompt_ids": prompt},
+        "how": "written F32 by the converter path (write_converter_gguf), then llama_model_quantize (llama.cpp's own "
+               "quantizer, no imatrix) into each file type; llama.cpp then runs each file: "
+               "<file>.llama_cpp.safetensors holds prompt_logits [P, V] (one eval over prompt_ids), decode_logits "
+               "[16, V] (row 0 = last prompt row, row k after feeding greedy_ids[k-1]) and greedy_ids",
+        "files": report,
+    }
+    jsonfmt.dump_file(doc, LOWBIT_DIR / "README.json")
+    print(f"wrote {LOWBIT_DIR / 'README.json'}")
 
 
 # ================================================================================================
@@ -1163,16 +1278,19 @@ def mmf_pat(n):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("parts", nargs="*", help="gguf_moe, kquants, mlx, fp8 (default: all)")
+    ap.add_argument("parts", nargs="*", help="gguf_moe, kquants, lowbit, mlx, fp8 (default: all)")
     args = ap.parse_args()
-    parts = args.parts or ["gguf_moe", "kquants", "mlx", "fp8"]
-    bad = set(parts) - {"gguf_moe", "kquants", "mlx", "fp8"}
+    parts = args.parts or ["gguf_moe", "kquants", "lowbit", "mlx", "fp8"]
+    bad = set(parts) - {"gguf_moe", "kquants", "lowbit", "mlx", "fp8"}
     if bad:
         ap.error(f"unknown parts {sorted(bad)}")
     mx.set_default_device(mx.cpu)
     if "kquants" in parts:
         print("== K-quant / MXFP4 block vectors")
         part_kquants()
+    if "lowbit" in parts:
+        print("== low-bit GGUF models")
+        part_lowbit()
     if "mlx" in parts:
         print("== MLX quantization vectors")
         part_mlx()

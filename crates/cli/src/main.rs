@@ -564,7 +564,7 @@ fn inspect(path: &Path, placement: &PlacementArgs) -> Result<()> {
     let mut formats: std::collections::BTreeMap<String, (usize, usize, usize)> = Default::default();
     let mut params = 0usize;
     for t in ckpt.tensors() {
-        let e = formats.entry(format!("{:?}", t.dtype)).or_default();
+        let e = formats.entry(t.dtype.name()).or_default();
         e.0 += 1;
         e.1 += t.elements();
         e.2 += t.range.len();

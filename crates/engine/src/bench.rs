@@ -467,7 +467,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
     };
     let mut formats: Vec<FormatBytes> = Vec::new();
     for t in model.checkpoint().tensors() {
-        let name = format!("{:?}", t.dtype);
+        let name = t.dtype.name();
         match formats.iter_mut().find(|f| f.format == name) {
             Some(f) => {
                 f.tensors += 1;

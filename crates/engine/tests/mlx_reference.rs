@@ -232,6 +232,34 @@ fn gguf_moe_q8_0_matches_llama_cpp() {
     assert!(d < 0.05 * mag, "Q8_0 MoE logits differ from llama.cpp's by {d}");
 }
 
+/// A MoE of the same kind with every matrix 256 wide, quantized by llama.cpp's own quantizer
+/// into its 2-, 3- and 4-bit file types (mostly Q2_K with Q3_K; Q3_K; IQ4_NL; IQ4_XS; each
+/// with a Q6_K head): our logits against llama.cpp's for each file, with SIMD kernels and
+/// with the scalar reference. llama.cpp quantizes activations per 256 for these formats
+/// and we per 32, so the match is close, not exact.
+#[test]
+fn gguf_low_bit_files_match_llama_cpp() {
+    let dir = fixtures().join("gguf_lowbit");
+    let readme: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
+    let prompt: Vec<u32> = readme["model"]["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    for name in ["q2_k", "q3_k_s", "iq4_nl", "iq4_xs"] {
+        let mut model = load_model(&dir.join(format!("qwen3_moe_w256.{name}.gguf"))).unwrap();
+        let bytes = std::fs::read(dir.join(format!("qwen3_moe_w256.{name}.llama_cpp.safetensors"))).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let want: Vec<f32> =
+            st.tensor("prompt_logits").unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        let mag = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let cfg = EngineConfig { threads: 2, prefill_chunk: 64, context_max: 64, sequences_max: 1, kv_cache: KvDtype::F32 };
+        for isa in [Isa::detect(), Isa::Scalar] {
+            model.set_isa(isa);
+            let got = Generator::new(&model, cfg.clone()).unwrap().logits_all(&prompt).unwrap();
+            let d = max_abs_diff(&got, &want);
+            eprintln!("{name} ({}) vs llama.cpp: max |Δlogit| {d} (largest logit {mag})", isa.name());
+            assert!(d < 0.05 * mag, "{name} ({}): logits differ from llama.cpp's by {d} (largest {mag})", isa.name());
+        }
+    }
+}
+
 /// DeepSeek-V3 as llama.cpp's deepseek2 GGUF (split `attn_k_b`/`attn_v_b`, yarn as one
 /// log multiplier): mlx-lm's logits for the same model with GGUF's yarn semantics
 /// (mscale = mscale_all_dim; the format cannot express them apart).

@@ -66,6 +66,19 @@ pub enum WeightFormat {
     Q4K,
     Q5K,
     Q6K,
+    /// GGUF Q2_K (84 bytes per 256: 16 bytes of 4-bit scale | 4-bit min per 16, 64 bytes
+    /// of 2-bit quants, f16 d, f16 dmin; w = d·sc·q − dmin·m) and Q3_K (110 bytes: 32
+    /// bytes of high bits, 64 of low 2 bits, 12 of 6-bit scales, f16 d; w = d·(sc − 32)·
+    /// (q − 4), q the 3-bit value): the bulk of the 2–3-bit mixes 1T-parameter MoE
+    /// checkpoints ship in.
+    Q2K,
+    Q3K,
+    /// GGUF IQ4_NL (per 32: f16 d, 16 bytes of 4-bit indices into a fixed non-linear
+    /// table of 16 int8 levels; w = d·level) and IQ4_XS (per 256: f16 d, 6-bit scales per
+    /// 32, the same indices; w = d·(sc − 32)·level). llama.cpp's K-quant mixes fall back to
+    /// IQ4_NL for matrices whose width is not a multiple of 256.
+    Iq4Nl,
+    Iq4Xs,
     /// FP8 E4M3 with a per-block scale (DeepSeek-V3/Kimi-K2 "fp8" checkpoints, whose
     /// 128×128 `weight_scale_inv` blocks are repacked per 32 columns): f32 scale, then
     /// 32 E4M3 bytes; w = e4m3(q)·scale.
@@ -116,7 +129,7 @@ impl fmt::Display for WeightFormat {
 
 impl WeightFormat {
     /// One of each kind (affine formats with each supported group), for tests.
-    pub const ALL: [WeightFormat; 19] = [
+    pub const ALL: [WeightFormat; 23] = [
         WeightFormat::F32,
         WeightFormat::F16,
         WeightFormat::Bf16,
@@ -129,6 +142,10 @@ impl WeightFormat {
         WeightFormat::Q4K,
         WeightFormat::Q5K,
         WeightFormat::Q6K,
+        WeightFormat::Q2K,
+        WeightFormat::Q3K,
+        WeightFormat::Iq4Nl,
+        WeightFormat::Iq4Xs,
         WeightFormat::Fp8,
         WeightFormat::A4 { group: 32 },
         WeightFormat::A4 { group: 64 },
@@ -165,6 +182,10 @@ impl WeightFormat {
             WeightFormat::Q4K => "Q4_K",
             WeightFormat::Q5K => "Q5_K",
             WeightFormat::Q6K => "Q6_K",
+            WeightFormat::Q2K => "Q2_K",
+            WeightFormat::Q3K => "Q3_K",
+            WeightFormat::Iq4Nl => "IQ4_NL",
+            WeightFormat::Iq4Xs => "IQ4_XS",
             WeightFormat::Fp8 => "FP8-E4M3",
             WeightFormat::A4 { group: 32 } => "MLX-A4/g32",
             WeightFormat::A4 { group: 64 } => "MLX-A4/g64",
@@ -197,6 +218,10 @@ impl WeightFormat {
                 | WeightFormat::Q4K
                 | WeightFormat::Q5K
                 | WeightFormat::Q6K
+                | WeightFormat::Q2K
+                | WeightFormat::Q3K
+                | WeightFormat::Iq4Nl
+                | WeightFormat::Iq4Xs
         )
     }
 
@@ -239,10 +264,11 @@ impl WeightFormat {
     pub fn block_elems(self) -> usize {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
-            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 => 32,
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Iq4Nl => 32,
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
+            WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
     }
@@ -265,6 +291,10 @@ impl WeightFormat {
             WeightFormat::Q6Kx8 => 210,
             WeightFormat::Q5K => 176,
             WeightFormat::Q6K => 210,
+            WeightFormat::Q2K => 84,
+            WeightFormat::Q3K => 110,
+            WeightFormat::Iq4Nl => 18,
+            WeightFormat::Iq4Xs => 136,
             WeightFormat::Fp8 => 36,
             WeightFormat::A4 { group } => 8 + group as usize / 2,
             WeightFormat::A8 { group } => 8 + group as usize,

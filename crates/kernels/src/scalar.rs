@@ -157,6 +157,42 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        WeightFormat::Q2K => {
+            for (o, b) in out.chunks_exact_mut(256).zip(row.chunks_exact(84)) {
+                let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+                for (n, w) in o.iter_mut().enumerate() {
+                    let sc = b[n / 16];
+                    *w = d * (sc & 0x0F) as f32 * q2k_at(b, n) as f32 - dmin * (sc >> 4) as f32;
+                }
+            }
+        }
+        WeightFormat::Q3K => {
+            for (o, b) in out.chunks_exact_mut(256).zip(row.chunks_exact(110)) {
+                let d = f16_at(b, 108);
+                for (n, w) in o.iter_mut().enumerate() {
+                    *w = d * q3k_scale(b, n / 16) as f32 * q3k_at(b, n) as f32;
+                }
+            }
+        }
+        WeightFormat::Iq4Nl => {
+            for (o, b) in out.chunks_exact_mut(32).zip(row.chunks_exact(18)) {
+                let d = f16_at(b, 0);
+                for (j, w) in o.iter_mut().enumerate() {
+                    *w = d * iq4_at(&b[2..18], j) as f32;
+                }
+            }
+        }
+        WeightFormat::Iq4Xs => {
+            for (o, b) in out.chunks_exact_mut(256).zip(row.chunks_exact(136)) {
+                let d = f16_at(b, 0);
+                for (ib, sub) in o.chunks_exact_mut(32).enumerate() {
+                    let dl = d * iq4xs_scale(b, ib) as f32;
+                    for (j, w) in sub.iter_mut().enumerate() {
+                        *w = dl * iq4_at(&b[8 + 16 * ib..], j) as f32;
+                    }
+                }
+            }
+        }
         WeightFormat::Fp8 => {
             for (o, b) in out.chunks_exact_mut(32).zip(row.chunks_exact(36)) {
                 let sc = f32_at(b, 0);
@@ -188,6 +224,49 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
             }
         }
     }
+}
+
+/// IQ4_NL's and IQ4_XS's 16 levels (ggml's `kvalues_iq4nl`): a 4-bit index selects one.
+pub const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// Element `n` (0..256) of a Q2_K super-block: its 2-bit value. ggml's order: each
+/// 128-element half reads 32 bytes of `qs` four times, two bits deeper each time; byte
+/// `n / 16` holds the element's scale (low nibble) and min (high nibble).
+pub fn q2k_at(b: &[u8], n: usize) -> i32 {
+    let (half, j, within) = (n / 128, (n % 128) / 32, n % 32);
+    ((b[16 + 32 * half + within] >> (2 * j)) & 3) as i32
+}
+
+/// Element `n` (0..256) of a Q3_K super-block, −4..3: Q2_K's two low bits (at byte 32)
+/// plus a high bit from the 32-byte mask (bit `4·half + j` of byte `n % 32`), less 4.
+pub fn q3k_at(b: &[u8], n: usize) -> i32 {
+    let (half, j, within) = (n / 128, (n % 128) / 32, n % 32);
+    let low = (b[32 + 32 * half + within] >> (2 * j)) & 3;
+    let high = (b[within] >> (4 * half + j)) & 1;
+    low as i32 + 4 * high as i32 - 4
+}
+
+/// Scale `k` (0..16, one per 16 elements) of a Q3_K super-block, −32..31: 4 low bits
+/// (bytes 96..104, low nibbles first) and 2 high bits (bytes 104..108).
+pub fn q3k_scale(b: &[u8], k: usize) -> i32 {
+    let sc = &b[96..108];
+    let low = if k < 8 { sc[k] & 0x0F } else { sc[k - 8] >> 4 };
+    let high = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+    (low | (high << 4)) as i32 - 32
+}
+
+/// Element `j` (0..32) of 16 bytes of IQ4 indices (Q4_0's nibble order): its level.
+pub fn iq4_at(qs: &[u8], j: usize) -> i32 {
+    let byte = qs[j % 16];
+    IQ4_LEVELS[(if j < 16 { byte & 0x0F } else { byte >> 4 }) as usize] as i32
+}
+
+/// Scale of 32-element sub-block `ib` (0..8) of an IQ4_XS super-block, −32..31: 4 low
+/// bits from bytes 4..8, 2 high bits from the u16 at byte 2.
+pub fn iq4xs_scale(b: &[u8], ib: usize) -> i32 {
+    let h = u16::from_le_bytes([b[2], b[3]]);
+    let ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | ((((h >> (2 * ib)) & 3) as u8) << 4);
+    ls as i32 - 32
 }
 
 /// Element `j` (0..32) of a Q5_0 / Q5_1 block (`min`: Q5_1), 0..32: its nibble (low of
@@ -325,6 +404,55 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                     }
                     let (sa, sb) = (sc[2 * k] as i8 as f32, sc[2 * k + 1] as i8 as f32);
                     acc += d * xb.d * (sa * isum[0] as f32 + sb * isum[1] as f32);
+                }
+            }
+        }
+        WeightFormat::Q2K => {
+            // Per 16 weights a 4-bit scale and min: w = d·sc·q − dmin·m, so per group
+            // Σ w·x = x_d·(d·sc·Σ q·x_q − dmin·m·Σ x_q); two groups per q8 block.
+            for (b, xs) in row.chunks_exact(84).zip(x.chunks_exact(8)) {
+                let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+                for (k, xb) in xs.iter().enumerate() {
+                    for g in 0..2 {
+                        let (mut isum, mut xsum) = (0i32, 0i32);
+                        for l in 0..16 {
+                            let xq = xb.qs[16 * g + l] as i32;
+                            isum += q2k_at(b, 32 * k + 16 * g + l) * xq;
+                            xsum += xq;
+                        }
+                        let sc = b[2 * k + g];
+                        acc += xb.d * (d * (sc & 0x0F) as f32 * isum as f32 - dmin * (sc >> 4) as f32 * xsum as f32);
+                    }
+                }
+            }
+        }
+        WeightFormat::Q3K => {
+            // Per 16 weights a 6-bit signed scale: two per q8 block.
+            for (b, xs) in row.chunks_exact(110).zip(x.chunks_exact(8)) {
+                let d = f16_at(b, 108);
+                for (k, xb) in xs.iter().enumerate() {
+                    let mut isum = [0i32; 2];
+                    for l in 0..32 {
+                        isum[l / 16] += q3k_at(b, 32 * k + l) * xb.qs[l] as i32;
+                    }
+                    let (sa, sb) = (q3k_scale(b, 2 * k) as f32, q3k_scale(b, 2 * k + 1) as f32);
+                    acc += d * xb.d * (sa * isum[0] as f32 + sb * isum[1] as f32);
+                }
+            }
+        }
+        WeightFormat::Iq4Nl => {
+            for (b, xb) in row.chunks_exact(18).zip(x) {
+                let isum: i32 = (0..32).map(|j| iq4_at(&b[2..18], j) * xb.qs[j] as i32).sum();
+                acc += f16_at(b, 0) * xb.d * isum as f32;
+            }
+        }
+        WeightFormat::Iq4Xs => {
+            // One q8 block per 32-element sub-block.
+            for (b, xs) in row.chunks_exact(136).zip(x.chunks_exact(8)) {
+                let d = f16_at(b, 0);
+                for (ib, xb) in xs.iter().enumerate() {
+                    let isum: i32 = (0..32).map(|j| iq4_at(&b[8 + 16 * ib..], j) * xb.qs[j] as i32).sum();
+                    acc += d * iq4xs_scale(b, ib) as f32 * xb.d * isum as f32;
                 }
             }
         }

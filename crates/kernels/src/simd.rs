@@ -828,6 +828,7 @@ mod x86 {
             WeightFormat::Q4K => dot_q8_k4::<false>(row, x),
             WeightFormat::Q5K => dot_q8_k4::<true>(row, x),
             WeightFormat::Q6K => dot_q8_q6k(row, x),
+            WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Nl | WeightFormat::Iq4Xs => low_bit_t(format, row, [x])[0],
             // Q5_0/Q5_1 run interleaved (Q5_0x8/Q5_1x8); rows left over take the reference.
             WeightFormat::Q5_0 | WeightFormat::Q5_1 => scalar::dot_q8(format, row, x),
             _ => unreachable!("float formats take f32 activations"),
@@ -1725,10 +1726,178 @@ mod x86 {
         hsum(_mm256_add_ps(acc0, acc1))
     }
 
+    /// The 32 two-bit values of q8 block `k` of a Q2_K / Q3_K super-block (`q`: the 32
+    /// bytes of `qs` its half reads, shifted by 2·(k % 4)) as bytes 0..3.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn k2_low(q: __m256i, k: usize) -> __m256i {
+        _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (k % 4) as i32)), _mm256_set1_epi8(3))
+    }
+
+    /// From 16 per-16-element i16 scales (one super-block's), the pair q8 block `k` uses
+    /// in PMADDWD after PMADDUBSW: 16-bit lanes 0–7 (its first 16 elements) take scale
+    /// 2k, lanes 8–15 take 2k + 1.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_pair(scales: __m256i, k: usize) -> __m256i {
+        // Every 32-bit lane holds scales 2k and 2k + 1; each 128-bit half keeps one.
+        let both = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(k as i32));
+        _mm256_shuffle_epi8(both, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3))
+    }
+
+    /// Q2_K against `T` tokens' q8 activations (T = 1: decode; 4: the 2-bit values
+    /// unpacked once for four tokens). Per q8 block (two 16-element groups): the values
+    /// as unsigned bytes, PMADDUBSW with x, then PMADDWD with the groups' 4-bit scales
+    /// (`scale_pair`) gives 8 i32 sums already scaled; the min term is the same with 1 in
+    /// place of the values and the mins as scales. Both then take d·x_d (dmin·x_d) in
+    /// float, since every q8 block has its own x_d.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q2k_t<const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
+        let supers = xs[0].len() / 8;
+        assert!(xs[0].len() % 8 == 0 && xs.iter().all(|x| x.len() == xs[0].len()) && row.len() >= supers * 84);
+        let (ones8, low) = (_mm256_set1_epi8(1), _mm_set1_epi8(0x0F));
+        let (mut acc, mut acc_m) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
+        for sb in 0..supers {
+            let b = row.as_ptr().add(sb * 84);
+            _mm_prefetch(b.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+            _mm_prefetch(b.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
+            let (d, dmin) = (f16_at(b.add(80)), f16_at(b.add(82)));
+            let sc = _mm_loadu_si128(b as *const __m128i);
+            let scales = _mm256_cvtepu8_epi16(_mm_and_si128(sc, low));
+            let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), low));
+            for k in 0..8 {
+                let v = k2_low(_mm256_loadu_si256(b.add(16 + 32 * (k / 4)) as *const __m256i), k);
+                let (s_k, m_k) = (scale_pair(scales, k), scale_pair(mins, k));
+                for t in 0..T {
+                    let xb = &xs[t][8 * sb + k];
+                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, y), s_k);
+                    let q = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, y), m_k);
+                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), _mm256_cvtepi32_ps(p), acc[t]);
+                    acc_m[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xb.d), _mm256_cvtepi32_ps(q), acc_m[t]);
+                }
+            }
+        }
+        std::array::from_fn(|t| hsum(_mm256_sub_ps(acc[t], acc_m[t])))
+    }
+
+    /// A Q3_K super-block's 16 scales (bytes 96..108: 4 low bits, then 2 high bits per
+    /// scale from bytes 104..108), less 32, as i16.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q3k_scales(b: *const u8) -> __m256i {
+        let low4 = _mm_set1_epi8(0x0F);
+        let lo = _mm_loadl_epi64(b.add(96) as *const __m128i);
+        let low = _mm_unpacklo_epi64(_mm_and_si128(lo, low4), _mm_and_si128(_mm_srli_epi16(lo, 4), low4));
+        // Scale k's high bits: byte k % 4 of the last u32, shifted by 2·(k / 4).
+        let h = _mm_set1_epi32(std::ptr::read_unaligned(b.add(104) as *const i32));
+        let high = _mm_and_si128(_mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+        let six = _mm_or_si128(low, _mm_slli_epi16(high, 4));
+        _mm256_sub_epi16(_mm256_cvtepu8_epi16(six), _mm256_set1_epi16(32))
+    }
+
+    /// Q3_K against `T` tokens: Q2_K's low bits plus 4 × the mask bit, an unsigned 0..7
+    /// for PMADDUBSW; the −4 comes off the 16-bit pair sums (4·Σ x_q pairs; |pair| ≤
+    /// 2·4·127), then PMADDWD with the signed 6-bit scales.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q3k_t<const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
+        let supers = xs[0].len() / 8;
+        assert!(xs[0].len() % 8 == 0 && xs.iter().all(|x| x.len() == xs[0].len()) && row.len() >= supers * 110);
+        let (one, four) = (_mm256_set1_epi8(1), _mm256_set1_epi8(4));
+        let mut acc = [_mm256_setzero_ps(); T];
+        for sb in 0..supers {
+            let b = row.as_ptr().add(sb * 110);
+            _mm_prefetch(b.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+            _mm_prefetch(b.wrapping_add(PREFETCH_BYTES + 64) as *const i8, _MM_HINT_T0);
+            let d = f16_at(b.add(108));
+            let scales = q3k_scales(b);
+            let hm = _mm256_loadu_si256(b as *const __m256i);
+            for k in 0..8 {
+                let low = k2_low(_mm256_loadu_si256(b.add(32 + 32 * (k / 4)) as *const __m256i), k);
+                // Mask bit 4·half + j of each byte: k's own bit, k = 4·half + j.
+                let high = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(k as i32)), one);
+                let v = _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+                let s_k = scale_pair(scales, k);
+                for t in 0..T {
+                    let xb = &xs[t][8 * sb + k];
+                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                    let pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(v, y), _mm256_maddubs_epi16(four, y));
+                    let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, s_k));
+                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), p, acc[t]);
+                }
+            }
+        }
+        std::array::from_fn(|t| hsum(acc[t]))
+    }
+
+    /// IQ4_NL (`XS` false: blocks of 32, f16 d then 16 bytes) or IQ4_XS (super-blocks of
+    /// 256, 136 bytes, a 6-bit scale per 32) against `T` tokens: the 4-bit indices become
+    /// their int8 levels through one PSHUFB per 32 (once for all tokens), then the Q8
+    /// sign trick (|w| unsigned, x takes w's sign; |w| ≤ 127, so pair sums fit 16 bits).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq4_t<const XS: bool, const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
+        let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(scalar::IQ4_LEVELS.as_ptr() as *const __m128i));
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        // 32 weights at `qs` (scale `dw`) against block `i` of every token.
+        let mut block = |qs: *const u8, dw: f32, i: usize| {
+            let w = _mm256_shuffle_epi8(levels, nibbles32(qs));
+            let aw = _mm256_sign_epi8(w, w);
+            for t in 0..T {
+                let xb = &xs[t][i];
+                let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(y, w)), ones));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), p, acc[t]);
+            }
+        };
+        let blocks = xs[0].len();
+        assert!(xs.iter().all(|x| x.len() == blocks));
+        if XS {
+            assert!(blocks % 8 == 0 && row.len() >= blocks / 8 * 136);
+            for sb in 0..blocks / 8 {
+                let b = row.as_ptr().add(sb * 136);
+                for line in 0..3 {
+                    _mm_prefetch(b.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+                }
+                let (d, blk) = (f16_at(b), std::slice::from_raw_parts(b, 136));
+                for ib in 0..8 {
+                    block(b.add(8 + 16 * ib), d * scalar::iq4xs_scale(blk, ib) as f32, 8 * sb + ib);
+                }
+            }
+        } else {
+            assert!(row.len() >= blocks * 18);
+            for i in 0..blocks {
+                let b = row.as_ptr().add(i * 18);
+                _mm_prefetch(b.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+                block(b.add(2), f16_at(b), i);
+            }
+        }
+        std::array::from_fn(|t| hsum(acc[t]))
+    }
+
+    /// The 2-, 3- and 4-bit row kernels (Q2_K, Q3_K, IQ4_NL, IQ4_XS) for `T` tokens.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn low_bit_t<const T: usize>(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
+        match format {
+            WeightFormat::Q2K => q2k_t(row, xs),
+            WeightFormat::Q3K => q3k_t(row, xs),
+            WeightFormat::Iq4Nl => iq4_t::<false, T>(row, xs),
+            WeightFormat::Iq4Xs => iq4_t::<true, T>(row, xs),
+            _ => unreachable!("{format} is not a low-bit row format"),
+        }
+    }
+
     /// Four tokens against one weight row: each weight block is loaded and unpacked
     /// once for all four (prefill and batched decode are compute-bound on the unpack).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_x4(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
+        if matches!(format, WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Nl | WeightFormat::Iq4Xs) {
+            return low_bit_t(format, row, xs);
+        }
         if matches!(format, WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q5_0 | WeightFormat::Q5_1) {
             return xs.map(|x| dot_q8(format, row, x));
         }
@@ -2328,6 +2497,70 @@ mod arm {
                             isum[part] = vaddvq_s32(sdot(vdupq_n_s32(0), q, vld1q_s8(xb.qs.as_ptr().add(o))));
                         }
                         acc += d * xb.d * (sc[2 * k] as f32 * isum[0] as f32 + sc[2 * k + 1] as f32 * isum[1] as f32);
+                    }
+                }
+            }
+            WeightFormat::Q2K | WeightFormat::Q3K => {
+                // As Q6_K: per q8 block two 16-element groups, SDOT on signed values
+                // (Q3_K's 3-bit value less 4; Q2_K's 0..3, its min term from Σ x_q).
+                let q3 = format == WeightFormat::Q3K;
+                assert!(x.len() % 8 == 0 && row.len() >= x.len() / 8 * bb);
+                let (three, one) = (vdupq_n_u8(3), vdupq_n_u8(1));
+                for (sb, xs) in x.chunks_exact(8).enumerate() {
+                    let b = row.as_ptr().add(sb * bb);
+                    let blk = std::slice::from_raw_parts(b, bb);
+                    for (k, xb) in xs.iter().enumerate() {
+                        let (h, j) = (k / 4, k % 4);
+                        let mut isum = [0i32; 2];
+                        let mut xsum = [0i32; 2];
+                        for (part, o) in [0usize, 16].into_iter().enumerate() {
+                            let qs = b.add(if q3 { 32 } else { 16 } + 32 * h + o);
+                            let low = vandq_u8(vshlq_u8(vld1q_u8(qs), vdupq_n_s8(-2 * j as i8)), three);
+                            let q = if q3 {
+                                let high = vandq_u8(vshlq_u8(vld1q_u8(b.add(o)), vdupq_n_s8(-(k as i8))), one);
+                                vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(low, vshlq_n_u8::<2>(high))), vdupq_n_s8(4))
+                            } else {
+                                vreinterpretq_s8_u8(low)
+                            };
+                            let y = vld1q_s8(xb.qs.as_ptr().add(o));
+                            isum[part] = vaddvq_s32(sdot(vdupq_n_s32(0), q, y));
+                            xsum[part] = vaddlvq_s8(y) as i32;
+                        }
+                        if q3 {
+                            let d = f16(b.add(108));
+                            let (sa, sb) = (scalar::q3k_scale(blk, 2 * k) as f32, scalar::q3k_scale(blk, 2 * k + 1) as f32);
+                            acc += d * xb.d * (sa * isum[0] as f32 + sb * isum[1] as f32);
+                        } else {
+                            let (d, dmin) = (f16(b.add(80)), f16(b.add(82)));
+                            for g in 0..2 {
+                                let sc = blk[2 * k + g];
+                                acc += xb.d * (d * (sc & 0x0F) as f32 * isum[g] as f32 - dmin * (sc >> 4) as f32 * xsum[g] as f32);
+                            }
+                        }
+                    }
+                }
+            }
+            WeightFormat::Iq4Nl | WeightFormat::Iq4Xs => {
+                // Indices to int8 levels with one table lookup (TBL) per 16, then SDOT.
+                let levels = vld1q_s8(scalar::IQ4_LEVELS.as_ptr());
+                let block = |qs: *const u8, xb: &BlockQ8| {
+                    let c = vld1q_u8(qs);
+                    dot32([vqtbl1q_s8(levels, vandq_u8(c, low)), vqtbl1q_s8(levels, vshrq_n_u8::<4>(c))], xb.qs.as_ptr())
+                };
+                if format == WeightFormat::Iq4Xs {
+                    assert!(x.len() % 8 == 0 && row.len() >= x.len() / 8 * 136);
+                    for (sb, xs) in x.chunks_exact(8).enumerate() {
+                        let b = row.as_ptr().add(sb * 136);
+                        let (d, blk) = (f16(b), std::slice::from_raw_parts(b, 136));
+                        for (ib, xb) in xs.iter().enumerate() {
+                            acc += d * scalar::iq4xs_scale(blk, ib) as f32 * xb.d * block(b.add(8 + 16 * ib), xb) as f32;
+                        }
+                    }
+                } else {
+                    assert!(row.len() >= x.len() * 18);
+                    for (i, xb) in x.iter().enumerate() {
+                        let b = row.as_ptr().add(i * 18);
+                        acc += f16(b) * xb.d * block(b.add(2), xb) as f32;
                     }
                 }
             }

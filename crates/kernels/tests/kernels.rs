@@ -43,6 +43,22 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 }
             }
         }
+        WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Nl | WeightFormat::Iq4Xs => {
+            // Random bytes use every scale, mask and index bit; f16 scales made sane.
+            let (bb, scales): (usize, &[usize]) = match format {
+                WeightFormat::Q2K => (84, &[80, 82]),
+                WeightFormat::Q3K => (110, &[108]),
+                WeightFormat::Iq4Nl => (18, &[0]),
+                _ => (136, &[0]),
+            };
+            for _ in 0..cols / format.block_elems() {
+                let start = out.len();
+                (0..bb).for_each(|_| out.push(rng.byte()));
+                for &at in scales {
+                    out[start + at..start + at + 2].copy_from_slice(&f16::from_f32(rng.f32() * 0.01).to_le_bytes());
+                }
+            }
+        }
         WeightFormat::Fp8 => {
             for _ in 0..cols / 32 {
                 out.extend((rng.f32() * 0.1).to_le_bytes());
@@ -356,7 +372,7 @@ fn matmul_jobs_equals_one_matmul_per_job() {
     let mut rng = Rng(9);
     let (cols, rows) = (96, 24);
     let runs = [0..2, 2..3, 3..3, 3..9, 9..10];
-    for format in [WeightFormat::Q4_0, WeightFormat::Q8_0, WeightFormat::Q5_1, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::F16] {
+    for format in [WeightFormat::Q4_0, WeightFormat::Q8_0, WeightFormat::Q5_1, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::Q2K, WeightFormat::Q3K, WeightFormat::Iq4Nl, WeightFormat::Iq4Xs, WeightFormat::F16] {
         let cols = if format.block_elems() == 256 { 256 } else { cols };
         let packed = format.interleaved();
         // Two matrices per run (gate and up), each stored in the loaded layout.

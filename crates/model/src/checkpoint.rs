@@ -25,6 +25,10 @@ pub enum TensorDtype {
     Q4K,
     Q5K,
     Q6K,
+    Q2K,
+    Q3K,
+    Iq4Nl,
+    Iq4Xs,
     Mxfp4,
     I8,
     I16,
@@ -40,6 +44,12 @@ pub enum TensorDtype {
 }
 
 impl TensorDtype {
+    /// The name tools print: the kernel format's (Q4_K, IQ4_XS) where there is one, else
+    /// the dtype's own in capitals (I32, F8E4M3).
+    pub fn name(self) -> String {
+        self.weight_format().map_or_else(|| format!("{self:?}").to_uppercase(), |f| f.name().to_string())
+    }
+
     /// The kernel format this dtype computes as, if any.
     pub fn weight_format(self) -> Option<tessera_kernels::WeightFormat> {
         use tessera_kernels::WeightFormat as W;
@@ -55,6 +65,10 @@ impl TensorDtype {
             TensorDtype::Q4K => W::Q4K,
             TensorDtype::Q5K => W::Q5K,
             TensorDtype::Q6K => W::Q6K,
+            TensorDtype::Q2K => W::Q2K,
+            TensorDtype::Q3K => W::Q3K,
+            TensorDtype::Iq4Nl => W::Iq4Nl,
+            TensorDtype::Iq4Xs => W::Iq4Xs,
             TensorDtype::Mxfp4 => W::Mxfp4,
             _ => return None,
         })

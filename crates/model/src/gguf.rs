@@ -215,6 +215,10 @@ fn ggml_type(id: u32) -> Option<(TensorDtype, u64, u64)> {
         6 => (TensorDtype::Q5_0, 32, 22),
         7 => (TensorDtype::Q5_1, 32, 24),
         8 => (TensorDtype::Q8_0, 32, 34),
+        10 => (TensorDtype::Q2K, 256, 84),
+        11 => (TensorDtype::Q3K, 256, 110),
+        20 => (TensorDtype::Iq4Nl, 32, 18),
+        23 => (TensorDtype::Iq4Xs, 256, 136),
         12 => (TensorDtype::Q4K, 256, 144),
         13 => (TensorDtype::Q5K, 256, 176),
         14 => (TensorDtype::Q6K, 256, 210),
@@ -340,13 +344,17 @@ pub fn write(path: &Path, metadata: &BTreeMap<String, GgufValue>, tensors: &[Ten
 
 fn ggml_type_name(id: u32) -> &'static str {
     match id {
-        6 => "Q5_0",
-        7 => "Q5_1",
         9 => "Q8_1",
-        10 => "Q2_K",
-        11 => "Q3_K",
         15 => "Q8_K",
-        16..=23 | 29 => "an IQ type",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
         _ => "an unknown type",
     }
 }
@@ -421,7 +429,13 @@ impl GgufFile {
                 LoadError::tensor(
                     path,
                     &t.name,
-                    format!("ggml type {} ({}) is not supported yet", t.ty, ggml_type_name(t.ty)),
+                    format!(
+                        "ggml type {} ({}) is not supported yet; weights may be F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, \
+                         Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS or MXFP4 (llama.cpp's llama-quantize \
+                         --allow-requantize converts a file to one of them)",
+                        t.ty,
+                        ggml_type_name(t.ty)
+                    ),
                 )
             })?;
             let elems = t

@@ -102,7 +102,7 @@ fn malformed_gguf_files_are_clear_errors() {
         &["blk.0.ffn_up.weight", "not aligned"],
     );
     gguf_case("unknown-type", |g| tensor(g, "blk.1.ffn_down.weight").ggml_type = 99, &["blk.1.ffn_down.weight", "ggml type 99"]);
-    gguf_case("unsupported-type", |g| tensor(g, "blk.1.ffn_down.weight").ggml_type = 16, &["blk.1.ffn_down.weight", "an IQ type", "not supported yet"]);
+    gguf_case("unsupported-type", |g| tensor(g, "blk.1.ffn_down.weight").ggml_type = 16, &["blk.1.ffn_down.weight", "IQ2_XXS", "not supported yet"]);
     gguf_case(
         "partial-block",
         |g| {

@@ -1,5 +1,5 @@
 //! Block dequantizers against independent references: GGUF blocks (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K,
-//! Q6_K, MXFP4) against `gguf.quants.dequantize`; MLX affine and mxfp4 rows, repacked
+//! Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) against `gguf.quants.dequantize`; MLX affine and mxfp4 rows, repacked
 //! by our loader path, against `mx.dequantize` (tools/reference/make_quant_fixtures.py).
 
 use std::path::{Path, PathBuf};
@@ -39,6 +39,10 @@ fn gguf_blocks_match_gguf_py() {
         ("Q4_K", WeightFormat::Q4K),
         ("Q5_K", WeightFormat::Q5K),
         ("Q6_K", WeightFormat::Q6K),
+        ("Q2_K", WeightFormat::Q2K),
+        ("Q3_K", WeightFormat::Q3K),
+        ("IQ4_NL", WeightFormat::Iq4Nl),
+        ("IQ4_XS", WeightFormat::Iq4Xs),
         ("MXFP4", WeightFormat::Mxfp4),
     ] {
         let bytes = std::fs::read(dir().join(format!("{name}.bin"))).unwrap();
