@@ -39,6 +39,13 @@
 //!   32-byte vectors of their high 2 bits, matching the nibble bytes position for
 //!   position: vector j / 2, bits 4·(j % 2) .. +1 for chunk j's low-nibble element, the
 //!   next two bits for its high-nibble element. w = d·scale_g·(q − 32), as in Q6_K.
+//! - IQ4_NLx8 (GGUF IQ4_NL repacked at load on x86, groups of 8 rows; 18 bytes per row
+//!   as in IQ4_NL): Q4_0x8's layout (IQ4_NL's blocks are Q4_0's), the nibbles indexing
+//!   the 16 levels; w = d·level.
+//! - IQ4_XSx8 (GGUF IQ4_XS likewise; 138 bytes per row): per 256-column super-block the 8
+//!   rows' f16 d, their 6-bit sub-block scales less 32 as i8 (byte 16 + 8·s + r: row r's
+//!   sub-block s), then per 32-column sub-block 128 bytes of indices in Q4_0x8's order.
+//!   w = d·scale_s·level; the unpacked scales cost 2 bytes per 256 weights.
 //! - F16x4 / BF16x4 (F16 / BF16 repacked at load on x86, groups of 4 rows): per
 //!   16-column piece, the 4 rows' 16 values one row after another (128 bytes). A
 //!   group is one stream of memory instead of four rows read one after another; same
@@ -93,6 +100,9 @@ pub enum WeightFormat {
     Q4Kx8,
     Q5Kx8,
     Q6Kx8,
+    /// IQ4_NL and IQ4_XS interleaved by groups of 8 rows (module docs).
+    Iq4Nlx8,
+    Iq4Xsx8,
     /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
     F16x4,
     Bf16x4,
@@ -176,6 +186,8 @@ impl WeightFormat {
             WeightFormat::Q4Kx8 => "Q4_Kx8",
             WeightFormat::Q5Kx8 => "Q5_Kx8",
             WeightFormat::Q6Kx8 => "Q6_Kx8",
+            WeightFormat::Iq4Nlx8 => "IQ4_NLx8",
+            WeightFormat::Iq4Xsx8 => "IQ4_XSx8",
             WeightFormat::F16x4 => "F16x4",
             WeightFormat::Bf16x4 => "BF16x4",
             WeightFormat::Mxfp4 => "MXFP4",
@@ -222,6 +234,8 @@ impl WeightFormat {
                 | WeightFormat::Q3K
                 | WeightFormat::Iq4Nl
                 | WeightFormat::Iq4Xs
+                | WeightFormat::Iq4Nlx8
+                | WeightFormat::Iq4Xsx8
         )
     }
 
@@ -230,17 +244,20 @@ impl WeightFormat {
     pub fn rows_per_group(self) -> usize {
         match self {
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 8,
-            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 8,
+            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 => 8,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
         }
     }
 
-    /// The 8-row layouts with AVX2/VNNI kernels only (`Q5_0x8`, `Q5_1x8` and the
-    /// K-quants `Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8`): no NEON kernels (other ISAs keep rows) and
-    /// no two-group (16-row) pass.
+    /// The 8-row layouts with AVX2/VNNI kernels only (`Q5_0x8`, `Q5_1x8`, the
+    /// K-quants `Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8` and `IQ4_NLx8`, `IQ4_XSx8`): no NEON
+    /// kernels (other ISAs keep rows) and no two-group (16-row) pass.
     pub fn is_x86_interleaved(self) -> bool {
-        matches!(self, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8)
+        matches!(
+            self,
+            WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8
+        )
     }
 
     /// The interleaved layout this format is repacked into at load, if it has one.
@@ -254,6 +271,8 @@ impl WeightFormat {
             WeightFormat::Q4K => Some(WeightFormat::Q4Kx8),
             WeightFormat::Q5K => Some(WeightFormat::Q5Kx8),
             WeightFormat::Q6K => Some(WeightFormat::Q6Kx8),
+            WeightFormat::Iq4Nl => Some(WeightFormat::Iq4Nlx8),
+            WeightFormat::Iq4Xs => Some(WeightFormat::Iq4Xsx8),
             WeightFormat::F16 => Some(WeightFormat::F16x4),
             WeightFormat::Bf16 => Some(WeightFormat::Bf16x4),
             _ => None,
@@ -265,10 +284,10 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Iq4Nl => 32,
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 32,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
-            WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs => 256,
+            WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs | WeightFormat::Iq4Xsx8 => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
     }
@@ -293,8 +312,9 @@ impl WeightFormat {
             WeightFormat::Q6K => 210,
             WeightFormat::Q2K => 84,
             WeightFormat::Q3K => 110,
-            WeightFormat::Iq4Nl => 18,
+            WeightFormat::Iq4Nl | WeightFormat::Iq4Nlx8 => 18,
             WeightFormat::Iq4Xs => 136,
+            WeightFormat::Iq4Xsx8 => 138,
             WeightFormat::Fp8 => 36,
             WeightFormat::A4 { group } => 8 + group as usize / 2,
             WeightFormat::A8 { group } => 8 + group as usize,
@@ -343,6 +363,7 @@ pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, d
         WeightFormat::Q4K => repack_k4_rows8_into::<false>(rows, cols, data, out),
         WeightFormat::Q5K => repack_k4_rows8_into::<true>(rows, cols, data, out),
         WeightFormat::Q6K => repack_k6_rows8_into(rows, cols, data, out),
+        WeightFormat::Iq4Xs => repack_iq4xs_rows8_into(rows, cols, data, out),
         WeightFormat::F16 | WeightFormat::Bf16 => {
             assert!(rows % 4 == 0 && cols % 16 == 0 && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
             let row_bytes = cols * 2;
@@ -410,6 +431,41 @@ fn repack_k4_rows8_into<const FIVE: bool>(rows: usize, cols: usize, data: &[u8],
     }
 }
 
+/// IQ4_XS rows into [`WeightFormat::Iq4Xsx8`] (module docs): the same d, scales and
+/// indices, the 6-bit scales unpacked to bytes.
+fn repack_iq4xs_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
+    let supers = cols / 256;
+    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * 136, "repack IQ4_XS: shape");
+    let mut chunks = out.chunks_exact_mut(8 * 138);
+    for g in 0..rows / 8 {
+        for sb in 0..supers {
+            let o = chunks.next().expect("sized by the caller");
+            let src = |r: usize| &data[((g * 8 + r) * supers + sb) * 136..][..136];
+            for r in 0..8 {
+                o[2 * r..2 * r + 2].copy_from_slice(&src(r)[0..2]);
+                for s in 0..8 {
+                    o[16 + 8 * s + r] = crate::scalar::iq4xs_scale(src(r), s) as i8 as u8;
+                }
+            }
+            // Sub-block s element l: nibble of byte 8 + 16·s + l % 16 (low for l < 16).
+            let q = |r: usize, s: usize, l: usize| {
+                let byte = src(r)[8 + 16 * s + l % 16];
+                if l < 16 { byte & 0x0F } else { byte >> 4 }
+            };
+            for s in 0..8 {
+                let sub = &mut o[80 + 128 * s..80 + 128 * (s + 1)];
+                for j in 0..4 {
+                    for r in 0..8 {
+                        for e in 0..4 {
+                            sub[32 * j + 4 * r + e] = q(r, s, 4 * j + e) | (q(r, s, 4 * (j + 4) + e) << 4);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Q6_K rows into [`WeightFormat::Q6Kx8`] (module docs): the same d, scales and 6-bit
 /// quants, moved.
 fn repack_k6_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
@@ -463,7 +519,8 @@ pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8])
 
 fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     let (min, five) = match format {
-        WeightFormat::Q4_0 | WeightFormat::Q8_0 => (false, false),
+        // IQ4_NL's blocks are Q4_0's (f16 d, 16 bytes of nibbles): the same moves.
+        WeightFormat::Q4_0 | WeightFormat::Q8_0 | WeightFormat::Iq4Nl => (false, false),
         WeightFormat::Q4_1 => (true, false),
         WeightFormat::Q5_0 => (false, true),
         WeightFormat::Q5_1 => (true, true),

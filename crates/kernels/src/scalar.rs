@@ -120,7 +120,16 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        WeightFormat::Q4_0x8
+        | WeightFormat::Q4_1x8
+        | WeightFormat::Q5_0x8
+        | WeightFormat::Q5_1x8
+        | WeightFormat::Q8_0x8
+        | WeightFormat::Q4Kx8
+        | WeightFormat::Q5Kx8
+        | WeightFormat::Q6Kx8
+        | WeightFormat::Iq4Nlx8
+        | WeightFormat::Iq4Xsx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
@@ -475,6 +484,9 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
             if matches!(format, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8) {
                 q |= ((blk[q0 + 128 + 4 * r + e] >> (2 * j + usize::from(high))) & 1) << 4;
             }
+            if format == WeightFormat::Iq4Nlx8 {
+                return (IQ4_LEVELS[q as usize] as i32, 0.0);
+            }
             let off = match format {
                 WeightFormat::Q4_0x8 => -8.0,
                 WeightFormat::Q5_0x8 => -16.0,
@@ -483,6 +495,15 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
             (q as i32, off)
         }
     }
+}
+
+/// `IQ4_XSx8`: row `r`'s level `l` (0..32) of sub-block `s` of a super-block, and its
+/// scale (less 32).
+fn iq4xsx8_q(sup: &[u8], r: usize, s: usize, l: usize) -> (i32, i32) {
+    let (j, e, high) = ((l % 16) / 4, l % 4, l >= 16);
+    let byte = sup[80 + 128 * s + 32 * j + 4 * r + e];
+    let nib = if high { byte >> 4 } else { byte & 0x0F };
+    (IQ4_LEVELS[nib as usize] as i32, sup[16 + 8 * s + r] as i8 as i32)
 }
 
 /// `Q4_Kx8` (`Q5_Kx8` when `five`): row `r`'s quant `l` (0..32) of sub-block `s` of a
@@ -528,6 +549,20 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
         }
         return;
     }
+    if format == WeightFormat::Iq4Xsx8 {
+        for (sb, sup) in group.chunks_exact(8 * 138).take(cols / 256).enumerate() {
+            for r in 0..8 {
+                let d = f16_at(sup, 2 * r);
+                for s in 0..8 {
+                    for l in 0..32 {
+                        let (q, scale) = iq4xsx8_q(sup, r, s, l);
+                        out[r * cols + 256 * sb + 32 * s + l] = d * scale as f32 * q as f32;
+                    }
+                }
+            }
+        }
+        return;
+    }
     if format == WeightFormat::Q6Kx8 {
         for (sb, sup) in group.chunks_exact(8 * 210).take(cols / 256).enumerate() {
             for r in 0..8 {
@@ -559,6 +594,20 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
 /// Dot products of the 8 rows of one interleaved group with q8 activations, integer
 /// inner sums: what the SIMD kernel computes, written plainly.
 pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+    if format == WeightFormat::Iq4Xsx8 {
+        // As IQ4_XS's dot (dot_q8), 8 rows at a time: one scale per q8 block.
+        let mut acc = [0.0f32; 8];
+        for (sup, xs) in group.chunks_exact(8 * 138).zip(x.chunks_exact(8)) {
+            for (r, a) in acc.iter_mut().enumerate() {
+                let d = f16_at(sup, 2 * r);
+                for (s, xb) in xs.iter().enumerate() {
+                    let isum: i32 = (0..32).map(|l| iq4xsx8_q(sup, r, s, l).0 * xb.qs[l] as i32).sum();
+                    *a += d * iq4xsx8_q(sup, r, s, 0).1 as f32 * xb.d * isum as f32;
+                }
+            }
+        }
+        return acc;
+    }
     if format == WeightFormat::Q6Kx8 {
         // As Q6_K's dot (dot_q8), 8 rows at a time: two 16-wide scales per q8 block.
         let mut acc = [0.0f32; 8];

@@ -855,7 +855,31 @@ mod x86 {
     /// The integer sums are exact either way, so the two ISAs' results are equal bit for
     /// bit (`vnni_kernels_equal_avx2_bit_for_bit`).
     macro_rules! rows8_kernels {
-        ($features:literal, $one:ident, $four:ident, $sums:ident, $k6_dot:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+        ($features:literal, $one:ident, $four:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+            /// The integer sums of one 32-column block of 8 interleaved IQ4 rows (indices at
+            /// `qp` in Q4_0x8's order) against `T` tokens: each chunk's indices become int8
+            /// levels by PSHUFB (once for all tokens), then signed products as in Q8_0x8
+            /// (|level| ≤ 127). 8 i32 lanes per token, one per row.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $iq4_sums<const T: usize>(qp: *const u8, ys: [*const i32; T]) -> [__m256i; T] {
+                let low = _mm256_set1_epi8(0x0F);
+                let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(scalar::IQ4_LEVELS.as_ptr() as *const __m128i));
+                let mut sum: [$acc; T] = [$zero; T];
+                for j in 0..4 {
+                    let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                    let lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(c, low));
+                    let hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(c, 4), low));
+                    let (alo, ahi) = (_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(hi, hi));
+                    for t in 0..T {
+                        let y_lo = _mm256_set1_epi32(std::ptr::read_unaligned(ys[t].add(j)));
+                        let y_hi = _mm256_set1_epi32(std::ptr::read_unaligned(ys[t].add(4 + j)));
+                        sum[t] = $i8_pair(sum[t], alo, _mm256_sign_epi8(y_lo, lo), ahi, _mm256_sign_epi8(y_hi, hi));
+                    }
+                }
+                std::array::from_fn(|t| $sum_i8(sum[t]))
+            }
+
             /// The integer sums of one 32-column block of 8 interleaved rows against `T`
             /// tokens: nibbles at `qp` (Q4_0x8 order), Q5's fifth bits at `qp + 128`;
             /// `ys[t]` points at token t's q8 activations for the block (8 words). Each
@@ -1021,6 +1045,47 @@ mod x86 {
                     out
                 }
 
+                /// IQ4_NLx8 (`XS` false: blocks of 32, 144 bytes per 8 rows) or IQ4_XSx8
+                /// (super-blocks of 256, 1104 bytes: the 8 rows' d, their i8 sub-block
+                /// scales, then per sub-block the indices).
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn iq4<const XS: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                    let mut acc = _mm256_setzero_ps();
+                    if XS {
+                        let supers = x.len() / 8;
+                        assert!(x.len() % 8 == 0 && group.len() >= supers * 1104);
+                        for sb in 0..supers {
+                            let p = group.as_ptr().add(sb * 1104);
+                            let mut acc_s = _mm256_setzero_ps();
+                            for (s, xb) in x[8 * sb..8 * sb + 8].iter().enumerate() {
+                                let qp = p.add(80 + 128 * s);
+                                for line in 0..2 {
+                                    _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+                                }
+                                let [isum] = $iq4_sums::<1>(qp, [xb.qs.as_ptr() as *const i32]);
+                                let scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 8 * s) as *const __m128i)));
+                                acc_s = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc_s);
+                            }
+                            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), acc_s, acc);
+                        }
+                    } else {
+                        assert!(group.len() >= x.len() * 144);
+                        for (b, xb) in x.iter().enumerate() {
+                            let p = group.as_ptr().add(b * 144);
+                            for line in 0..3 {
+                                _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+                            }
+                            let [isum] = $iq4_sums::<1>(p.add(16), [xb.qs.as_ptr() as *const i32]);
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
+                        }
+                    }
+                    let mut out = [0.0f32; 8];
+                    _mm256_storeu_ps(out.as_mut_ptr(), acc);
+                    out
+                }
+
                 match format {
                     WeightFormat::Q4_0x8 => u4::<false, false>(group, x),
                     WeightFormat::Q4_1x8 => u4::<true, false>(group, x),
@@ -1030,6 +1095,8 @@ mod x86 {
                     WeightFormat::Q4Kx8 => k4::<false>(group, x),
                     WeightFormat::Q5Kx8 => k4::<true>(group, x),
                     WeightFormat::Q6Kx8 => k6(group, x),
+                    WeightFormat::Iq4Nlx8 => iq4::<false>(group, x),
+                    WeightFormat::Iq4Xsx8 => iq4::<true>(group, x),
                     _ => unreachable!("{format} does not interleave rows"),
                 }
             }
@@ -1178,7 +1245,55 @@ mod x86 {
                     out
                 }
 
+                /// IQ4_NLx8 / IQ4_XSx8 for four tokens: each block's levels looked up once
+                /// for all four.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn iq4<const XS: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                    let blocks = xs[0].len();
+                    assert!(xs.iter().all(|x| x.len() == blocks));
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+                    if XS {
+                        let supers = blocks / 8;
+                        assert!(blocks % 8 == 0 && group.len() >= supers * 1104);
+                        for sb in 0..supers {
+                            let p = group.as_ptr().add(sb * 1104);
+                            let mut acc_s = [_mm256_setzero_ps(); 4];
+                            for s in 0..8 {
+                                let b = 8 * sb + s;
+                                let sum = $iq4_sums::<4>(p.add(80 + 128 * s), [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)));
+                                let scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 8 * s) as *const __m128i)));
+                                for t in 0..4 {
+                                    acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xs[t][b].d)), _mm256_cvtepi32_ps(sum[t]), acc_s[t]);
+                                }
+                            }
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                            for t in 0..4 {
+                                acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
+                            }
+                        }
+                    } else {
+                        assert!(group.len() >= blocks * 144);
+                        for b in 0..blocks {
+                            let p = group.as_ptr().add(b * 144);
+                            let sum = $iq4_sums::<4>(p.add(16), [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)));
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                            for t in 0..4 {
+                                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[t][b].d)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
+                            }
+                        }
+                    }
+                    let mut out = [[0.0f32; 8]; 4];
+                    for t in 0..4 {
+                        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+                    }
+                    out
+                }
+
                 match format {
+                    WeightFormat::Iq4Nlx8 => iq4::<false>(group, xs),
+                    WeightFormat::Iq4Xsx8 => iq4::<true>(group, xs),
                     WeightFormat::Q6Kx8 => k6(group, xs),
                     WeightFormat::Q4Kx8 => k4::<false>(group, xs),
                     WeightFormat::Q5Kx8 => k4::<true>(group, xs),
@@ -1280,8 +1395,8 @@ mod x86 {
         q
     }
 
-    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, avx2_block_sums, avx2_k6_dot, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
-    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, vnni_block_sums, vnni_k6_dot, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
+    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
+    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
 
     /// Two 8-row groups against four tokens on 512-bit registers: each chunk's two
     /// 32-byte halves (group g, group g + 1) share the broadcast activations, so one

@@ -52,14 +52,22 @@ fn gguf_blocks_match_gguf_py() {
     }
 }
 
-/// Q5_0, Q5_1, Q4_K, Q5_K and Q6_K repacked into 8-row groups (`Q4_Kx8`/`Q5_Kx8`:
+/// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS repacked into 8-row groups (`Q4_Kx8`/`Q5_Kx8`/`IQ4_XSx8`:
 /// scales and mins unpacked to bytes; fifth and high bits regrouped to match the nibbles) still dequantize to gguf-py's
 /// values, including the random-byte blocks (every bit of the scales and high bits in
 /// use); the SIMD group dot (one and four tokens) agrees with the exact dot of those
 /// values.
 #[test]
 fn groups_of_8_rows_match_gguf_py() {
-    for (name, format, block_bytes) in [("Q5_0", WeightFormat::Q5_0, 22), ("Q5_1", WeightFormat::Q5_1, 24), ("Q4_K", WeightFormat::Q4K, 144), ("Q5_K", WeightFormat::Q5K, 176), ("Q6_K", WeightFormat::Q6K, 210)] {
+    for (name, format, block_bytes) in [
+        ("Q5_0", WeightFormat::Q5_0, 22),
+        ("Q5_1", WeightFormat::Q5_1, 24),
+        ("Q4_K", WeightFormat::Q4K, 144),
+        ("Q5_K", WeightFormat::Q5K, 176),
+        ("Q6_K", WeightFormat::Q6K, 210),
+        ("IQ4_NL", WeightFormat::Iq4Nl, 18),
+        ("IQ4_XS", WeightFormat::Iq4Xs, 136),
+    ] {
         let packed_format = format.interleaved().unwrap();
         // One block per row.
         let cols = format.block_elems();
