@@ -46,6 +46,16 @@
 //!   rows' f16 d, their 6-bit sub-block scales less 32 as i8 (byte 16 + 8·s + r: row r's
 //!   sub-block s), then per 32-column sub-block 128 bytes of indices in Q4_0x8's order.
 //!   w = d·scale_s·level; the unpacked scales cost 2 bytes per 256 weights.
+//! - Q2_Kx8 (GGUF Q2_K repacked at load on x86, groups of 8 rows; 84 bytes per row as in
+//!   Q2_K): per 256-column super-block the 8 rows' f16 d, their f16 dmin, their scale |
+//!   min << 4 bytes (byte 32 + 8·g + r: row r's 16-column group g), then per 32-column
+//!   sub-block 64 bytes of 2-bit values in Q6_Kx8's high-bit order: vector j / 2, bits
+//!   4·(j % 2) .. +1 for chunk j's low-nibble element (Q4_0x8 positions), the next two
+//!   for its high-nibble element. w = d·scale_g·q − dmin·min_g.
+//! - Q3_Kx8 (GGUF Q3_K likewise; 114 bytes per row): the 8 rows' f16 d, their 6-bit group
+//!   scales less 32 as i8 (byte 16 + 8·g + r, as Q6_Kx8), then per sub-block 96 bytes:
+//!   Q2_Kx8's 64 of low bits and 32 of third bits in Q5_0x8's order (bit 2j: chunk j's
+//!   low-nibble element, 2j + 1: its high one). w = d·scale_g·(q − 4).
 //! - F16x4 / BF16x4 (F16 / BF16 repacked at load on x86, groups of 4 rows): per
 //!   16-column piece, the 4 rows' 16 values one row after another (128 bytes). A
 //!   group is one stream of memory instead of four rows read one after another; same
@@ -103,6 +113,9 @@ pub enum WeightFormat {
     /// IQ4_NL and IQ4_XS interleaved by groups of 8 rows (module docs).
     Iq4Nlx8,
     Iq4Xsx8,
+    /// Q2_K and Q3_K interleaved by groups of 8 rows (module docs).
+    Q2Kx8,
+    Q3Kx8,
     /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
     F16x4,
     Bf16x4,
@@ -188,6 +201,8 @@ impl WeightFormat {
             WeightFormat::Q6Kx8 => "Q6_Kx8",
             WeightFormat::Iq4Nlx8 => "IQ4_NLx8",
             WeightFormat::Iq4Xsx8 => "IQ4_XSx8",
+            WeightFormat::Q2Kx8 => "Q2_Kx8",
+            WeightFormat::Q3Kx8 => "Q3_Kx8",
             WeightFormat::F16x4 => "F16x4",
             WeightFormat::Bf16x4 => "BF16x4",
             WeightFormat::Mxfp4 => "MXFP4",
@@ -236,6 +251,8 @@ impl WeightFormat {
                 | WeightFormat::Iq4Xs
                 | WeightFormat::Iq4Nlx8
                 | WeightFormat::Iq4Xsx8
+                | WeightFormat::Q2Kx8
+                | WeightFormat::Q3Kx8
         )
     }
 
@@ -245,18 +262,27 @@ impl WeightFormat {
         match self {
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 8,
             WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 => 8,
+            WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 8,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
         }
     }
 
     /// The 8-row layouts with AVX2/VNNI kernels only (`Q5_0x8`, `Q5_1x8`, the
-    /// K-quants `Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8` and `IQ4_NLx8`, `IQ4_XSx8`): no NEON
-    /// kernels (other ISAs keep rows) and no two-group (16-row) pass.
+    /// K-quants `Q2_Kx8` .. `Q6_Kx8` and `IQ4_NLx8`, `IQ4_XSx8`): no NEON kernels (other
+    /// ISAs keep rows) and no two-group (16-row) pass.
     pub fn is_x86_interleaved(self) -> bool {
         matches!(
             self,
-            WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8
+            WeightFormat::Q5_0x8
+                | WeightFormat::Q5_1x8
+                | WeightFormat::Q2Kx8
+                | WeightFormat::Q3Kx8
+                | WeightFormat::Q4Kx8
+                | WeightFormat::Q5Kx8
+                | WeightFormat::Q6Kx8
+                | WeightFormat::Iq4Nlx8
+                | WeightFormat::Iq4Xsx8
         )
     }
 
@@ -272,6 +298,8 @@ impl WeightFormat {
             WeightFormat::Q5K => Some(WeightFormat::Q5Kx8),
             WeightFormat::Q6K => Some(WeightFormat::Q6Kx8),
             WeightFormat::Iq4Nl => Some(WeightFormat::Iq4Nlx8),
+            WeightFormat::Q2K => Some(WeightFormat::Q2Kx8),
+            WeightFormat::Q3K => Some(WeightFormat::Q3Kx8),
             WeightFormat::Iq4Xs => Some(WeightFormat::Iq4Xsx8),
             WeightFormat::F16 => Some(WeightFormat::F16x4),
             WeightFormat::Bf16 => Some(WeightFormat::Bf16x4),
@@ -287,7 +315,7 @@ impl WeightFormat {
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
-            WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs | WeightFormat::Iq4Xsx8 => 256,
+            WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
         }
     }
@@ -310,8 +338,9 @@ impl WeightFormat {
             WeightFormat::Q6Kx8 => 210,
             WeightFormat::Q5K => 176,
             WeightFormat::Q6K => 210,
-            WeightFormat::Q2K => 84,
+            WeightFormat::Q2K | WeightFormat::Q2Kx8 => 84,
             WeightFormat::Q3K => 110,
+            WeightFormat::Q3Kx8 => 114,
             WeightFormat::Iq4Nl | WeightFormat::Iq4Nlx8 => 18,
             WeightFormat::Iq4Xs => 136,
             WeightFormat::Iq4Xsx8 => 138,
@@ -364,6 +393,8 @@ pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, d
         WeightFormat::Q5K => repack_k4_rows8_into::<true>(rows, cols, data, out),
         WeightFormat::Q6K => repack_k6_rows8_into(rows, cols, data, out),
         WeightFormat::Iq4Xs => repack_iq4xs_rows8_into(rows, cols, data, out),
+        WeightFormat::Q2K => repack_k23_rows8_into::<false>(rows, cols, data, out),
+        WeightFormat::Q3K => repack_k23_rows8_into::<true>(rows, cols, data, out),
         WeightFormat::F16 | WeightFormat::Bf16 => {
             assert!(rows % 4 == 0 && cols % 16 == 0 && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
             let row_bytes = cols * 2;
@@ -423,6 +454,55 @@ fn repack_k4_rows8_into<const FIVE: bool>(rows: usize, cols: usize, data: &[u8],
                     for r in 0..8 {
                         for e in 0..4 {
                             sub[128 + 4 * r + e] = (0..4).map(|j| (fifth(r, s, 4 * j + e) | (fifth(r, s, 16 + 4 * j + e) << 1)) << (2 * j)).sum();
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Q2_K (Q3_K when `THREE`) rows into [`WeightFormat::Q2Kx8`] ([`WeightFormat::Q3Kx8`])
+/// (module docs): the same d (dmin), scales (mins) and values, Q3_K's 6-bit scales
+/// unpacked to bytes.
+fn repack_k23_rows8_into<const THREE: bool>(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
+    use crate::scalar::{q2k_at, q3k_at, q3k_scale};
+    let supers = cols / 256;
+    let (src_bytes, head, sub_bytes) = if THREE { (110, 144, 96) } else { (84, 160, 64) };
+    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * src_bytes, "repack Q2_K/Q3_K: shape");
+    let mut chunks = out.chunks_exact_mut(head + 8 * sub_bytes);
+    for g in 0..rows / 8 {
+        for sb in 0..supers {
+            let o = chunks.next().expect("sized by the caller");
+            o.fill(0);
+            let src = |r: usize| &data[((g * 8 + r) * supers + sb) * src_bytes..][..src_bytes];
+            for r in 0..8 {
+                if THREE {
+                    o[2 * r..2 * r + 2].copy_from_slice(&src(r)[108..110]);
+                    for grp in 0..16 {
+                        o[16 + 8 * grp + r] = q3k_scale(src(r), grp) as i8 as u8;
+                    }
+                } else {
+                    o[2 * r..2 * r + 2].copy_from_slice(&src(r)[80..82]);
+                    o[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src(r)[82..84]);
+                    for grp in 0..16 {
+                        o[32 + 8 * grp + r] = src(r)[grp];
+                    }
+                }
+            }
+            // Element n's value as stored: Q2_K 0..3; Q3_K 0..7 (the −4 is the kernel's).
+            let v = |r: usize, n: usize| if THREE { (q3k_at(src(r), n) + 4) as u8 } else { q2k_at(src(r), n) as u8 };
+            for s in 0..8 {
+                let sub = &mut o[head + sub_bytes * s..head + sub_bytes * (s + 1)];
+                for j in 0..4 {
+                    for r in 0..8 {
+                        for e in 0..4 {
+                            let (a, b) = (v(r, 32 * s + 4 * j + e), v(r, 32 * s + 16 + 4 * j + e));
+                            let p = 4 * r + e;
+                            sub[32 * (j / 2) + p] |= ((a & 3) | ((b & 3) << 2)) << (4 * (j % 2));
+                            if THREE {
+                                sub[64 + p] |= ((a >> 2) << (2 * j)) | ((b >> 2) << (2 * j + 1));
+                            }
                         }
                     }
                 }

@@ -129,7 +129,9 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
         | WeightFormat::Q5Kx8
         | WeightFormat::Q6Kx8
         | WeightFormat::Iq4Nlx8
-        | WeightFormat::Iq4Xsx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        | WeightFormat::Iq4Xsx8
+        | WeightFormat::Q2Kx8
+        | WeightFormat::Q3Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
@@ -497,6 +499,19 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
     }
 }
 
+/// `Q2_Kx8` (`Q3_Kx8` when `three`): row `r`'s value `l` (0..32) of sub-block `s` of a
+/// super-block (Q2_K: 0..3; Q3_K: −4..3).
+fn k23x8_q(sup: &[u8], three: bool, r: usize, s: usize, l: usize) -> i32 {
+    let (j, p, high) = ((l % 16) / 4, 4 * r + l % 4, usize::from(l >= 16));
+    let sub = &sup[if three { 144 + 96 * s } else { 160 + 64 * s }..];
+    let low = ((sub[32 * (j / 2) + p] >> (4 * (j % 2) + 2 * high)) & 3) as i32;
+    if three {
+        low + 4 * ((sub[64 + p] >> (2 * j + high)) & 1) as i32 - 4
+    } else {
+        low
+    }
+}
+
 /// `IQ4_XSx8`: row `r`'s level `l` (0..32) of sub-block `s` of a super-block, and its
 /// scale (less 32).
 fn iq4xsx8_q(sup: &[u8], r: usize, s: usize, l: usize) -> (i32, i32) {
@@ -549,6 +564,23 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
         }
         return;
     }
+    if matches!(format, WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8) {
+        let three = format == WeightFormat::Q3Kx8;
+        for (sb, sup) in group.chunks_exact(8 * format.block_bytes()).take(cols / 256).enumerate() {
+            for r in 0..8 {
+                for n in 0..256 {
+                    let (grp, q) = (n / 16, k23x8_q(sup, three, r, n / 32, n % 32));
+                    out[r * cols + 256 * sb + n] = if three {
+                        f16_at(sup, 2 * r) * (sup[16 + 8 * grp + r] as i8) as f32 * q as f32
+                    } else {
+                        let sc = sup[32 + 8 * grp + r];
+                        f16_at(sup, 2 * r) * (sc & 0x0F) as f32 * q as f32 - f16_at(sup, 16 + 2 * r) * (sc >> 4) as f32
+                    };
+                }
+            }
+        }
+        return;
+    }
     if format == WeightFormat::Iq4Xsx8 {
         for (sb, sup) in group.chunks_exact(8 * 138).take(cols / 256).enumerate() {
             for r in 0..8 {
@@ -594,6 +626,34 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
 /// Dot products of the 8 rows of one interleaved group with q8 activations, integer
 /// inner sums: what the SIMD kernel computes, written plainly.
 pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+    if matches!(format, WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8) {
+        // As Q2_K's and Q3_K's dots (dot_q8), 8 rows at a time: two groups per q8 block.
+        let three = format == WeightFormat::Q3Kx8;
+        let mut acc = [0.0f32; 8];
+        for (sup, xs) in group.chunks_exact(8 * format.block_bytes()).zip(x.chunks_exact(8)) {
+            for (r, a) in acc.iter_mut().enumerate() {
+                let d = f16_at(sup, 2 * r);
+                for (s, xb) in xs.iter().enumerate() {
+                    let (mut isum, mut xsum) = ([0i32; 2], [0i32; 2]);
+                    for l in 0..32 {
+                        isum[l / 16] += k23x8_q(sup, three, r, s, l) * xb.qs[l] as i32;
+                        xsum[l / 16] += xb.qs[l] as i32;
+                    }
+                    if three {
+                        let (sa, sb) = (sup[16 + 8 * (2 * s) + r] as i8 as f32, sup[16 + 8 * (2 * s + 1) + r] as i8 as f32);
+                        *a += d * xb.d * (sa * isum[0] as f32 + sb * isum[1] as f32);
+                    } else {
+                        let dmin = f16_at(sup, 16 + 2 * r);
+                        for g in 0..2 {
+                            let sc = sup[32 + 8 * (2 * s + g) + r];
+                            *a += xb.d * (d * (sc & 0x0F) as f32 * isum[g] as f32 - dmin * (sc >> 4) as f32 * xsum[g] as f32);
+                        }
+                    }
+                }
+            }
+        }
+        return acc;
+    }
     if format == WeightFormat::Iq4Xsx8 {
         // As IQ4_XS's dot (dot_q8), 8 rows at a time: one scale per q8 block.
         let mut acc = [0.0f32; 8];

@@ -1086,7 +1086,48 @@ mod x86 {
                     out
                 }
 
+                /// Q2_Kx8 (Q3_Kx8 when `THREE`): per sub-block `k6_dot` over the values
+                /// (signed, as Q6_Kx8's) with the two groups' scales; Q2_K's min term
+                /// from each half-block's Σ x_q.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn k23<const THREE: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                    let (sup_bytes, head, sub_bytes) = if THREE { (912, 144, 96) } else { (672, 160, 64) };
+                    let supers = x.len() / 8;
+                    assert!(x.len() % 8 == 0 && group.len() >= supers * sup_bytes);
+                    let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    for sb in 0..supers {
+                        let p = group.as_ptr().add(sb * sup_bytes);
+                        let (mut acc_s, mut acc_ms) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                        for (s, xb) in x[8 * sb..8 * sb + 8].iter().enumerate() {
+                            let qp = p.add(head + sub_bytes * s);
+                            for line in 0..2 {
+                                _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+                            }
+                            let y = xb.qs.as_ptr() as *const i32;
+                            let q = k23_quants::<THREE>(qp);
+                            if THREE {
+                                acc_s = _mm256_fmadd_ps($k6_dot(&q, y, k6_scales(p, s)), _mm256_set1_ps(xb.d), acc_s);
+                            } else {
+                                let (sc, mn) = k2_scales_mins(p, s);
+                                acc_s = _mm256_fmadd_ps($k6_dot(&q, y, sc), _mm256_set1_ps(xb.d), acc_s);
+                                let (ha, hb) = q8_half_sums(y);
+                                acc_ms = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(ha as f32 * xb.d), _mm256_fmadd_ps(mn[1], _mm256_set1_ps(hb as f32 * xb.d), acc_ms));
+                            }
+                        }
+                        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), acc_s, acc);
+                        if !THREE {
+                            acc_m = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)), acc_ms, acc_m);
+                        }
+                    }
+                    let mut out = [0.0f32; 8];
+                    _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc, acc_m));
+                    out
+                }
+
                 match format {
+                    WeightFormat::Q2Kx8 => k23::<false>(group, x),
+                    WeightFormat::Q3Kx8 => k23::<true>(group, x),
                     WeightFormat::Q4_0x8 => u4::<false, false>(group, x),
                     WeightFormat::Q4_1x8 => u4::<true, false>(group, x),
                     WeightFormat::Q5_0x8 => u4::<false, true>(group, x),
@@ -1291,7 +1332,51 @@ mod x86 {
                     out
                 }
 
+                /// Q2_Kx8 / Q3_Kx8 for four tokens: each sub-block's values unpacked and
+                /// its scales (mins) converted once for all four.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn k23<const THREE: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                    let (sup_bytes, head, sub_bytes) = if THREE { (912, 144, 96) } else { (672, 160, 64) };
+                    let blocks = xs[0].len();
+                    let supers = blocks / 8;
+                    assert!(blocks % 8 == 0 && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
+                    let (mut acc, mut acc_m) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
+                    let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+                    for sb in 0..supers {
+                        let p = group.as_ptr().add(sb * sup_bytes);
+                        let (mut acc_s, mut acc_ms) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
+                        for s in 0..8 {
+                            let b = 8 * sb + s;
+                            let q = k23_quants::<THREE>(p.add(head + sub_bytes * s));
+                            let (sc, mn) = if THREE { (k6_scales(p, s), [_mm256_setzero_ps(); 2]) } else { k2_scales_mins(p, s) };
+                            for t in 0..4 {
+                                let y = ys[t].add(b * STRIDE + QS);
+                                let xd = xs[t][b].d;
+                                acc_s[t] = _mm256_fmadd_ps($k6_dot(&q, y, sc), _mm256_set1_ps(xd), acc_s[t]);
+                                if !THREE {
+                                    let (ha, hb) = q8_half_sums(y);
+                                    acc_ms[t] = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(ha as f32 * xd), _mm256_fmadd_ps(mn[1], _mm256_set1_ps(hb as f32 * xd), acc_ms[t]));
+                                }
+                            }
+                        }
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        let dmin = if THREE { _mm256_setzero_ps() } else { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) };
+                        for t in 0..4 {
+                            acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
+                            acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
+                        }
+                    }
+                    let mut out = [[0.0f32; 8]; 4];
+                    for t in 0..4 {
+                        _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_sub_ps(acc[t], acc_m[t]));
+                    }
+                    out
+                }
+
                 match format {
+                    WeightFormat::Q2Kx8 => k23::<false>(group, xs),
+                    WeightFormat::Q3Kx8 => k23::<true>(group, xs),
                     WeightFormat::Iq4Nlx8 => iq4::<false>(group, xs),
                     WeightFormat::Iq4Xsx8 => iq4::<true>(group, xs),
                     WeightFormat::Q6Kx8 => k6(group, xs),
@@ -1393,6 +1478,60 @@ mod x86 {
             q[4 * i + 3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), h[3]), m32);
         }
         q
+    }
+
+    /// One `Q2_Kx8` (`Q3_Kx8` when `THREE`) sub-block's values as signed bytes in
+    /// `k6_quants`'s chunk order (`[2j]` chunk j's low-nibble elements, `[2j + 1]` its
+    /// high-nibble ones): the two low bits from vector j / 2 at bits 4·(j % 2) (+2 for
+    /// the high-nibble element); Q3_K adds its third bit (bit 2j, 2j + 1 of the vector at
+    /// `qp + 64`) and takes 4 off. 16-bit shifts are safe: every result is masked to bits
+    /// that came from its own byte.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn k23_quants<const THREE: bool>(qp: *const u8) -> [__m256i; 8] {
+        let (three, one, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1), _mm256_set1_epi8(4));
+        let shifted = |v: __m256i, k: i32| _mm256_srl_epi16(v, _mm_cvtsi32_si128(k));
+        let hb = if THREE { _mm256_loadu_si256(qp.add(64) as *const __m256i) } else { _mm256_setzero_si256() };
+        let mut q = [_mm256_setzero_si256(); 8];
+        for i in 0..2 {
+            let v = _mm256_loadu_si256(qp.add(32 * i) as *const __m256i);
+            for half in 0..2 {
+                let j = 2 * i + half;
+                for (k, slot) in [2 * j, 2 * j + 1].into_iter().enumerate() {
+                    let low = _mm256_and_si256(shifted(v, (4 * half + 2 * k) as i32), three);
+                    q[slot] = if THREE {
+                        let bit = _mm256_and_si256(shifted(hb, (2 * j + k) as i32), one);
+                        _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(bit, 2)), four)
+                    } else {
+                        low
+                    };
+                }
+            }
+        }
+        q
+    }
+
+    /// `Q2_Kx8` sub-block `s`'s two 16-column groups (2s, 2s + 1) for the 8 rows of the
+    /// super-block at `p`: their scales and their mins (4-bit halves of one byte), as floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn k2_scales_mins(p: *const u8, s: usize) -> ([__m256; 2], [__m256; 2]) {
+        let low = _mm256_set1_epi32(0x0F);
+        let bytes = |g: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(32 + 8 * g) as *const __m128i));
+        let (a, b) = (bytes(2 * s), bytes(2 * s + 1));
+        let f = _mm256_cvtepi32_ps;
+        ([f(_mm256_and_si256(a, low)), f(_mm256_and_si256(b, low))], [f(_mm256_srli_epi32(a, 4)), f(_mm256_srli_epi32(b, 4))])
+    }
+
+    /// The sums of a q8 block's first and second 16 quants (Q2_K's min term).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_half_sums(y: *const i32) -> (i32, i32) {
+        let v = _mm256_loadu_si256(y as *const __m256i);
+        let s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+        let t = _mm_hadd_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        let t = _mm_hadd_epi32(t, t);
+        (_mm_cvtsi128_si32(t), _mm_extract_epi32(t, 1))
     }
 
     rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);

@@ -81,7 +81,7 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -414,7 +414,7 @@ fn matmul_jobs_equals_one_matmul_per_job() {
 fn interleaved_rows_are_the_source_rows() {
     let isa = Isa::detect();
     let mut rng = Rng(6);
-    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q5_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::Iq4Nl, WeightFormat::Iq4Xs] {
+    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q5_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::Iq4Nl, WeightFormat::Iq4Xs, WeightFormat::Q2K, WeightFormat::Q3K] {
         let packed_format = format.interleaved().unwrap();
         let shapes = if format.block_elems() == 256 { [(8, 256), (16, 512), (24, 1024)] } else { [(8, 32), (16, 96), (24, 576)] };
         for (rows, cols) in shapes {
@@ -425,6 +425,7 @@ fn interleaved_rows_are_the_source_rows() {
             let extra = match format {
                 WeightFormat::Q4K | WeightFormat::Q5K => rows * cols / 256 * 4,
                 WeightFormat::Iq4Xs => rows * cols / 256 * 2,
+                WeightFormat::Q3K => rows * cols / 256 * 4,
                 _ => 0,
             };
             assert_eq!(packed.len(), data.len() + extra);
@@ -617,7 +618,7 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
         }
         let (avx2, vnni) = (Isa::Avx2, Isa::Avx512Vnni);
         let mut rng = Rng(11);
-        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q5_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::Iq4Nl, WeightFormat::Iq4Xs] {
+        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q5_0, WeightFormat::Q5_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::Iq4Nl, WeightFormat::Iq4Xs, WeightFormat::Q2K, WeightFormat::Q3K] {
             let packed_format = format.interleaved().unwrap();
             let widths = if format.block_elems() == 256 { [256, 512, 768, 2048] } else { [32, 96, 576, 2048] };
             for cols in widths {

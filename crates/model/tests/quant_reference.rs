@@ -52,7 +52,7 @@ fn gguf_blocks_match_gguf_py() {
     }
 }
 
-/// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS repacked into 8-row groups (`Q4_Kx8`/`Q5_Kx8`/`IQ4_XSx8`:
+/// Q5_0, Q5_1, Q2_K .. Q6_K, IQ4_NL and IQ4_XS repacked into 8-row groups (`Q4_Kx8`/`Q5_Kx8`/`Q3_Kx8`/`IQ4_XSx8`:
 /// scales and mins unpacked to bytes; fifth and high bits regrouped to match the nibbles) still dequantize to gguf-py's
 /// values, including the random-byte blocks (every bit of the scales and high bits in
 /// use); the SIMD group dot (one and four tokens) agrees with the exact dot of those
@@ -67,6 +67,8 @@ fn groups_of_8_rows_match_gguf_py() {
         ("Q6_K", WeightFormat::Q6K, 210),
         ("IQ4_NL", WeightFormat::Iq4Nl, 18),
         ("IQ4_XS", WeightFormat::Iq4Xs, 136),
+        ("Q2_K", WeightFormat::Q2K, 84),
+        ("Q3_K", WeightFormat::Q3K, 110),
     ] {
         let packed_format = format.interleaved().unwrap();
         // One block per row.
