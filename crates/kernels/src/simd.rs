@@ -954,9 +954,7 @@ mod x86 {
                         let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(if FIVE { -16.0 } else { -8.0 })) };
                         acc_m = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc_m);
                     }
-                    let mut out = [0.0f32; 8];
-                    _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
-                    out
+                    std::mem::transmute::<__m256, [f32; 8]>(_mm256_add_ps(acc, acc_m))
                 }
 
                 #[inline]
@@ -979,9 +977,7 @@ mod x86 {
                         }
                         acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum_i8(sum)), acc);
                     }
-                    let mut out = [0.0f32; 8];
-                    _mm256_storeu_ps(out.as_mut_ptr(), acc);
-                    out
+                    std::mem::transmute::<__m256, [f32; 8]>(acc)
                 }
 
                 /// Q4_Kx8 (Q5_Kx8 when `FIVE`): per 32-column sub-block the Q4_0x8 integer
@@ -1013,9 +1009,7 @@ mod x86 {
                         acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), acc_s, acc);
                         acc_m = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)), acc_ms, acc_m);
                     }
-                    let mut out = [0.0f32; 8];
-                    _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc, acc_m));
-                    out
+                    std::mem::transmute::<__m256, [f32; 8]>(_mm256_sub_ps(acc, acc_m))
                 }
 
                 /// Q6_Kx8: per 32-column sub-block, the 6-bit quants rebuilt from their
@@ -1040,9 +1034,7 @@ mod x86 {
                         }
                         acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), acc_s, acc);
                     }
-                    let mut out = [0.0f32; 8];
-                    _mm256_storeu_ps(out.as_mut_ptr(), acc);
-                    out
+                    std::mem::transmute::<__m256, [f32; 8]>(acc)
                 }
 
                 /// IQ4_NLx8 (`XS` false: blocks of 32, 144 bytes per 8 rows) or IQ4_XSx8
@@ -1081,9 +1073,7 @@ mod x86 {
                             acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
                         }
                     }
-                    let mut out = [0.0f32; 8];
-                    _mm256_storeu_ps(out.as_mut_ptr(), acc);
-                    out
+                    std::mem::transmute::<__m256, [f32; 8]>(acc)
                 }
 
                 /// Q2_Kx8 (Q3_Kx8 when `THREE`): per sub-block `k6_dot` over the values
@@ -1120,9 +1110,7 @@ mod x86 {
                             acc_m = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)), acc_ms, acc_m);
                         }
                     }
-                    let mut out = [0.0f32; 8];
-                    _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc, acc_m));
-                    out
+                    std::mem::transmute::<__m256, [f32; 8]>(_mm256_sub_ps(acc, acc_m))
                 }
 
                 match format {
@@ -1170,11 +1158,7 @@ mod x86 {
                             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
                         }
                     }
-                    let mut out = [[0.0f32; 8]; 4];
-                    for t in 0..4 {
-                        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-                    }
-                    out
+                    std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
                 }
 
                 #[inline]
@@ -1206,11 +1190,7 @@ mod x86 {
                             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps($sum_i8(sum[t])), acc[t]);
                         }
                     }
-                    let mut out = [[0.0f32; 8]; 4];
-                    for t in 0..4 {
-                        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-                    }
-                    out
+                    std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
                 }
 
                 /// Q4_Kx8 (Q5_Kx8) for four tokens: each sub-block's quants unpacked and
@@ -1247,11 +1227,10 @@ mod x86 {
                             acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
                         }
                     }
-                    let mut out = [[0.0f32; 8]; 4];
                     for t in 0..4 {
-                        _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_sub_ps(acc[t], acc_m[t]));
+                        acc[t] = _mm256_sub_ps(acc[t], acc_m[t]);
                     }
-                    out
+                    std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
                 }
 
                 /// Q6_Kx8 for four tokens: each sub-block's quants rebuilt once for all four.
@@ -1279,11 +1258,7 @@ mod x86 {
                             acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
                         }
                     }
-                    let mut out = [[0.0f32; 8]; 4];
-                    for t in 0..4 {
-                        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-                    }
-                    out
+                    std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
                 }
 
                 /// IQ4_NLx8 / IQ4_XSx8 for four tokens: each block's levels looked up once
@@ -1325,11 +1300,7 @@ mod x86 {
                             }
                         }
                     }
-                    let mut out = [[0.0f32; 8]; 4];
-                    for t in 0..4 {
-                        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-                    }
-                    out
+                    std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
                 }
 
                 /// Q2_Kx8 / Q3_Kx8 for four tokens: each sub-block's values unpacked and
@@ -1367,11 +1338,10 @@ mod x86 {
                             acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
                         }
                     }
-                    let mut out = [[0.0f32; 8]; 4];
                     for t in 0..4 {
-                        _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_sub_ps(acc[t], acc_m[t]));
+                        acc[t] = _mm256_sub_ps(acc[t], acc_m[t]);
                     }
-                    out
+                    std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
                 }
 
                 match format {
