@@ -268,22 +268,17 @@ impl WeightFormat {
         }
     }
 
-    /// The 8-row layouts with AVX2/VNNI kernels only (`Q5_0x8`, `Q5_1x8`, the
-    /// K-quants `Q2_Kx8` .. `Q6_Kx8` and `IQ4_NLx8`, `IQ4_XSx8`): no NEON kernels (other
-    /// ISAs keep rows) and no two-group (16-row) pass.
+    /// The 8-row layouts with x86 (AVX2/VNNI) kernels only: `Q5_0x8`, `Q5_1x8`, `Q5_Kx8`,
+    /// `Q2_Kx8`, `Q3_Kx8`. NEON keeps those formats in rows; the other 8-row layouts
+    /// have NEON kernels too.
     pub fn is_x86_interleaved(self) -> bool {
-        matches!(
-            self,
-            WeightFormat::Q5_0x8
-                | WeightFormat::Q5_1x8
-                | WeightFormat::Q2Kx8
-                | WeightFormat::Q3Kx8
-                | WeightFormat::Q4Kx8
-                | WeightFormat::Q5Kx8
-                | WeightFormat::Q6Kx8
-                | WeightFormat::Iq4Nlx8
-                | WeightFormat::Iq4Xsx8
-        )
+        matches!(self, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q5Kx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8)
+    }
+
+    /// The 8-row layouts whose two consecutive groups the AVX-512 VNNI kernel runs in
+    /// one 512-bit pass (`Isa::dot_q8_rows16_x4`); the others take two 256-bit passes.
+    pub fn pairs_in_512_bits(self) -> bool {
+        matches!(self, WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8)
     }
 
     /// The interleaved layout this format is repacked into at load, if it has one.

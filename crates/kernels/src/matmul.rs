@@ -236,7 +236,7 @@ pub fn matmul_jobs<'w>(
 /// them.
 fn unit_rows(isa: Isa, w: &WeightRows<'_>, n_tokens: usize) -> usize {
     match w.format.rows_per_group() {
-        8 if isa.pairs_groups() && n_tokens >= 4 && w.rows % 16 == 0 && !w.format.is_x86_interleaved() => 16,
+        8 if isa.pairs_groups() && n_tokens >= 4 && w.rows % 16 == 0 && w.format.pairs_in_512_bits() => 16,
         rpg => rpg,
     }
 }

@@ -160,7 +160,7 @@ impl Isa {
             Isa::Avx2 => unsafe { x86::dot_q8_rows8(format, group, x) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
-            // (NEON keeps Q4_K in rows: `runs_interleaved`.)
+            // (NEON keeps Q5 and Q2_K/Q3_K in rows: `runs_interleaved`.)
             Isa::Neon if !format.is_x86_interleaved() => unsafe { arm::dot_q8_rows8(format, group, x) },
             _ => scalar::dot_q8_rows8(format, group, x),
         }
@@ -191,7 +191,7 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_q8_rows8.
-            Isa::Avx512Vnni if !format.is_x86_interleaved() => unsafe { x86::dot_q8_rows16_x4_zmm(format, pair, xs) },
+            Isa::Avx512Vnni if format.pairs_in_512_bits() => unsafe { x86::dot_q8_rows16_x4_zmm(format, pair, xs) },
             _ => {
                 let (a, b) = pair.split_at(pair.len() / 2);
                 let (va, vb) = (self.dot_q8_rows8_x4(format, a, xs), self.dot_q8_rows8_x4(format, b, xs));
@@ -2793,11 +2793,149 @@ mod arm {
         acc
     }
 
+    /// 8 bytes at `p` (u8, or i8 when `SIGNED`) as rows 0–3 and 4–7 in f32.
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn bytes8_f32<const SIGNED: bool>(p: *const u8) -> [float32x4_t; 2] {
+        let w = if SIGNED { vmovl_s8(vld1_s8(p as *const i8)) } else { vreinterpretq_s16_u16(vmovl_u8(vld1_u8(p))) };
+        [vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)))]
+    }
+
+    /// The 8 rows' f16 scales at `p` as rows 0–3 and 4–7 in f32.
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn halves8_f32(p: *const u8) -> [float32x4_t; 2] {
+        [f16x4_to_f32(vld1_u16(p as *const u16)), f16x4_to_f32(vld1_u16(p.add(8) as *const u16))]
+    }
+
+    /// A 32-column block of 8 interleaved rows (Q4_0x8's nibble order at `qp`) against one
+    /// token's quants `y`: rows 0–3 and 4–7 in two SDOT chains. `levels`: IQ4's table
+    /// for the nibbles, else the nibbles themselves (0..15).
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn nibble_sums(qp: *const u8, y: *const i32, levels: Option<int8x16_t>) -> [int32x4_t; 2] {
+        let low = vdupq_n_u8(0x0F);
+        let yb = |j: usize| vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))));
+        let value = |n: uint8x16_t| match levels {
+            Some(t) => vqtbl1q_s8(t, n),
+            None => vreinterpretq_s8_u8(n),
+        };
+        let mut isum = [vdupq_n_s32(0); 2];
+        for j in 0..4 {
+            for (h, acc) in isum.iter_mut().enumerate() {
+                let c = vld1q_u8(qp.add(32 * j + 16 * h));
+                *acc = sdot(sdot(*acc, value(vandq_u8(c, low)), yb(j)), value(vshrq_n_u8::<4>(c)), yb(4 + j));
+            }
+        }
+        isum
+    }
+
+    /// `IQ4_NLx8`: Q4_0x8's layout, the nibbles looked up in IQ4's levels (TBL).
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn rows8_iq4nl(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        assert!(group.len() >= x.len() * 144);
+        let levels = vld1q_s8(scalar::IQ4_LEVELS.as_ptr());
+        let mut acc = [vdupq_n_f32(0.0); 2];
+        for (b, xb) in x.iter().enumerate() {
+            let p = group.as_ptr().add(b * 144);
+            let (d, isum) = (halves8_f32(p), nibble_sums(p.add(16), xb.qs.as_ptr() as *const i32, Some(levels)));
+            for h in 0..2 {
+                acc[h] = vfmaq_f32(acc[h], vmulq_n_f32(d[h], xb.d), vcvtq_f32_s32(isum[h]));
+            }
+        }
+        let mut out = [0.0f32; 8];
+        vst1q_f32(out.as_mut_ptr(), acc[0]);
+        vst1q_f32(out.as_mut_ptr().add(4), acc[1]);
+        out
+    }
+
+    /// The super-block 8-row layouts (`Q4_Kx8`, `Q6_Kx8`, `IQ4_XSx8`; format module docs)
+    /// with SDOT, per 32-column sub-block: Q4_K's nibbles with their byte scale and min;
+    /// Q6_K's 6-bit values less 32 (nibbles plus two high bits) in two 16-column groups,
+    /// each with its i8 scale; IQ4_XS's levels with an i8 scale. d (and dmin) once per
+    /// super-block, as the x86 kernels do.
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn rows8_super(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        let sup_bytes = 8 * format.block_bytes();
+        let supers = x.len() / 8;
+        assert!(x.len() % 8 == 0 && group.len() >= supers * sup_bytes);
+        let levels = vld1q_s8(scalar::IQ4_LEVELS.as_ptr());
+        let (low, three, m32) = (vdupq_n_u8(0x0F), vdupq_n_u8(3), vdupq_n_s8(32));
+        let (mut acc, mut acc_m) = ([vdupq_n_f32(0.0); 2], [vdupq_n_f32(0.0); 2]);
+        for sb in 0..supers {
+            let p = group.as_ptr().add(sb * sup_bytes);
+            let (mut acc_s, mut acc_ms) = ([vdupq_n_f32(0.0); 2], [vdupq_n_f32(0.0); 2]);
+            for (s, xb) in x[8 * sb..8 * sb + 8].iter().enumerate() {
+                let y = xb.qs.as_ptr() as *const i32;
+                match format {
+                    WeightFormat::Q4Kx8 => {
+                        let isum = nibble_sums(p.add(160 + 128 * s), y, None);
+                        let (scale, min) = (bytes8_f32::<false>(p.add(32 + 8 * s)), bytes8_f32::<false>(p.add(96 + 8 * s)));
+                        for h in 0..2 {
+                            acc_s[h] = vfmaq_f32(acc_s[h], vmulq_n_f32(scale[h], xb.d), vcvtq_f32_s32(isum[h]));
+                            acc_ms[h] = vfmaq_n_f32(acc_ms[h], min[h], xb.sum);
+                        }
+                    }
+                    WeightFormat::Iq4Xsx8 => {
+                        let isum = nibble_sums(p.add(80 + 128 * s), y, Some(levels));
+                        let scale = bytes8_f32::<true>(p.add(16 + 8 * s));
+                        for h in 0..2 {
+                            acc_s[h] = vfmaq_f32(acc_s[h], vmulq_n_f32(scale[h], xb.d), vcvtq_f32_s32(isum[h]));
+                        }
+                    }
+                    _ => {
+                        // Q6_Kx8: chunk j's nibbles at qp + 32j, its high bits in vector j / 2
+                        // at qp + 128 (bits 4·(j % 2) for the low-nibble element, + 2 for the
+                        // high one); low-nibble elements are group 2s, high ones 2s + 1.
+                        let qp = p.add(144 + 192 * s);
+                        let yb = |j: usize| vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))));
+                        let (mut sum_a, mut sum_b) = ([vdupq_n_s32(0); 2], [vdupq_n_s32(0); 2]);
+                        for j in 0..4 {
+                            for h in 0..2 {
+                                let c = vld1q_u8(qp.add(32 * j + 16 * h));
+                                let hv = vld1q_u8(qp.add(128 + 32 * (j / 2) + 16 * h));
+                                let hb = |k: i8| vshlq_n_u8::<4>(vandq_u8(vshlq_u8(hv, vdupq_n_s8(-(4 * (j % 2) as i8 + k))), three));
+                                let ql = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vandq_u8(c, low), hb(0))), m32);
+                                let qh = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8::<4>(c), hb(2))), m32);
+                                sum_a[h] = sdot(sum_a[h], ql, yb(j));
+                                sum_b[h] = sdot(sum_b[h], qh, yb(4 + j));
+                            }
+                        }
+                        let (sa, sb_) = (bytes8_f32::<true>(p.add(16 + 8 * (2 * s))), bytes8_f32::<true>(p.add(16 + 8 * (2 * s + 1))));
+                        for h in 0..2 {
+                            let v = vfmaq_f32(vmulq_f32(sb_[h], vcvtq_f32_s32(sum_b[h])), sa[h], vcvtq_f32_s32(sum_a[h]));
+                            acc_s[h] = vfmaq_n_f32(acc_s[h], v, xb.d);
+                        }
+                    }
+                }
+            }
+            let d = halves8_f32(p);
+            for h in 0..2 {
+                acc[h] = vfmaq_f32(acc[h], d[h], acc_s[h]);
+            }
+            if format == WeightFormat::Q4Kx8 {
+                let dmin = halves8_f32(p.add(16));
+                for h in 0..2 {
+                    acc_m[h] = vfmaq_f32(acc_m[h], dmin[h], acc_ms[h]);
+                }
+            }
+        }
+        let mut out = [0.0f32; 8];
+        vst1q_f32(out.as_mut_ptr(), vsubq_f32(acc[0], acc_m[0]));
+        vst1q_f32(out.as_mut_ptr().add(4), vsubq_f32(acc[1], acc_m[1]));
+        out
+    }
+
     /// The interleaved formats with SDOT: each 16-byte half of a 32-byte chunk is four
     /// elements of four rows, so one SDOT against the broadcast activation bytes gives
     /// four rows' partial sums in four lanes (signed × signed: no sign trick needed).
     #[target_feature(enable = "neon,dotprod")]
     pub unsafe fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        match format {
+            WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Xsx8 => return rows8_super(format, group, x),
+            WeightFormat::Iq4Nlx8 => return rows8_iq4nl(group, x),
+            _ => {}
+        }
         let bb = 8 * format.block_bytes();
         assert!(group.len() >= x.len() * bb);
         let (min, eight) = (format == WeightFormat::Q4_1x8, format == WeightFormat::Q8_0x8);
