@@ -3,7 +3,8 @@
 # AVX-512 VNNI (a Sapphire Rapids-class Xeon, like the one issue #6 quotes):
 #   1. every kernel test under the detected ISA (VNNI), the VNNI == AVX2 bit-for-bit test
 #      (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quant 8-row layouts), and the suite under AVX2;
-#   2. tessera against llama.cpp at 2 threads on the same files, alternating, two rounds.
+#   2. tessera against llama.cpp at 2 threads on the same files (SmolLM2 Q4_1; the MoE in Q4_0,
+#      Q4_K_M, Q2_K and IQ4_XS), alternating, two rounds.
 # The models are speed twins (tools/bench/gguf_twin.py: the same tensors and bytes per token,
 # rows repeated so they compress to a few MiB), since the device receives at most 64 MiB.
 # llama.cpp is a static llama-bench built on our machine for Sapphire Rapids (AVX-512, VNNI,
@@ -24,7 +25,7 @@ echo "== kernel tests, detected ISA"; ./kernels-test 2>&1 | grep -E "^test resul
 echo "== vnni equality"; ./kernels-test vnni_kernels_equal_avx2_bit_for_bit --nocapture 2>&1 | grep -E "nothing|result|panicked"
 echo "== kernel tests, TESSERA_ISA=avx2"; TESSERA_ISA=avx2 ./kernels-test 2>&1 | grep -E "^test result|FAILED|panicked" | head -20
 for round in $(seq "$ROUNDS"); do
-  for m in SmolLM2-135M-Instruct.Q4_1 bench-moe.Q4_0 bench-moe.Q4_K_M; do
+  for m in SmolLM2-135M-Instruct.Q4_1 bench-moe.Q4_0 bench-moe.Q4_K_M bench-moe.Q2_K bench-moe.IQ4_XS; do
     f=$m.twin.gguf
     echo "== round $round $m tessera"
     timeout 100 ./tessera bench --model "$f" --threads "$THREADS" --pp 128 --tg 64 --batch 1,32 --repeat 1 2>&1 \
