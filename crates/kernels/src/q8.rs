@@ -13,6 +13,9 @@ pub struct BlockQ8 {
     /// d·Σq, used by Q4_1's `m` term.
     pub sum: f32,
     pub qs: [i8; QK],
+    /// Σq over elements 0..16 and 16..32: Q2_K's min term, one per 16-element group
+    /// (llama.cpp's Q8_K keeps the same sums).
+    pub half_sums: [i16; 2],
 }
 
 /// Scalar quantization of one row; `x.len()` must be a multiple of 32.
@@ -22,13 +25,14 @@ pub fn quantize_row_scalar(x: &[f32], out: &mut [BlockQ8]) {
         let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut isum = 0i32;
-        for (q, &v) in block.qs.iter_mut().zip(xs) {
+        let mut half = [0i32; 2];
+        for (i, (q, &v)) in block.qs.iter_mut().zip(xs).enumerate() {
             let r = (v * id).round() as i32;
             *q = r as i8;
-            isum += r;
+            half[i / 16] += r;
         }
         block.d = d;
-        block.sum = d * isum as f32;
+        block.sum = d * (half[0] + half[1]) as f32;
+        block.half_sums = half.map(|h| h as i16);
     }
 }

@@ -1078,7 +1078,7 @@ mod x86 {
 
                 /// Q2_Kx8 (Q3_Kx8 when `THREE`): per sub-block `k6_dot` over the values
                 /// (signed, as Q6_Kx8's) with the two groups' scales; Q2_K's min term
-                /// from each half-block's Σ x_q.
+                /// from each half-block's Σ x_q (`BlockQ8::half_sums`).
                 #[inline]
                 #[target_feature(enable = $features)]
                 unsafe fn k23<const THREE: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
@@ -1101,7 +1101,7 @@ mod x86 {
                             } else {
                                 let (sc, mn) = k2_scales_mins(p, s);
                                 acc_s = _mm256_fmadd_ps($k6_dot(&q, y, sc), _mm256_set1_ps(xb.d), acc_s);
-                                let (ha, hb) = q8_half_sums(y);
+                                let [ha, hb] = xb.half_sums;
                                 acc_ms = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(ha as f32 * xb.d), _mm256_fmadd_ps(mn[1], _mm256_set1_ps(hb as f32 * xb.d), acc_ms));
                             }
                         }
@@ -1326,7 +1326,7 @@ mod x86 {
                                 let xd = xs[t][b].d;
                                 acc_s[t] = _mm256_fmadd_ps($k6_dot(&q, y, sc), _mm256_set1_ps(xd), acc_s[t]);
                                 if !THREE {
-                                    let (ha, hb) = q8_half_sums(y);
+                                    let [ha, hb] = xs[t][b].half_sums;
                                     acc_ms[t] = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(ha as f32 * xd), _mm256_fmadd_ps(mn[1], _mm256_set1_ps(hb as f32 * xd), acc_ms[t]));
                                 }
                             }
@@ -1491,17 +1491,6 @@ mod x86 {
         let (a, b) = (bytes(2 * s), bytes(2 * s + 1));
         let f = _mm256_cvtepi32_ps;
         ([f(_mm256_and_si256(a, low)), f(_mm256_and_si256(b, low))], [f(_mm256_srli_epi32(a, 4)), f(_mm256_srli_epi32(b, 4))])
-    }
-
-    /// The sums of a q8 block's first and second 16 quants (Q2_K's min term).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_half_sums(y: *const i32) -> (i32, i32) {
-        let v = _mm256_loadu_si256(y as *const __m256i);
-        let s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
-        let t = _mm_hadd_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        let t = _mm_hadd_epi32(t, t);
-        (_mm_cvtsi128_si32(t), _mm_extract_epi32(t, 1))
     }
 
     rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
@@ -2343,11 +2332,13 @@ mod x86 {
                 let r = _mm256_round_ps(_mm256_add_ps(s, half), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
                 ints[k] = _mm256_cvtps_epi32(r);
             }
-            let isum = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
-            let s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+            // Σq of elements 0..16 and 16..32, then the whole block's.
+            let (a, b) = (_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+            let fold = |v: __m256i| _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            let s4 = _mm_hadd_epi32(fold(a), fold(b));
             let s4 = _mm_hadd_epi32(s4, s4);
-            let s4 = _mm_hadd_epi32(s4, s4);
-            let total = _mm_cvtsi128_si32(s4);
+            let (sum_a, sum_b) = (_mm_cvtsi128_si32(s4), _mm_extract_epi32(s4, 1));
+            let total = sum_a + sum_b;
             // Pack i32 → i16 → i8; packs interleave 128-bit lanes, the permute restores order.
             let i16a = _mm256_packs_epi32(ints[0], ints[1]);
             let i16b = _mm256_packs_epi32(ints[2], ints[3]);
@@ -2356,6 +2347,7 @@ mod x86 {
             _mm256_storeu_si256(block.qs.as_mut_ptr() as *mut __m256i, i8s);
             block.d = d;
             block.sum = d * total as f32;
+            block.half_sums = [sum_a as i16, sum_b as i16];
         }
     }
 }

@@ -255,6 +255,9 @@ fn q8_quantize_simd_matches_scalar() {
             assert_eq!(w.qs, g.qs, "block {b}");
             assert_eq!(w.d, g.d, "block {b}");
             assert!(close(w.sum, g.sum, 1e-6), "block {b}");
+            assert_eq!(w.half_sums, g.half_sums, "block {b}");
+            let halves = [0, 16].map(|o| w.qs[o..o + 16].iter().map(|&q| q as i32).sum::<i32>() as i16);
+            assert_eq!(w.half_sums, halves, "block {b}: Σq of each half");
             assert!(w.d.is_finite());
         }
     }
