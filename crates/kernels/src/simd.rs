@@ -2793,6 +2793,17 @@ mod arm {
         [vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)))]
     }
 
+    /// The low (`HIGH` false) or high nibbles of the 8 bytes at `p` as rows 0–3 and 4–7 in
+    /// f32 (`Q2_Kx8`'s scale | min << 4 bytes).
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn nibbles8_f32<const HIGH: bool>(p: *const u8) -> [float32x4_t; 2] {
+        let b = vld1_u8(p);
+        let n = if HIGH { vshr_n_u8::<4>(b) } else { vand_u8(b, vdup_n_u8(0x0F)) };
+        let w = vreinterpretq_s16_u16(vmovl_u8(n));
+        [vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)))]
+    }
+
     /// The 8 rows' f16 scales at `p` as rows 0–3 and 4–7 in f32.
     #[inline]
     #[target_feature(enable = "neon,dotprod")]
@@ -2841,8 +2852,10 @@ mod arm {
         out
     }
 
-    /// The super-block 8-row layouts (`Q4_Kx8`, `Q6_Kx8`, `IQ4_XSx8`; format module docs)
-    /// with SDOT, per 32-column sub-block: Q4_K's nibbles with their byte scale and min;
+    /// The super-block 8-row layouts (`Q2_Kx8`, `Q3_Kx8`, `Q4_Kx8`, `Q6_Kx8`, `IQ4_XSx8`;
+    /// format module docs) with SDOT, per 32-column sub-block: Q2_K's and Q3_K's values in
+    /// two 16-column groups (Q2_K's min term from the q8 half sums); Q4_K's nibbles with
+    /// their byte scale and min;
     /// Q6_K's 6-bit values less 32 (nibbles plus two high bits) in two 16-column groups,
     /// each with its i8 scale; IQ4_XS's levels with an i8 scale. d (and dmin) once per
     /// super-block, as the x86 kernels do.
@@ -2875,6 +2888,48 @@ mod arm {
                             acc_s[h] = vfmaq_f32(acc_s[h], vmulq_n_f32(scale[h], xb.d), vcvtq_f32_s32(isum[h]));
                         }
                     }
+                    WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => {
+                        // Chunk j's 2-bit values in vector j / 2 (bits 4·(j % 2) for the
+                        // low-nibble element, + 2 for the high one); Q3_K's third bits at
+                        // qp + 64 (bit 2j, 2j + 1), less 4. Groups 2s and 2s + 1 as Q6_Kx8.
+                        let q3 = format == WeightFormat::Q3Kx8;
+                        let qp = if q3 { p.add(144 + 96 * s) } else { p.add(160 + 64 * s) };
+                        let yb = |j: usize| vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))));
+                        let one = vdupq_n_u8(1);
+                        let (mut sum_a, mut sum_b) = ([vdupq_n_s32(0); 2], [vdupq_n_s32(0); 2]);
+                        for j in 0..4 {
+                            for h in 0..2 {
+                                let v = vld1q_u8(qp.add(32 * (j / 2) + 16 * h));
+                                let two = |k: i8| vandq_u8(vshlq_u8(v, vdupq_n_s8(-(4 * (j % 2) as i8 + k))), three);
+                                let (mut ql, mut qh) = (two(0), two(2));
+                                if q3 {
+                                    let hb = vld1q_u8(qp.add(64 + 16 * h));
+                                    let bit = |k: i8| vshlq_n_u8::<2>(vandq_u8(vshlq_u8(hb, vdupq_n_s8(-(2 * j as i8 + k))), one));
+                                    ql = vorrq_u8(ql, bit(0));
+                                    qh = vorrq_u8(qh, bit(1));
+                                }
+                                let signed = |q: uint8x16_t| if q3 { vsubq_s8(vreinterpretq_s8_u8(q), vdupq_n_s8(4)) } else { vreinterpretq_s8_u8(q) };
+                                sum_a[h] = sdot(sum_a[h], signed(ql), yb(j));
+                                sum_b[h] = sdot(sum_b[h], signed(qh), yb(4 + j));
+                            }
+                        }
+                        let (sa, sb_, ma, mb) = if q3 {
+                            let z = [vdupq_n_f32(0.0); 2];
+                            (bytes8_f32::<true>(p.add(16 + 8 * (2 * s))), bytes8_f32::<true>(p.add(16 + 8 * (2 * s + 1))), z, z)
+                        } else {
+                            let (a, b) = (p.add(32 + 8 * (2 * s)), p.add(32 + 8 * (2 * s + 1)));
+                            (nibbles8_f32::<false>(a), nibbles8_f32::<false>(b), nibbles8_f32::<true>(a), nibbles8_f32::<true>(b))
+                        };
+                        let [ha, hb] = xb.half_sums;
+                        for h in 0..2 {
+                            let v = vfmaq_f32(vmulq_f32(sb_[h], vcvtq_f32_s32(sum_b[h])), sa[h], vcvtq_f32_s32(sum_a[h]));
+                            acc_s[h] = vfmaq_n_f32(acc_s[h], v, xb.d);
+                            if !q3 {
+                                let m = vfmaq_n_f32(vmulq_n_f32(mb[h], hb as f32), ma[h], ha as f32);
+                                acc_ms[h] = vfmaq_n_f32(acc_ms[h], m, xb.d);
+                            }
+                        }
+                    }
                     _ => {
                         // Q6_Kx8: chunk j's nibbles at qp + 32j, its high bits in vector j / 2
                         // at qp + 128 (bits 4·(j % 2) for the low-nibble element, + 2 for the
@@ -2905,7 +2960,7 @@ mod arm {
             for h in 0..2 {
                 acc[h] = vfmaq_f32(acc[h], d[h], acc_s[h]);
             }
-            if format == WeightFormat::Q4Kx8 {
+            if matches!(format, WeightFormat::Q4Kx8 | WeightFormat::Q2Kx8) {
                 let dmin = halves8_f32(p.add(16));
                 for h in 0..2 {
                     acc_m[h] = vfmaq_f32(acc_m[h], dmin[h], acc_ms[h]);
@@ -2924,7 +2979,7 @@ mod arm {
     #[target_feature(enable = "neon,dotprod")]
     pub unsafe fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
         match format {
-            WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Xsx8 => return rows8_super(format, group, x),
+            WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => return rows8_super(format, group, x),
             WeightFormat::Iq4Nlx8 => return rows8_iq4nl(group, x),
             _ => {}
         }
