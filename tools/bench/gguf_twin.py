@@ -16,6 +16,7 @@ The output is gzip-compressed (gzip's 32 KiB window is why a repeat unit stays u
 
 import argparse
 import gzip
+import os
 import shutil
 
 import gguf
@@ -56,8 +57,6 @@ def main() -> None:
     if plain != a.dst:
         with open(plain, "rb") as fi, gzip.open(a.dst, "wb", compresslevel=6) as fo:
             shutil.copyfileobj(fi, fo, 1 << 24)
-        import os
-
         os.remove(plain)
         print(f"compressed: {os.path.getsize(a.dst) / 2**20:.2f} MiB in {a.dst}")
 

@@ -1227,10 +1227,7 @@ mod x86 {
                             acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
                         }
                     }
-                    for t in 0..4 {
-                        acc[t] = _mm256_sub_ps(acc[t], acc_m[t]);
-                    }
-                    std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
+                    rows8_less_mins(acc, acc_m)
                 }
 
                 /// Q6_Kx8 for four tokens: each sub-block's quants rebuilt once for all four.
@@ -1338,10 +1335,7 @@ mod x86 {
                             acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
                         }
                     }
-                    for t in 0..4 {
-                        acc[t] = _mm256_sub_ps(acc[t], acc_m[t]);
-                    }
-                    std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
+                    rows8_less_mins(acc, acc_m)
                 }
 
                 match format {
@@ -1448,6 +1442,17 @@ mod x86 {
             q[4 * i + 3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), h[3]), m32);
         }
         q
+    }
+
+    /// Four tokens' 8-row results: the scaled sums less the min terms (K-quants with mins).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows8_less_mins(acc: [__m256; 4], acc_m: [__m256; 4]) -> [[f32; 8]; 4] {
+        let mut out = acc;
+        for (o, m) in out.iter_mut().zip(acc_m) {
+            *o = _mm256_sub_ps(*o, m);
+        }
+        std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(out)
     }
 
     /// One `Q2_Kx8` (`Q3_Kx8` when `THREE`) sub-block's values as signed bytes in
@@ -2718,7 +2723,7 @@ mod arm {
             }
             WeightFormat::Q2K | WeightFormat::Q3K => {
                 // As Q6_K: per q8 block two 16-element groups, SDOT on signed values
-                // (Q3_K's 3-bit value less 4; Q2_K's 0..3, its min term from Σ x_q).
+                // (Q3_K's 3-bit value less 4; Q2_K's 0..3, its min term from `half_sums`).
                 let q3 = format == WeightFormat::Q3K;
                 assert!(x.len() % 8 == 0 && row.len() >= x.len() / 8 * bb);
                 let (three, one) = (vdupq_n_u8(3), vdupq_n_u8(1));
@@ -2728,7 +2733,6 @@ mod arm {
                     for (k, xb) in xs.iter().enumerate() {
                         let (h, j) = (k / 4, k % 4);
                         let mut isum = [0i32; 2];
-                        let mut xsum = [0i32; 2];
                         for (part, o) in [0usize, 16].into_iter().enumerate() {
                             let qs = b.add(if q3 { 32 } else { 16 } + 32 * h + o);
                             let low = vandq_u8(vshlq_u8(vld1q_u8(qs), vdupq_n_s8(-2 * j as i8)), three);
@@ -2740,7 +2744,6 @@ mod arm {
                             };
                             let y = vld1q_s8(xb.qs.as_ptr().add(o));
                             isum[part] = vaddvq_s32(sdot(vdupq_n_s32(0), q, y));
-                            xsum[part] = vaddlvq_s8(y) as i32;
                         }
                         if q3 {
                             let d = f16(b.add(108));
@@ -2750,7 +2753,7 @@ mod arm {
                             let (d, dmin) = (f16(b.add(80)), f16(b.add(82)));
                             for g in 0..2 {
                                 let sc = blk[2 * k + g];
-                                acc += xb.d * (d * (sc & 0x0F) as f32 * isum[g] as f32 - dmin * (sc >> 4) as f32 * xsum[g] as f32);
+                                acc += xb.d * (d * (sc & 0x0F) as f32 * isum[g] as f32 - dmin * (sc >> 4) as f32 * xb.half_sums[g] as f32);
                             }
                         }
                     }
