@@ -210,6 +210,15 @@ fn print_table(model: &str, r: &BenchReport) {
         r.bandwidth_best_gb_s(),
         r.roofline_tok_per_sec()
     );
+    let by_round = r.roofline_fraction_by_round();
+    println!(
+        "roofline, round by round: each round's batch-1 decode ÷ the best of the {} passes read right before and after it = {:.1} % [{:.1}–{:.1}] (adjacent bests {})",
+        2 * tessera_engine::bench::ADJACENT_PASSES,
+        100.0 * by_round.median,
+        100.0 * by_round.min,
+        100.0 * by_round.max,
+        r.decode_rounds.iter().map(|d| format!("{:.2}", d.adjacent_best_gb_s)).collect::<Vec<_>>().join(", ")
+    );
     let (int8, f32) = r.macs_per_token;
     let [p8, p32] = r.mac_peak_best_gmac_s();
     println!(
@@ -287,6 +296,8 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
             "bandwidth_best_gb_s": r.bandwidth_best_gb_s(),
             "fraction": r.roofline_fraction(),
             "tok_per_sec_at_best_bandwidth": r.roofline_tok_per_sec(),
+            "fraction_by_round": stat_json(&r.roofline_fraction_by_round()),
+            "rounds": r.decode_rounds.iter().map(|d| json!({ "tok_per_sec": d.tok_per_sec, "adjacent_best_gb_s": d.adjacent_best_gb_s })).collect::<Vec<_>>(),
         },
         "compute": {
             "macs_per_token": { "int8": r.macs_per_token.0, "f32": r.macs_per_token.1 },
