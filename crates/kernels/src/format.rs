@@ -268,12 +268,6 @@ impl WeightFormat {
         }
     }
 
-    /// The 8-row layouts with x86 (AVX2/VNNI) kernels only: `Q5_0x8`, `Q5_1x8`, `Q5_Kx8`.
-    /// NEON keeps those formats in rows; the other 8-row layouts have NEON kernels too.
-    pub fn is_x86_interleaved(self) -> bool {
-        matches!(self, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q5Kx8)
-    }
-
     /// The 8-row layouts whose two consecutive groups the AVX-512 VNNI kernel runs in
     /// one 512-bit pass (`Isa::dot_q8_rows16_x4`); the others take two 256-bit passes.
     pub fn pairs_in_512_bits(self) -> bool {

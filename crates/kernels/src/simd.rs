@@ -160,8 +160,7 @@ impl Isa {
             Isa::Avx2 => unsafe { x86::dot_q8_rows8(format, group, x) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
-            // (NEON keeps Q5 and Q2_K/Q3_K in rows: `runs_interleaved`.)
-            Isa::Neon if !format.is_x86_interleaved() => unsafe { arm::dot_q8_rows8(format, group, x) },
+            Isa::Neon => unsafe { arm::dot_q8_rows8(format, group, x) },
             _ => scalar::dot_q8_rows8(format, group, x),
         }
     }
@@ -213,7 +212,6 @@ impl Isa {
     pub fn runs_interleaved(self, interleaved: WeightFormat) -> bool {
         match interleaved {
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
-            f if f.is_x86_interleaved() => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
             _ => true,
         }
     }
@@ -2816,21 +2814,31 @@ mod arm {
 
     /// A 32-column block of 8 interleaved rows (Q4_0x8's nibble order at `qp`) against one
     /// token's quants `y`: rows 0–3 and 4–7 in two SDOT chains. `levels`: IQ4's table
-    /// for the nibbles, else the nibbles themselves (0..15).
+    /// for the nibbles, else the nibbles themselves (0..15). `FIVE`: Q5's fifth bits
+    /// follow at `qp + 128` (chunk j's low-nibble elements take bit 2j of the byte at
+    /// the same position, its high-nibble elements bit 2j + 1), values 0..31.
     #[inline]
     #[target_feature(enable = "neon,dotprod")]
-    unsafe fn nibble_sums(qp: *const u8, y: *const i32, levels: Option<int8x16_t>) -> [int32x4_t; 2] {
-        let low = vdupq_n_u8(0x0F);
+    unsafe fn nibble_sums<const FIVE: bool>(qp: *const u8, y: *const i32, levels: Option<int8x16_t>) -> [int32x4_t; 2] {
+        let (low, bit4) = (vdupq_n_u8(0x0F), vdupq_n_u8(0x10));
         let yb = |j: usize| vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))));
         let value = |n: uint8x16_t| match levels {
             Some(t) => vqtbl1q_s8(t, n),
             None => vreinterpretq_s8_u8(n),
         };
+        let hv = if FIVE { [vld1q_u8(qp.add(128)), vld1q_u8(qp.add(144))] } else { [vdupq_n_u8(0); 2] };
+        // Bit k of every byte of hv[h] moved to bit 4 (a negative count shifts right).
+        let fifth = |h: usize, k: usize| vandq_u8(vshlq_u8(hv[h], vdupq_n_s8(4 - k as i8)), bit4);
         let mut isum = [vdupq_n_s32(0); 2];
         for j in 0..4 {
             for (h, acc) in isum.iter_mut().enumerate() {
                 let c = vld1q_u8(qp.add(32 * j + 16 * h));
-                *acc = sdot(sdot(*acc, value(vandq_u8(c, low)), yb(j)), value(vshrq_n_u8::<4>(c)), yb(4 + j));
+                let (mut lo, mut hi) = (vandq_u8(c, low), vshrq_n_u8::<4>(c));
+                if FIVE {
+                    lo = vorrq_u8(lo, fifth(h, 2 * j));
+                    hi = vorrq_u8(hi, fifth(h, 2 * j + 1));
+                }
+                *acc = sdot(sdot(*acc, value(lo), yb(j)), value(hi), yb(4 + j));
             }
         }
         isum
@@ -2844,7 +2852,7 @@ mod arm {
         let mut acc = [vdupq_n_f32(0.0); 2];
         for (b, xb) in x.iter().enumerate() {
             let p = group.as_ptr().add(b * 144);
-            let (d, isum) = (halves8_f32(p), nibble_sums(p.add(16), xb.qs.as_ptr() as *const i32, Some(levels)));
+            let (d, isum) = (halves8_f32(p), nibble_sums::<false>(p.add(16), xb.qs.as_ptr() as *const i32, Some(levels)));
             for h in 0..2 {
                 acc[h] = vfmaq_f32(acc[h], vmulq_n_f32(d[h], xb.d), vcvtq_f32_s32(isum[h]));
             }
@@ -2855,10 +2863,10 @@ mod arm {
         out
     }
 
-    /// The super-block 8-row layouts (`Q2_Kx8`, `Q3_Kx8`, `Q4_Kx8`, `Q6_Kx8`, `IQ4_XSx8`;
-    /// format module docs) with SDOT, per 32-column sub-block: Q2_K's and Q3_K's values in
-    /// two 16-column groups (Q2_K's min term from the q8 half sums); Q4_K's nibbles with
-    /// their byte scale and min;
+    /// The super-block 8-row layouts (`Q2_Kx8`, `Q3_Kx8`, `Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8`,
+    /// `IQ4_XSx8`; format module docs) with SDOT, per 32-column sub-block: Q2_K's and Q3_K's
+    /// values in two 16-column groups (Q2_K's min term from the q8 half sums); Q4_K's
+    /// nibbles (Q5_K's with their fifth bits) with their byte scale and min;
     /// Q6_K's 6-bit values less 32 (nibbles plus two high bits) in two 16-column groups,
     /// each with its i8 scale; IQ4_XS's levels with an i8 scale. d (and dmin) once per
     /// super-block, as the x86 kernels do.
@@ -2876,8 +2884,8 @@ mod arm {
             for (s, xb) in x[8 * sb..8 * sb + 8].iter().enumerate() {
                 let y = xb.qs.as_ptr() as *const i32;
                 match format {
-                    WeightFormat::Q4Kx8 => {
-                        let isum = nibble_sums(p.add(160 + 128 * s), y, None);
+                    WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 => {
+                        let isum = if format == WeightFormat::Q5Kx8 { nibble_sums::<true>(p.add(160 + 160 * s), y, None) } else { nibble_sums::<false>(p.add(160 + 128 * s), y, None) };
                         let (scale, min) = (bytes8_f32::<false>(p.add(32 + 8 * s)), bytes8_f32::<false>(p.add(96 + 8 * s)));
                         for h in 0..2 {
                             acc_s[h] = vfmaq_f32(acc_s[h], vmulq_n_f32(scale[h], xb.d), vcvtq_f32_s32(isum[h]));
@@ -2885,7 +2893,7 @@ mod arm {
                         }
                     }
                     WeightFormat::Iq4Xsx8 => {
-                        let isum = nibble_sums(p.add(80 + 128 * s), y, Some(levels));
+                        let isum = nibble_sums::<false>(p.add(80 + 128 * s), y, Some(levels));
                         let scale = bytes8_f32::<true>(p.add(16 + 8 * s));
                         for h in 0..2 {
                             acc_s[h] = vfmaq_f32(acc_s[h], vmulq_n_f32(scale[h], xb.d), vcvtq_f32_s32(isum[h]));
@@ -2963,7 +2971,7 @@ mod arm {
             for h in 0..2 {
                 acc[h] = vfmaq_f32(acc[h], d[h], acc_s[h]);
             }
-            if matches!(format, WeightFormat::Q4Kx8 | WeightFormat::Q2Kx8) {
+            if matches!(format, WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q2Kx8) {
                 let dmin = halves8_f32(p.add(16));
                 for h in 0..2 {
                     acc_m[h] = vfmaq_f32(acc_m[h], dmin[h], acc_ms[h]);
@@ -2982,14 +2990,15 @@ mod arm {
     #[target_feature(enable = "neon,dotprod")]
     pub unsafe fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
         match format {
-            WeightFormat::Q4Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => return rows8_super(format, group, x),
+            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => return rows8_super(format, group, x),
             WeightFormat::Iq4Nlx8 => return rows8_iq4nl(group, x),
             _ => {}
         }
         let bb = 8 * format.block_bytes();
         assert!(group.len() >= x.len() * bb);
-        let (min, eight) = (format == WeightFormat::Q4_1x8, format == WeightFormat::Q8_0x8);
-        let low = vdupq_n_u8(0x0F);
+        let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
+        let five = matches!(format, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8);
+        let eight = format == WeightFormat::Q8_0x8;
         let mut acc = [vdupq_n_f32(0.0); 2];
         let mut acc_m = [vdupq_n_f32(0.0); 2];
         for (b, xb) in x.iter().enumerate() {
@@ -3007,14 +3016,7 @@ mod arm {
                 }
             } else {
                 let q0 = p.add(if min { 32 } else { 16 });
-                for j in 0..4 {
-                    for h in 0..2 {
-                        let c = vld1q_u8(q0.add(32 * j + 16 * h));
-                        let lo = vreinterpretq_s8_u8(vandq_u8(c, low));
-                        let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(c));
-                        isum[h] = sdot(sdot(isum[h], lo, yb(j)), hi, yb(4 + j));
-                    }
-                }
+                isum = if five { nibble_sums::<true>(q0, y, None) } else { nibble_sums::<false>(q0, y, None) };
             }
             let xd = vdupq_n_f32(xb.d);
             let xs = vdupq_n_f32(xb.sum);
@@ -3025,7 +3027,8 @@ mod arm {
                 } else if eight {
                     vdupq_n_f32(0.0)
                 } else {
-                    vmulq_n_f32(d[h], -8.0)
+                    // Q4_0: w = d·(q − 8); Q5_0: d·(q − 16).
+                    vmulq_n_f32(d[h], if five { -16.0 } else { -8.0 })
                 };
                 acc_m[h] = vfmaq_f32(acc_m[h], m, xs);
             }
