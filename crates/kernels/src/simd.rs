@@ -176,6 +176,9 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
             Isa::Avx2 => unsafe { x86::dot_q8_rows8_x4(format, group, xs) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: see dot_f32.
+            Isa::Neon => unsafe { arm::dot_q8_rows8_x4(format, group, xs) },
             _ => xs.map(|x| self.dot_q8_rows8(format, group, x)),
         }
     }
@@ -2812,16 +2815,23 @@ mod arm {
         [f16x4_to_f32(vld1_u16(p as *const u16)), f16x4_to_f32(vld1_u16(p.add(8) as *const u16))]
     }
 
-    /// A 32-column block of 8 interleaved rows (Q4_0x8's nibble order at `qp`) against one
-    /// token's quants `y`: rows 0–3 and 4–7 in two SDOT chains. `levels`: IQ4's table
-    /// for the nibbles, else the nibbles themselves (0..15). `FIVE`: Q5's fifth bits
-    /// follow at `qp + 128` (chunk j's low-nibble elements take bit 2j of the byte at
-    /// the same position, its high-nibble elements bit 2j + 1), values 0..31.
+    /// Token t's q8 word `j` of the current block (4 activation bytes) in every lane.
     #[inline]
     #[target_feature(enable = "neon,dotprod")]
-    unsafe fn nibble_sums<const FIVE: bool>(qp: *const u8, y: *const i32, levels: Option<int8x16_t>) -> [int32x4_t; 2] {
+    unsafe fn word(y: *const i32, j: usize) -> int8x16_t {
+        vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))))
+    }
+
+    /// A 32-column block of 8 interleaved rows (Q4_0x8's nibble order at `qp`) against `T`
+    /// tokens' quants `ys[t]`: rows 0–3 and 4–7 in two SDOT chains per token, each chunk
+    /// unpacked once for all tokens. `levels`: IQ4's table for the nibbles, else the
+    /// nibbles themselves (0..15). `FIVE`: Q5's fifth bits follow at `qp + 128` (chunk j's
+    /// low-nibble elements take bit 2j of the byte at the same position, its high-nibble
+    /// elements bit 2j + 1), values 0..31.
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn nibble_sums<const FIVE: bool, const T: usize>(qp: *const u8, ys: [*const i32; T], levels: Option<int8x16_t>) -> [[int32x4_t; 2]; T] {
         let (low, bit4) = (vdupq_n_u8(0x0F), vdupq_n_u8(0x10));
-        let yb = |j: usize| vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))));
         let value = |n: uint8x16_t| match levels {
             Some(t) => vqtbl1q_s8(t, n),
             None => vreinterpretq_s8_u8(n),
@@ -2829,214 +2839,259 @@ mod arm {
         let hv = if FIVE { [vld1q_u8(qp.add(128)), vld1q_u8(qp.add(144))] } else { [vdupq_n_u8(0); 2] };
         // Bit k of every byte of hv[h] moved to bit 4 (a negative count shifts right).
         let fifth = |h: usize, k: usize| vandq_u8(vshlq_u8(hv[h], vdupq_n_s8(4 - k as i8)), bit4);
-        let mut isum = [vdupq_n_s32(0); 2];
+        let mut isum = [[vdupq_n_s32(0); 2]; T];
         for j in 0..4 {
-            for (h, acc) in isum.iter_mut().enumerate() {
+            for h in 0..2 {
                 let c = vld1q_u8(qp.add(32 * j + 16 * h));
                 let (mut lo, mut hi) = (vandq_u8(c, low), vshrq_n_u8::<4>(c));
                 if FIVE {
                     lo = vorrq_u8(lo, fifth(h, 2 * j));
                     hi = vorrq_u8(hi, fifth(h, 2 * j + 1));
                 }
-                *acc = sdot(sdot(*acc, value(lo), yb(j)), value(hi), yb(4 + j));
+                let (lo, hi) = (value(lo), value(hi));
+                for t in 0..T {
+                    isum[t][h] = sdot(sdot(isum[t][h], lo, word(ys[t], j)), hi, word(ys[t], 4 + j));
+                }
             }
         }
         isum
     }
 
-    /// `IQ4_NLx8`: Q4_0x8's layout, the nibbles looked up in IQ4's levels (TBL).
+    /// Token t's q8 words of block `b` (the 32 quants as 8 i32 words).
+    #[inline]
+    fn words_of<const T: usize>(xs: &[&[BlockQ8]; T], b: usize) -> [*const i32; T] {
+        std::array::from_fn(|t| xs[t][b].qs.as_ptr() as *const i32)
+    }
+
+    /// Rows 0–3 and 4–7 of each token's accumulators, stored.
+    #[inline]
     #[target_feature(enable = "neon,dotprod")]
-    unsafe fn rows8_iq4nl(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-        assert!(group.len() >= x.len() * 144);
-        let levels = vld1q_s8(scalar::IQ4_LEVELS.as_ptr());
-        let mut acc = [vdupq_n_f32(0.0); 2];
-        for (b, xb) in x.iter().enumerate() {
-            let p = group.as_ptr().add(b * 144);
-            let (d, isum) = (halves8_f32(p), nibble_sums::<false>(p.add(16), xb.qs.as_ptr() as *const i32, Some(levels)));
-            for h in 0..2 {
-                acc[h] = vfmaq_f32(acc[h], vmulq_n_f32(d[h], xb.d), vcvtq_f32_s32(isum[h]));
-            }
+    unsafe fn store_rows8<const T: usize>(acc: [[float32x4_t; 2]; T]) -> [[f32; 8]; T] {
+        let mut out = [[0.0f32; 8]; T];
+        for t in 0..T {
+            vst1q_f32(out[t].as_mut_ptr(), acc[t][0]);
+            vst1q_f32(out[t].as_mut_ptr().add(4), acc[t][1]);
         }
-        let mut out = [0.0f32; 8];
-        vst1q_f32(out.as_mut_ptr(), acc[0]);
-        vst1q_f32(out.as_mut_ptr().add(4), acc[1]);
         out
     }
 
-    /// The super-block 8-row layouts (`Q2_Kx8`, `Q3_Kx8`, `Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8`,
-    /// `IQ4_XSx8`; format module docs) with SDOT, per 32-column sub-block: Q2_K's and Q3_K's
-    /// values in two 16-column groups (Q2_K's min term from the q8 half sums); Q4_K's
-    /// nibbles (Q5_K's with their fifth bits) with their byte scale and min;
-    /// Q6_K's 6-bit values less 32 (nibbles plus two high bits) in two 16-column groups,
-    /// each with its i8 scale; IQ4_XS's levels with an i8 scale. d (and dmin) once per
-    /// super-block, as the x86 kernels do.
+    /// `IQ4_NLx8`: Q4_0x8's layout, the nibbles looked up in IQ4's levels (TBL).
+    #[inline]
     #[target_feature(enable = "neon,dotprod")]
-    unsafe fn rows8_super(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-        let sup_bytes = 8 * format.block_bytes();
-        let supers = x.len() / 8;
-        assert!(x.len() % 8 == 0 && group.len() >= supers * sup_bytes);
+    unsafe fn rows8_iq4nl<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
+        assert!(group.len() >= xs[0].len() * 144);
         let levels = vld1q_s8(scalar::IQ4_LEVELS.as_ptr());
-        let (low, three, m32) = (vdupq_n_u8(0x0F), vdupq_n_u8(3), vdupq_n_s8(32));
-        let (mut acc, mut acc_m) = ([vdupq_n_f32(0.0); 2], [vdupq_n_f32(0.0); 2]);
+        let mut acc = [[vdupq_n_f32(0.0); 2]; T];
+        for b in 0..xs[0].len() {
+            let p = group.as_ptr().add(b * 144);
+            let (d, isum) = (halves8_f32(p), nibble_sums::<false, T>(p.add(16), words_of(&xs, b), Some(levels)));
+            for t in 0..T {
+                for h in 0..2 {
+                    acc[t][h] = vfmaq_f32(acc[t][h], vmulq_n_f32(d[h], xs[t][b].d), vcvtq_f32_s32(isum[t][h]));
+                }
+            }
+        }
+        store_rows8(acc)
+    }
+
+    /// The super-block 8-row layouts (`Q2_Kx8`, `Q3_Kx8`, `Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8`,
+    /// `IQ4_XSx8`; format module docs) with SDOT against `T` tokens, per 32-column
+    /// sub-block (its weights unpacked once for all tokens): Q2_K's and Q3_K's values in
+    /// two 16-column groups (Q2_K's min term from the q8 half sums); Q4_K's nibbles (Q5_K's
+    /// with their fifth bits) with their byte scale and min; Q6_K's 6-bit values less 32
+    /// (nibbles plus two high bits) in two 16-column groups, each with its i8 scale;
+    /// IQ4_XS's levels with an i8 scale. d (and dmin) once per super-block, as the x86
+    /// kernels do.
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn rows8_super<const T: usize>(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
+        let sup_bytes = 8 * format.block_bytes();
+        let blocks = xs[0].len();
+        let supers = blocks / 8;
+        assert!(blocks % 8 == 0 && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
+        let levels = vld1q_s8(scalar::IQ4_LEVELS.as_ptr());
+        let (low, three, m32, one) = (vdupq_n_u8(0x0F), vdupq_n_u8(3), vdupq_n_s8(32), vdupq_n_u8(1));
+        let zero = [[vdupq_n_f32(0.0); 2]; T];
+        let (mut acc, mut acc_m) = (zero, zero);
         for sb in 0..supers {
             let p = group.as_ptr().add(sb * sup_bytes);
-            let (mut acc_s, mut acc_ms) = ([vdupq_n_f32(0.0); 2], [vdupq_n_f32(0.0); 2]);
-            for (s, xb) in x[8 * sb..8 * sb + 8].iter().enumerate() {
-                let y = xb.qs.as_ptr() as *const i32;
+            let (mut acc_s, mut acc_ms) = (zero, zero);
+            for s in 0..8 {
+                let b = 8 * sb + s;
+                let ys = words_of(&xs, b);
                 match format {
                     WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 => {
-                        let isum = if format == WeightFormat::Q5Kx8 { nibble_sums::<true>(p.add(160 + 160 * s), y, None) } else { nibble_sums::<false>(p.add(160 + 128 * s), y, None) };
+                        let isum = if format == WeightFormat::Q5Kx8 { nibble_sums::<true, T>(p.add(160 + 160 * s), ys, None) } else { nibble_sums::<false, T>(p.add(160 + 128 * s), ys, None) };
                         let (scale, min) = (bytes8_f32::<false>(p.add(32 + 8 * s)), bytes8_f32::<false>(p.add(96 + 8 * s)));
-                        for h in 0..2 {
-                            acc_s[h] = vfmaq_f32(acc_s[h], vmulq_n_f32(scale[h], xb.d), vcvtq_f32_s32(isum[h]));
-                            acc_ms[h] = vfmaq_n_f32(acc_ms[h], min[h], xb.sum);
+                        for t in 0..T {
+                            let xb = &xs[t][b];
+                            for h in 0..2 {
+                                acc_s[t][h] = vfmaq_f32(acc_s[t][h], vmulq_n_f32(scale[h], xb.d), vcvtq_f32_s32(isum[t][h]));
+                                acc_ms[t][h] = vfmaq_n_f32(acc_ms[t][h], min[h], xb.sum);
+                            }
                         }
                     }
                     WeightFormat::Iq4Xsx8 => {
-                        let isum = nibble_sums::<false>(p.add(80 + 128 * s), y, Some(levels));
+                        let isum = nibble_sums::<false, T>(p.add(80 + 128 * s), ys, Some(levels));
                         let scale = bytes8_f32::<true>(p.add(16 + 8 * s));
-                        for h in 0..2 {
-                            acc_s[h] = vfmaq_f32(acc_s[h], vmulq_n_f32(scale[h], xb.d), vcvtq_f32_s32(isum[h]));
-                        }
-                    }
-                    WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => {
-                        // Chunk j's 2-bit values in vector j / 2 (bits 4·(j % 2) for the
-                        // low-nibble element, + 2 for the high one); Q3_K's third bits at
-                        // qp + 64 (bit 2j, 2j + 1), less 4. Groups 2s and 2s + 1 as Q6_Kx8.
-                        let q3 = format == WeightFormat::Q3Kx8;
-                        let qp = if q3 { p.add(144 + 96 * s) } else { p.add(160 + 64 * s) };
-                        let yb = |j: usize| vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))));
-                        let one = vdupq_n_u8(1);
-                        let (mut sum_a, mut sum_b) = ([vdupq_n_s32(0); 2], [vdupq_n_s32(0); 2]);
-                        for j in 0..4 {
+                        for t in 0..T {
                             for h in 0..2 {
-                                let v = vld1q_u8(qp.add(32 * (j / 2) + 16 * h));
-                                let two = |k: i8| vandq_u8(vshlq_u8(v, vdupq_n_s8(-(4 * (j % 2) as i8 + k))), three);
-                                let (mut ql, mut qh) = (two(0), two(2));
-                                if q3 {
-                                    let hb = vld1q_u8(qp.add(64 + 16 * h));
-                                    let bit = |k: i8| vshlq_n_u8::<2>(vandq_u8(vshlq_u8(hb, vdupq_n_s8(-(2 * j as i8 + k))), one));
-                                    ql = vorrq_u8(ql, bit(0));
-                                    qh = vorrq_u8(qh, bit(1));
-                                }
-                                let signed = |q: uint8x16_t| if q3 { vsubq_s8(vreinterpretq_s8_u8(q), vdupq_n_s8(4)) } else { vreinterpretq_s8_u8(q) };
-                                sum_a[h] = sdot(sum_a[h], signed(ql), yb(j));
-                                sum_b[h] = sdot(sum_b[h], signed(qh), yb(4 + j));
-                            }
-                        }
-                        let (sa, sb_, ma, mb) = if q3 {
-                            let z = [vdupq_n_f32(0.0); 2];
-                            (bytes8_f32::<true>(p.add(16 + 8 * (2 * s))), bytes8_f32::<true>(p.add(16 + 8 * (2 * s + 1))), z, z)
-                        } else {
-                            let (a, b) = (p.add(32 + 8 * (2 * s)), p.add(32 + 8 * (2 * s + 1)));
-                            (nibbles8_f32::<false>(a), nibbles8_f32::<false>(b), nibbles8_f32::<true>(a), nibbles8_f32::<true>(b))
-                        };
-                        let [ha, hb] = xb.half_sums;
-                        for h in 0..2 {
-                            let v = vfmaq_f32(vmulq_f32(sb_[h], vcvtq_f32_s32(sum_b[h])), sa[h], vcvtq_f32_s32(sum_a[h]));
-                            acc_s[h] = vfmaq_n_f32(acc_s[h], v, xb.d);
-                            if !q3 {
-                                let m = vfmaq_n_f32(vmulq_n_f32(mb[h], hb as f32), ma[h], ha as f32);
-                                acc_ms[h] = vfmaq_n_f32(acc_ms[h], m, xb.d);
+                                acc_s[t][h] = vfmaq_f32(acc_s[t][h], vmulq_n_f32(scale[h], xs[t][b].d), vcvtq_f32_s32(isum[t][h]));
                             }
                         }
                     }
                     _ => {
-                        // Q6_Kx8: chunk j's nibbles at qp + 32j, its high bits in vector j / 2
-                        // at qp + 128 (bits 4·(j % 2) for the low-nibble element, + 2 for the
-                        // high one); low-nibble elements are group 2s, high ones 2s + 1.
-                        let qp = p.add(144 + 192 * s);
-                        let yb = |j: usize| vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))));
-                        let (mut sum_a, mut sum_b) = ([vdupq_n_s32(0); 2], [vdupq_n_s32(0); 2]);
+                        // Two 16-column groups per sub-block: the low-nibble elements of
+                        // each chunk (group 2s) and the high ones (2s + 1), as signed bytes.
+                        let (mut sum_a, mut sum_b) = ([[vdupq_n_s32(0); 2]; T], [[vdupq_n_s32(0); 2]; T]);
                         for j in 0..4 {
                             for h in 0..2 {
-                                let c = vld1q_u8(qp.add(32 * j + 16 * h));
-                                let hv = vld1q_u8(qp.add(128 + 32 * (j / 2) + 16 * h));
-                                let hb = |k: i8| vshlq_n_u8::<4>(vandq_u8(vshlq_u8(hv, vdupq_n_s8(-(4 * (j % 2) as i8 + k))), three));
-                                let ql = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vandq_u8(c, low), hb(0))), m32);
-                                let qh = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8::<4>(c), hb(2))), m32);
-                                sum_a[h] = sdot(sum_a[h], ql, yb(j));
-                                sum_b[h] = sdot(sum_b[h], qh, yb(4 + j));
+                                let (ql, qh) = match format {
+                                    WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => {
+                                        // Chunk j's 2-bit values in vector j / 2 (bits 4·(j % 2)
+                                        // for the low-nibble element, + 2 for the high one);
+                                        // Q3_K's third bits at qp + 64 (bit 2j, 2j + 1), less 4.
+                                        let q3 = format == WeightFormat::Q3Kx8;
+                                        let qp = if q3 { p.add(144 + 96 * s) } else { p.add(160 + 64 * s) };
+                                        let v = vld1q_u8(qp.add(32 * (j / 2) + 16 * h));
+                                        let two = |k: i8| vandq_u8(vshlq_u8(v, vdupq_n_s8(-(4 * (j % 2) as i8 + k))), three);
+                                        let (mut ql, mut qh) = (two(0), two(2));
+                                        if q3 {
+                                            let hb = vld1q_u8(qp.add(64 + 16 * h));
+                                            let bit = |k: i8| vshlq_n_u8::<2>(vandq_u8(vshlq_u8(hb, vdupq_n_s8(-(2 * j as i8 + k))), one));
+                                            ql = vorrq_u8(ql, bit(0));
+                                            qh = vorrq_u8(qh, bit(1));
+                                        }
+                                        let signed = |q: uint8x16_t| if q3 { vsubq_s8(vreinterpretq_s8_u8(q), vdupq_n_s8(4)) } else { vreinterpretq_s8_u8(q) };
+                                        (signed(ql), signed(qh))
+                                    }
+                                    _ => {
+                                        // Q6_Kx8: chunk j's nibbles at qp + 32j, its high bits in
+                                        // vector j / 2 at qp + 128 (bits 4·(j % 2) for the
+                                        // low-nibble element, + 2 for the high one).
+                                        let qp = p.add(144 + 192 * s);
+                                        let c = vld1q_u8(qp.add(32 * j + 16 * h));
+                                        let hv = vld1q_u8(qp.add(128 + 32 * (j / 2) + 16 * h));
+                                        let hb = |k: i8| vshlq_n_u8::<4>(vandq_u8(vshlq_u8(hv, vdupq_n_s8(-(4 * (j % 2) as i8 + k))), three));
+                                        (vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vandq_u8(c, low), hb(0))), m32), vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8::<4>(c), hb(2))), m32))
+                                    }
+                                };
+                                for t in 0..T {
+                                    sum_a[t][h] = sdot(sum_a[t][h], ql, word(ys[t], j));
+                                    sum_b[t][h] = sdot(sum_b[t][h], qh, word(ys[t], 4 + j));
+                                }
                             }
                         }
-                        let (sa, sb_) = (bytes8_f32::<true>(p.add(16 + 8 * (2 * s))), bytes8_f32::<true>(p.add(16 + 8 * (2 * s + 1))));
-                        for h in 0..2 {
-                            let v = vfmaq_f32(vmulq_f32(sb_[h], vcvtq_f32_s32(sum_b[h])), sa[h], vcvtq_f32_s32(sum_a[h]));
-                            acc_s[h] = vfmaq_n_f32(acc_s[h], v, xb.d);
+                        let q2 = format == WeightFormat::Q2Kx8;
+                        let z = [vdupq_n_f32(0.0); 2];
+                        let (sa, sb_, ma, mb) = if q2 {
+                            let (a, b) = (p.add(32 + 8 * (2 * s)), p.add(32 + 8 * (2 * s + 1)));
+                            (nibbles8_f32::<false>(a), nibbles8_f32::<false>(b), nibbles8_f32::<true>(a), nibbles8_f32::<true>(b))
+                        } else {
+                            (bytes8_f32::<true>(p.add(16 + 8 * (2 * s))), bytes8_f32::<true>(p.add(16 + 8 * (2 * s + 1))), z, z)
+                        };
+                        for t in 0..T {
+                            let xb = &xs[t][b];
+                            let [ha, hb] = xb.half_sums;
+                            for h in 0..2 {
+                                let v = vfmaq_f32(vmulq_f32(sb_[h], vcvtq_f32_s32(sum_b[t][h])), sa[h], vcvtq_f32_s32(sum_a[t][h]));
+                                acc_s[t][h] = vfmaq_n_f32(acc_s[t][h], v, xb.d);
+                                if q2 {
+                                    let m = vfmaq_n_f32(vmulq_n_f32(mb[h], hb as f32), ma[h], ha as f32);
+                                    acc_ms[t][h] = vfmaq_n_f32(acc_ms[t][h], m, xb.d);
+                                }
+                            }
                         }
                     }
                 }
             }
             let d = halves8_f32(p);
-            for h in 0..2 {
-                acc[h] = vfmaq_f32(acc[h], d[h], acc_s[h]);
-            }
-            if matches!(format, WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q2Kx8) {
-                let dmin = halves8_f32(p.add(16));
+            let has_min = matches!(format, WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q2Kx8);
+            let dmin = if has_min { halves8_f32(p.add(16)) } else { [vdupq_n_f32(0.0); 2] };
+            for t in 0..T {
                 for h in 0..2 {
-                    acc_m[h] = vfmaq_f32(acc_m[h], dmin[h], acc_ms[h]);
+                    acc[t][h] = vfmaq_f32(acc[t][h], d[h], acc_s[t][h]);
+                    if has_min {
+                        acc_m[t][h] = vfmaq_f32(acc_m[t][h], dmin[h], acc_ms[t][h]);
+                    }
                 }
             }
         }
-        let mut out = [0.0f32; 8];
-        vst1q_f32(out.as_mut_ptr(), vsubq_f32(acc[0], acc_m[0]));
-        vst1q_f32(out.as_mut_ptr().add(4), vsubq_f32(acc[1], acc_m[1]));
-        out
+        store_rows8(std::array::from_fn(|t| [vsubq_f32(acc[t][0], acc_m[t][0]), vsubq_f32(acc[t][1], acc_m[t][1])]))
     }
 
-    /// The interleaved formats with SDOT: each 16-byte half of a 32-byte chunk is four
-    /// elements of four rows, so one SDOT against the broadcast activation bytes gives
-    /// four rows' partial sums in four lanes (signed × signed: no sign trick needed).
+    /// The interleaved formats with SDOT against `T` tokens: each 16-byte half of a 32-byte
+    /// chunk is four elements of four rows, so one SDOT against the broadcast activation
+    /// bytes gives four rows' partial sums in four lanes (signed × signed: no sign trick
+    /// needed); each chunk is loaded and unpacked once for all tokens.
+    #[inline]
     #[target_feature(enable = "neon,dotprod")]
-    pub unsafe fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+    unsafe fn rows8_t<const T: usize>(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
         match format {
-            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => return rows8_super(format, group, x),
-            WeightFormat::Iq4Nlx8 => return rows8_iq4nl(group, x),
+            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => return rows8_super(format, group, xs),
+            WeightFormat::Iq4Nlx8 => return rows8_iq4nl(group, xs),
             _ => {}
         }
         let bb = 8 * format.block_bytes();
-        assert!(group.len() >= x.len() * bb);
+        let blocks = xs[0].len();
+        assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
         let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
         let five = matches!(format, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8);
         let eight = format == WeightFormat::Q8_0x8;
-        let mut acc = [vdupq_n_f32(0.0); 2];
-        let mut acc_m = [vdupq_n_f32(0.0); 2];
-        for (b, xb) in x.iter().enumerate() {
+        let mut acc = [[vdupq_n_f32(0.0); 2]; T];
+        for b in 0..blocks {
             let p = group.as_ptr().add(b * bb);
-            let d = [f16x4_to_f32(vld1_u16(p as *const u16)), f16x4_to_f32(vld1_u16(p.add(8) as *const u16))];
-            let y = xb.qs.as_ptr() as *const i32;
-            let yb = |j: usize| vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(y.add(j))));
-            let mut isum = [vdupq_n_s32(0); 2];
-            if eight {
+            let d = halves8_f32(p);
+            let ys = words_of(&xs, b);
+            let isum = if eight {
+                let mut isum = [[vdupq_n_s32(0); 2]; T];
                 for j in 0..8 {
                     let c = p.add(16 + 32 * j) as *const i8;
                     for h in 0..2 {
-                        isum[h] = sdot(isum[h], vld1q_s8(c.add(16 * h)), yb(j));
+                        let w = vld1q_s8(c.add(16 * h));
+                        for t in 0..T {
+                            isum[t][h] = sdot(isum[t][h], w, word(ys[t], j));
+                        }
                     }
                 }
+                isum
             } else {
                 let q0 = p.add(if min { 32 } else { 16 });
-                isum = if five { nibble_sums::<true>(q0, y, None) } else { nibble_sums::<false>(q0, y, None) };
-            }
-            let xd = vdupq_n_f32(xb.d);
-            let xs = vdupq_n_f32(xb.sum);
-            for h in 0..2 {
-                acc[h] = vfmaq_f32(acc[h], vmulq_f32(d[h], xd), vcvtq_f32_s32(isum[h]));
-                let m = if min {
-                    f16x4_to_f32(vld1_u16(p.add(16 + 8 * h) as *const u16))
-                } else if eight {
-                    vdupq_n_f32(0.0)
-                } else {
-                    // Q4_0: w = d·(q − 8); Q5_0: d·(q − 16).
-                    vmulq_n_f32(d[h], if five { -16.0 } else { -8.0 })
-                };
-                acc_m[h] = vfmaq_f32(acc_m[h], m, xs);
+                if five { nibble_sums::<true, T>(q0, ys, None) } else { nibble_sums::<false, T>(q0, ys, None) }
+            };
+            // w = d·q + m: Q4_1/Q5_1 store m; Q4_0: m = −8·d, Q5_0: −16·d; Q8_0: none.
+            let m = if min {
+                halves8_f32(p.add(16))
+            } else if eight {
+                d
+            } else {
+                d.map(|dh| vmulq_n_f32(dh, if five { -16.0 } else { -8.0 }))
+            };
+            for t in 0..T {
+                let xb = &xs[t][b];
+                for h in 0..2 {
+                    acc[t][h] = vfmaq_f32(acc[t][h], vmulq_n_f32(d[h], xb.d), vcvtq_f32_s32(isum[t][h]));
+                    if !eight {
+                        acc[t][h] = vfmaq_n_f32(acc[t][h], m[h], xb.sum);
+                    }
+                }
             }
         }
-        let mut out = [0.0f32; 8];
-        vst1q_f32(out.as_mut_ptr(), vaddq_f32(acc[0], acc_m[0]));
-        vst1q_f32(out.as_mut_ptr().add(4), vaddq_f32(acc[1], acc_m[1]));
+        store_rows8(acc)
+    }
+
+    /// One token against an 8-row group (see `rows8_t`).
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+        let [out] = rows8_t::<1>(format, group, [x]);
         out
+    }
+
+    /// Four tokens against an 8-row group (prefill and batched decode): each block's
+    /// weights are loaded and unpacked once for all four.
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn dot_q8_rows8_x4(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        rows8_t::<4>(format, group, xs)
     }
 
     /// [`scalar::attend`] with NEON dot products and axpy (exp stays libm's).
