@@ -195,6 +195,13 @@ fn print_table(model: &str, r: &BenchReport) {
     };
     peak("before", &r.mac_peak_before);
     peak("after ", &r.mac_peak_after);
+    let (bw_spread, mac_spread) = (r.bandwidth_spread(), r.compute_spread());
+    if bw_spread.max(mac_spread) > tessera_engine::bench::NOISY_SPREAD {
+        println!(
+            "busy host: within this run the read bandwidth moved {bw_spread:.2}× and the int8 ceiling {mac_spread:.2}× (fastest probe ÷ slowest median; a steady host stays under {:.2}×): single numbers can be off by as much; compare medians over more --repeat rounds, or the round-by-round roofline",
+            tessera_engine::bench::NOISY_SPREAD
+        );
+    }
     if r.ranks > 1 {
         // Each rank reads its own share on its own machine: one machine's bandwidth and
         // one rank's bytes do not make a cluster's roofline.
@@ -297,6 +304,7 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
             "fraction": r.roofline_fraction(),
             "tok_per_sec_at_best_bandwidth": r.roofline_tok_per_sec(),
             "fraction_by_round": stat_json(&r.roofline_fraction_by_round()),
+            "bandwidth_spread": r.bandwidth_spread(),
             "rounds": r.decode_rounds.iter().map(|d| json!({ "tok_per_sec": d.tok_per_sec, "adjacent_best_gb_s": d.adjacent_best_gb_s })).collect::<Vec<_>>(),
         },
         "compute": {
@@ -304,6 +312,7 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
             "peak_before": peak_json(&r.mac_peak_before),
             "peak_after": peak_json(&r.mac_peak_after),
             "tok_per_sec_at_best_peak": 1.0 / r.compute_s_per_token(),
+            "int8_spread": r.compute_spread(),
         },
     })
 }
