@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use tessera_engine::bench::{Bandwidth, BenchConfig, BenchReport, DecodeResult, MacPeak, Stat};
+use tessera_kernels::WeightFormat;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -117,6 +118,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let load_after = loadavg();
     print_table(&a.model.display().to_string(), &report);
+    // The embedding is read by rows, not streamed: only multiplied matrices count.
+    let mlx_f32 = model.linears().iter().filter(|l| matches!(l.format, WeightFormat::A4 { .. }) && !l.name.contains("embed")).count();
+    if mlx_f32 > 0 {
+        println!(
+            "note: {mlx_f32} MLX 4-bit matrices compute with f32 activations (logits within 1e-4 of mlx-lm's, compute-bound); TESSERA_MLX_INT8=1 runs them as Q4_1 on the integer kernels with 8-bit activations (2.7× decode on the benchmark MoE here; logits ~1–2 % of their range off mlx-lm's, as llama.cpp's Q4_1 path)"
+        );
+    }
     if a.profile {
         let p = tessera_engine::bench::profile_decode(&model, &cfg, cfg.tg.max(1), a.profile_batch)?;
         print_profile(&p, report.bandwidth_best_gb_s(), a.profile_batch);

@@ -692,6 +692,44 @@ pub fn repack_mlx(format: WeightFormat, rows: usize, cols: usize, packed: &[u8],
     out
 }
 
+/// MLX affine 4-bit rows ([`WeightFormat::A4`]: per group of `group`, an f32 scale and
+/// bias, then each 32's nibbles in GGUF order) as [`WeightFormat::Q4_1`] rows, so they
+/// run on the integer kernels with 8-bit activations: per 32, the group's scale as `d`
+/// and its bias as `m` in f16 (w = d·q + m in both), then the same 16 nibble bytes.
+/// The f16 rounding is exact for scales and biases stored as bf16 or f16 within f16's
+/// normal range, as MLX writes them for bf16/f16 models. `None` when a scale or bias
+/// does not fit an f16 (beyond ±65504, or not finite): the caller keeps the f32 path.
+///
+/// Size: 20 bytes per 32 weights against A4's 24 (group 32), 20 (64) or 18 (128).
+pub fn a4_as_q4_1(group: usize, rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
+    let a4 = WeightFormat::A4 { group: group as u16 };
+    assert!(matches!(group, 32 | 64 | 128) && cols % group == 0, "a4_as_q4_1: {cols} columns in groups of {group}");
+    assert_eq!(data.len(), rows * a4.row_bytes(cols).expect("whole groups"), "a4_as_q4_1: {rows}×{cols} of {a4}");
+    let mut out = Vec::with_capacity(rows * cols / 32 * 20);
+    for g in data.chunks_exact(a4.block_bytes()) {
+        let (d, m) = a4_scale_bias_f16(g)?;
+        for nibbles in g[8..].chunks_exact(16) {
+            out.extend(d.to_le_bytes());
+            out.extend(m.to_le_bytes());
+            out.extend_from_slice(nibbles);
+        }
+    }
+    Some(out)
+}
+
+/// Whether [`a4_as_q4_1`] can convert these A4 rows (every scale and bias fits an f16),
+/// read from the group headers alone: a loader decides before it sizes buffers.
+pub fn a4_fits_q4_1(group: usize, data: &[u8]) -> bool {
+    data.chunks_exact(WeightFormat::A4 { group: group as u16 }.block_bytes()).all(|g| a4_scale_bias_f16(g).is_some())
+}
+
+/// An A4 group's f32 scale and bias as f16, if both fit.
+fn a4_scale_bias_f16(group_bytes: &[u8]) -> Option<(half::f16, half::f16)> {
+    let f = |at: usize| half::f16::from_f32(f32::from_le_bytes(group_bytes[at..at + 4].try_into().expect("4 bytes")));
+    let (d, m) = (f(0), f(4));
+    (d.is_finite() && m.is_finite()).then_some((d, m))
+}
+
 /// Repacks FP8 E4M3 rows `[rows, cols]` with block scales `scales[⌈rows/br⌉, ⌈cols/bc⌉]`
 /// (DeepSeek's `weight_scale_inv`, which despite its name multiplies) into [`WeightFormat::Fp8`].
 /// `bc` must be a multiple of 32 so no 32-block straddles two scales.

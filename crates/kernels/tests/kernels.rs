@@ -727,3 +727,37 @@ fn interleaved_float_rows_are_the_source_rows() {
         }
     }
 }
+
+/// MLX affine 4-bit rows converted to Q4_1 (`a4_as_q4_1`, what `TESSERA_MLX_INT8=1`
+/// runs): every weight dequantizes to the same value when the scales and biases are f16
+/// values (as MLX stores them for f16/bf16 models), for each group size; a scale beyond
+/// f16's range is refused, by the converter and by the header check alike.
+#[test]
+fn mlx_4bit_as_q4_1_keeps_every_weight() {
+    let mut rng = Rng(11);
+    for group in [32u16, 64, 128] {
+        let a4 = WeightFormat::A4 { group };
+        let (rows, cols) = (3, 256);
+        let mut data = Vec::new();
+        for _ in 0..rows * cols / group as usize {
+            let (scale, bias) = (f16::from_f32(rng.f32() * 0.02).to_f32(), f16::from_f32(rng.f32() * 0.2).to_f32());
+            data.extend(scale.to_le_bytes());
+            data.extend(bias.to_le_bytes());
+            (0..group / 2).for_each(|_| data.push(rng.byte()));
+        }
+        assert!(tessera_kernels::a4_fits_q4_1(group as usize, &data));
+        let q = tessera_kernels::a4_as_q4_1(group as usize, rows, cols, &data).expect("f16 scales fit");
+        assert_eq!(q.len(), rows * WeightFormat::Q4_1.row_bytes(cols).unwrap());
+        let (ra, rq) = (a4.row_bytes(cols).unwrap(), WeightFormat::Q4_1.row_bytes(cols).unwrap());
+        for r in 0..rows {
+            let (mut wa, mut wq) = (vec![0.0; cols], vec![0.0; cols]);
+            scalar::dequantize_row(a4, &data[r * ra..(r + 1) * ra], &mut wa);
+            scalar::dequantize_row(WeightFormat::Q4_1, &q[r * rq..(r + 1) * rq], &mut wq);
+            assert_eq!(wa, wq, "{a4} row {r}");
+        }
+        // One scale beyond f16 (65504): refused.
+        data[0..4].copy_from_slice(&1e6f32.to_le_bytes());
+        assert!(!tessera_kernels::a4_fits_q4_1(group as usize, &data));
+        assert!(tessera_kernels::a4_as_q4_1(group as usize, rows, cols, &data).is_none());
+    }
+}

@@ -76,6 +76,20 @@ impl Linear {
         self.format.interleaved().filter(|to| whole(to) && isa.runs_interleaved(*to))
     }
 
+    /// `Q4_1x8` for an MLX affine 4-bit matrix that can take it (whole groups of 8 rows,
+    /// every scale and bias within f16's range, kernels for it on `isa`): it then runs on
+    /// the integer kernels with 8-bit activations, as GGUF Q4_1 does, instead of
+    /// dequantizing to f32 in registers. Faster (those kernels stream; the f32 path is
+    /// compute-bound), but the activations' rounding moves logits by about what
+    /// llama.cpp's does, so it is asked for (`TESSERA_MLX_INT8=1`), not the default,
+    /// which matches mlx-lm within 1e-4.
+    fn mlx_int8_layout(&self, isa: Isa, ckpt: &Checkpoint) -> Option<WeightFormat> {
+        let WeightFormat::A4 { group } = self.format else { return None };
+        let to = WeightFormat::Q4_1x8;
+        let fits = self.rows > 0 && self.rows % 8 == 0 && isa.runs_interleaved(to) && to.row_bytes(self.cols).is_ok();
+        (fits && tessera_kernels::a4_fits_q4_1(group as usize, self.weights(ckpt).data)).then_some(to)
+    }
+
     /// Writes this matrix into `out` (its bytes in the arena), repacked into `to` if
     /// given, and lets go of the source (a heap buffer is freed once every matrix
     /// sharing it is placed, so a load peaks near one copy of the model, not two).
@@ -84,7 +98,13 @@ impl Linear {
         let src = self.weights(ckpt).data;
         match to {
             Some(to) => {
-                tessera_kernels::repack_interleaved_into(self.format, self.rows, self.cols, src, out);
+                if let WeightFormat::A4 { group } = self.format {
+                    // Checked by `mlx_int8_layout`.
+                    let q4_1 = tessera_kernels::a4_as_q4_1(group as usize, self.rows, self.cols, src).expect("scales and biases fit f16");
+                    tessera_kernels::repack_interleaved_into(WeightFormat::Q4_1, self.rows, self.cols, &q4_1, out);
+                } else {
+                    tessera_kernels::repack_interleaved_into(self.format, self.rows, self.cols, src, out);
+                }
                 self.format = to;
             }
             None => out.copy_from_slice(src),
@@ -1287,6 +1307,7 @@ impl DenseTransformer {
         // flavour decides both which layouts to repack into and what runs them.
         let isa = Isa::detect();
         let repack = std::env::var("TESSERA_REPACK").map_or(true, |v| v != "0");
+        let mlx_int8 = std::env::var("TESSERA_MLX_INT8").is_ok_and(|v| v == "1");
         let huge = huge_pages_wanted();
         let mut todo: Vec<&mut Linear> = Vec::new();
         for l in &mut layers {
@@ -1318,7 +1339,7 @@ impl DenseTransformer {
         let moves: Vec<(&mut Linear, Option<WeightFormat>)> = todo
             .into_iter()
             .filter_map(|l| {
-                let to = if repack { l.interleaved(isa) } else { None };
+                let to = if repack { l.interleaved(isa).or_else(|| mlx_int8.then(|| l.mlx_int8_layout(isa, &ckpt)).flatten()) } else { None };
                 (to.is_some() || (huge && l.bytes() > 0)).then_some((l, to))
             })
             .collect();
