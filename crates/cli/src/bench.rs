@@ -118,11 +118,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let load_after = loadavg();
     print_table(&a.model.display().to_string(), &report);
-    // The embedding is read by rows, not streamed: only multiplied matrices count.
-    let mlx_f32 = model.linears().iter().filter(|l| matches!(l.format, WeightFormat::A4 { .. }) && !l.name.contains("embed")).count();
-    if mlx_f32 > 0 {
+    // Formats with an opt-in integer path, still on f32 activations. The embedding is
+    // read by rows, not streamed: only multiplied matrices count.
+    let on_f32 = |f: fn(WeightFormat) -> bool| model.linears().iter().filter(|l| f(l.format) && !l.name.contains("embed")).count();
+    let (mlx, fp8) = (on_f32(|f| matches!(f, WeightFormat::A4 { .. })), on_f32(|f| f == WeightFormat::Fp8));
+    if mlx > 0 {
         println!(
-            "note: {mlx_f32} MLX 4-bit matrices compute with f32 activations (logits within 1e-4 of mlx-lm's, compute-bound); TESSERA_MLX_INT8=1 runs them as Q4_1 on the integer kernels with 8-bit activations (2.7× decode on the benchmark MoE here; logits ~1–2 % of their range off mlx-lm's, as llama.cpp's Q4_1 path)"
+            "note: {mlx} MLX 4-bit matrices compute with f32 activations (logits within 1e-4 of mlx-lm's, compute-bound); TESSERA_MLX_INT8=1 runs them as Q4_1 on the integer kernels with 8-bit activations (2.7× decode on the benchmark MoE here; logits ~1–2 % of their range off mlx-lm's, as llama.cpp's Q4_1 path)"
+        );
+    }
+    if fp8 > 0 {
+        println!(
+            "note: {fp8} FP8 matrices compute with f32 activations (compute-bound); TESSERA_FP8_Q8=1 requantizes them to Q8_0 for the integer kernels (1.6–1.9× decode on the benchmark MoE here; each weight within 0.4 % of its block's largest, as llama.cpp's FP8 → Q8_0 conversions)"
         );
     }
     if a.profile {

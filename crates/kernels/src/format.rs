@@ -730,6 +730,41 @@ fn a4_scale_bias_f16(group_bytes: &[u8]) -> Option<(half::f16, half::f16)> {
     (d.is_finite() && m.is_finite()).then_some((d, m))
 }
 
+/// FP8 E4M3 rows ([`WeightFormat::Fp8`]: per 32, an f32 block scale and 32 codes)
+/// requantized to [`WeightFormat::Q8_0`], so they run on the integer kernels with
+/// 8-bit activations: per 32, d = max|w| / 127 (as f16) and q = round(w / d). Lossy, as
+/// llama.cpp's FP8 → Q8_0 conversions are: each weight moves by at most d/2 (0.4 % of
+/// its block's largest), where E4M3 itself keeps 3 mantissa bits. `None` when a block
+/// holds a NaN code or its d does not fit an f16: the caller keeps the FP8 path.
+pub fn fp8_as_q8_0(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
+    assert!(cols % 32 == 0 && data.len() == rows * cols / 32 * 36, "fp8_as_q8_0: {rows}×{cols} in {} bytes", data.len());
+    let mut out = Vec::with_capacity(rows * cols / 32 * 34);
+    let mut w = [0.0f32; 32];
+    for b in data.chunks_exact(36) {
+        crate::scalar::dequantize_row(WeightFormat::Fp8, b, &mut w);
+        let amax = w.iter().try_fold(0.0f32, |m, v| v.is_finite().then(|| m.max(v.abs())))?;
+        let d = half::f16::from_f32(amax / 127.0);
+        if !d.is_finite() {
+            return None;
+        }
+        // A d below f16's range means weights below ~1e-5: zeros.
+        let inv = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+        out.extend(d.to_le_bytes());
+        out.extend(w.iter().map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+    }
+    Some(out)
+}
+
+/// Whether [`fp8_as_q8_0`] can convert these FP8 rows, from the block scales and codes
+/// alone (no NaN code; d ≤ 448·|scale| / 127 fits an f16): a loader decides before it
+/// sizes buffers.
+pub fn fp8_fits_q8_0(data: &[u8]) -> bool {
+    data.chunks_exact(36).all(|b| {
+        let scale = f32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
+        scale.is_finite() && half::f16::from_f32(448.0 * scale.abs() / 127.0).is_finite() && b[4..].iter().all(|q| q & 0x7F != 0x7F)
+    })
+}
+
 /// Repacks FP8 E4M3 rows `[rows, cols]` with block scales `scales[⌈rows/br⌉, ⌈cols/bc⌉]`
 /// (DeepSeek's `weight_scale_inv`, which despite its name multiplies) into [`WeightFormat::Fp8`].
 /// `bc` must be a multiple of 32 so no 32-block straddles two scales.

@@ -761,3 +761,39 @@ fn mlx_4bit_as_q4_1_keeps_every_weight() {
         assert!(tessera_kernels::a4_as_q4_1(group as usize, rows, cols, &data).is_none());
     }
 }
+
+/// FP8 E4M3 requantized to Q8_0 (`fp8_as_q8_0`, what `TESSERA_FP8_Q8=1` runs): per 32,
+/// d = max|w| / 127 in f16 and every weight within half a step of its FP8 value (round
+/// to nearest, not toward zero); a NaN code is refused, by the converter and by the
+/// header check alike.
+#[test]
+fn fp8_as_q8_0_rounds_each_weight_to_its_nearest_step() {
+    let mut rng = Rng(12);
+    let (rows, cols) = (4, 128);
+    let mut data = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        data.extend((rng.f32().abs() * 0.01 + 1e-4).to_le_bytes());
+        // Every code but the NaNs (0x7F, 0xFF).
+        (0..32).for_each(|_| data.push(match rng.byte() { q if q & 0x7F == 0x7F => q - 1, q => q }));
+    }
+    assert!(tessera_kernels::fp8_fits_q8_0(&data));
+    let q = tessera_kernels::fp8_as_q8_0(rows, cols, &data).expect("no NaN codes");
+    let (rf, rq) = (WeightFormat::Fp8.row_bytes(cols).unwrap(), WeightFormat::Q8_0.row_bytes(cols).unwrap());
+    for r in 0..rows {
+        let (mut wf, mut wq) = (vec![0.0; cols], vec![0.0; cols]);
+        scalar::dequantize_row(WeightFormat::Fp8, &data[r * rf..(r + 1) * rf], &mut wf);
+        scalar::dequantize_row(WeightFormat::Q8_0, &q[r * rq..(r + 1) * rq], &mut wq);
+        for (b, (f, g)) in wf.chunks_exact(32).zip(wq.chunks_exact(32)).enumerate() {
+            let amax = f.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = f16::from_f32(amax / 127.0).to_f32();
+            let stored = f16::from_le_bytes([q[r * rq + 34 * b], q[r * rq + 34 * b + 1]]).to_f32();
+            assert_eq!(stored, d, "row {r} block {b}: d");
+            for (x, y) in f.iter().zip(g) {
+                assert!((x - y).abs() <= 0.5 * d * 1.001 + 1e-12, "row {r} block {b}: {x} became {y} (step {d})");
+            }
+        }
+    }
+    data[4 + 3] = 0x7F;
+    assert!(!tessera_kernels::fp8_fits_q8_0(&data));
+    assert!(tessera_kernels::fp8_as_q8_0(rows, cols, &data).is_none());
+}

@@ -76,18 +76,34 @@ impl Linear {
         self.format.interleaved().filter(|to| whole(to) && isa.runs_interleaved(*to))
     }
 
-    /// `Q4_1x8` for an MLX affine 4-bit matrix that can take it (whole groups of 8 rows,
-    /// every scale and bias within f16's range, kernels for it on `isa`): it then runs on
-    /// the integer kernels with 8-bit activations, as GGUF Q4_1 does, instead of
-    /// dequantizing to f32 in registers. Faster (those kernels stream; the f32 path is
-    /// compute-bound), but the activations' rounding moves logits by about what
-    /// llama.cpp's does, so it is asked for (`TESSERA_MLX_INT8=1`), not the default,
-    /// which matches mlx-lm within 1e-4.
-    fn mlx_int8_layout(&self, isa: Isa, ckpt: &Checkpoint) -> Option<WeightFormat> {
-        let WeightFormat::A4 { group } = self.format else { return None };
-        let to = WeightFormat::Q4_1x8;
-        let fits = self.rows > 0 && self.rows % 8 == 0 && isa.runs_interleaved(to) && to.row_bytes(self.cols).is_ok();
-        (fits && tessera_kernels::a4_fits_q4_1(group as usize, self.weights(ckpt).data)).then_some(to)
+    /// The integer-kernel layout of a matrix whose format computes with f32 activations,
+    /// where asked for and possible (whole groups of 8 rows, kernels for it on `isa`,
+    /// scales within f16's range):
+    /// - `mlx`: MLX affine 4-bit as `Q4_1x8` (the same weights: scale and bias per 32
+    ///   as f16);
+    /// - `fp8`: FP8 E4M3 requantized as `Q8_0x8` (each weight within 0.4 % of its
+    ///   block's largest).
+    ///
+    /// They then run with 8-bit activations, as GGUF Q4_1 / Q8_0 do, instead of
+    /// dequantizing to f32 in registers: faster (those kernels stream; the f32 paths
+    /// are compute-bound), but the activations' rounding moves logits by about what
+    /// llama.cpp's does, so they are asked for (`TESSERA_MLX_INT8=1`,
+    /// `TESSERA_FP8_Q8=1`), not the default, which matches mlx-lm within 1e-4.
+    fn int8_layout(&self, isa: Isa, ckpt: &Checkpoint, mlx: bool, fp8: bool) -> Option<WeightFormat> {
+        let to = match self.format {
+            WeightFormat::A4 { .. } if mlx => WeightFormat::Q4_1x8,
+            WeightFormat::Fp8 if fp8 => WeightFormat::Q8_0x8,
+            _ => return None,
+        };
+        if !(self.rows > 0 && self.rows % 8 == 0 && isa.runs_interleaved(to) && to.row_bytes(self.cols).is_ok()) {
+            return None;
+        }
+        let data = self.weights(ckpt).data;
+        let fits = match self.format {
+            WeightFormat::A4 { group } => tessera_kernels::a4_fits_q4_1(group as usize, data),
+            _ => tessera_kernels::fp8_fits_q8_0(data),
+        };
+        fits.then_some(to)
     }
 
     /// Writes this matrix into `out` (its bytes in the arena), repacked into `to` if
@@ -98,12 +114,18 @@ impl Linear {
         let src = self.weights(ckpt).data;
         match to {
             Some(to) => {
-                if let WeightFormat::A4 { group } = self.format {
-                    // Checked by `mlx_int8_layout`.
-                    let q4_1 = tessera_kernels::a4_as_q4_1(group as usize, self.rows, self.cols, src).expect("scales and biases fit f16");
-                    tessera_kernels::repack_interleaved_into(WeightFormat::Q4_1, self.rows, self.cols, &q4_1, out);
-                } else {
-                    tessera_kernels::repack_interleaved_into(self.format, self.rows, self.cols, src, out);
+                // The f32-activation formats go through their integer twin (checked by
+                // `int8_layout`).
+                match self.format {
+                    WeightFormat::A4 { group } => {
+                        let q4_1 = tessera_kernels::a4_as_q4_1(group as usize, self.rows, self.cols, src).expect("scales and biases fit f16");
+                        tessera_kernels::repack_interleaved_into(WeightFormat::Q4_1, self.rows, self.cols, &q4_1, out);
+                    }
+                    WeightFormat::Fp8 => {
+                        let q8_0 = tessera_kernels::fp8_as_q8_0(self.rows, self.cols, src).expect("codes and scales checked");
+                        tessera_kernels::repack_interleaved_into(WeightFormat::Q8_0, self.rows, self.cols, &q8_0, out);
+                    }
+                    _ => tessera_kernels::repack_interleaved_into(self.format, self.rows, self.cols, src, out),
                 }
                 self.format = to;
             }
@@ -1307,7 +1329,8 @@ impl DenseTransformer {
         // flavour decides both which layouts to repack into and what runs them.
         let isa = Isa::detect();
         let repack = std::env::var("TESSERA_REPACK").map_or(true, |v| v != "0");
-        let mlx_int8 = std::env::var("TESSERA_MLX_INT8").is_ok_and(|v| v == "1");
+        let on = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
+        let (mlx_int8, fp8_q8) = (on("TESSERA_MLX_INT8"), on("TESSERA_FP8_Q8"));
         let huge = huge_pages_wanted();
         let mut todo: Vec<&mut Linear> = Vec::new();
         for l in &mut layers {
@@ -1339,7 +1362,7 @@ impl DenseTransformer {
         let moves: Vec<(&mut Linear, Option<WeightFormat>)> = todo
             .into_iter()
             .filter_map(|l| {
-                let to = if repack { l.interleaved(isa).or_else(|| mlx_int8.then(|| l.mlx_int8_layout(isa, &ckpt)).flatten()) } else { None };
+                let to = if repack { l.interleaved(isa).or_else(|| l.int8_layout(isa, &ckpt, mlx_int8, fp8_q8)) } else { None };
                 (to.is_some() || (huge && l.bytes() > 0)).then_some((l, to))
             })
             .collect();
