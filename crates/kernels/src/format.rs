@@ -116,6 +116,11 @@ pub enum WeightFormat {
     /// Q2_K and Q3_K interleaved by groups of 8 rows (module docs).
     Q2Kx8,
     Q3Kx8,
+    /// MXFP4 as integer levels (made at load by `mxfp4_as_levels`, only in this layout):
+    /// IQ4_NLx8's bytes, with MXFP4's values doubled (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12:
+    /// `scalar::MXFP4_LEVELS`) in place of IQ4_NL's table and d = 2^(e − 128) per 32, so
+    /// w = d·level is the MXFP4 weight exactly.
+    Mxfp4x8,
     /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
     F16x4,
     Bf16x4,
@@ -200,6 +205,7 @@ impl WeightFormat {
             WeightFormat::Q5Kx8 => "Q5_Kx8",
             WeightFormat::Q6Kx8 => "Q6_Kx8",
             WeightFormat::Iq4Nlx8 => "IQ4_NLx8",
+            WeightFormat::Mxfp4x8 => "MXFP4x8",
             WeightFormat::Iq4Xsx8 => "IQ4_XSx8",
             WeightFormat::Q2Kx8 => "Q2_Kx8",
             WeightFormat::Q3Kx8 => "Q3_Kx8",
@@ -253,6 +259,7 @@ impl WeightFormat {
                 | WeightFormat::Iq4Xsx8
                 | WeightFormat::Q2Kx8
                 | WeightFormat::Q3Kx8
+                | WeightFormat::Mxfp4x8
         )
     }
 
@@ -261,7 +268,7 @@ impl WeightFormat {
     pub fn rows_per_group(self) -> usize {
         match self {
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 8,
-            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 => 8,
+            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Mxfp4x8 => 8,
             WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 8,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
@@ -300,7 +307,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Iq4Nl => 32,
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 => 32,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
             WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 256,
@@ -329,7 +336,7 @@ impl WeightFormat {
             WeightFormat::Q2K | WeightFormat::Q2Kx8 => 84,
             WeightFormat::Q3K => 110,
             WeightFormat::Q3Kx8 => 114,
-            WeightFormat::Iq4Nl | WeightFormat::Iq4Nlx8 => 18,
+            WeightFormat::Iq4Nl | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 => 18,
             WeightFormat::Iq4Xs => 136,
             WeightFormat::Iq4Xsx8 => 138,
             WeightFormat::Fp8 => 36,
@@ -763,6 +770,39 @@ pub fn fp8_fits_q8_0(data: &[u8]) -> bool {
         let scale = f32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
         scale.is_finite() && half::f16::from_f32(448.0 * scale.abs() / 127.0).is_finite() && b[4..].iter().all(|q| q & 0x7F != 0x7F)
     })
+}
+
+/// MXFP4 rows ([`WeightFormat::Mxfp4`]: per 32, an e8m0 exponent byte and 16 bytes of
+/// E2M1 codes in GGUF's nibble order) as [`WeightFormat::Mxfp4x8`]: each 32's scale
+/// 2^(e − 127) halved into an f16 d (the levels are the values doubled), the codes
+/// unchanged, interleaved by 8 rows. Exact: every weight keeps its value. `None` when an
+/// exponent's d is not an f16 normal (e outside 114..=142, weights below 2^-14 or above
+/// 2^15 in scale): the caller keeps the f32 path.
+pub fn mxfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
+    assert!(rows % 8 == 0 && cols % 32 == 0 && data.len() == rows * cols / 32 * 17, "mxfp4_as_levels: {rows}×{cols} in {} bytes", data.len());
+    if !mxfp4_fits_levels(data) {
+        return None;
+    }
+    // IQ4_NL's row bytes (f16 d, then the 16 code bytes), then its 8-row layout.
+    let mut rows_bytes = Vec::with_capacity(rows * cols / 32 * 18);
+    for b in data.chunks_exact(17) {
+        rows_bytes.extend(half::f16::from_f32(mxfp4_d(b[0])).to_le_bytes());
+        rows_bytes.extend_from_slice(&b[1..17]);
+    }
+    let mut out = vec![0u8; rows_bytes.len()];
+    repack_rows8_into(WeightFormat::Iq4Nl, rows, cols, &rows_bytes, &mut out);
+    Some(out)
+}
+
+/// Whether [`mxfp4_as_levels`] can convert these MXFP4 rows (every exponent's d an f16
+/// normal), from the exponent bytes alone.
+pub fn mxfp4_fits_levels(data: &[u8]) -> bool {
+    data.chunks_exact(17).all(|b| (114..=142).contains(&b[0]))
+}
+
+/// A block's d for the doubled levels: 2^(e − 127) / 2.
+fn mxfp4_d(e: u8) -> f32 {
+    2f32.powi(e as i32 - 128)
 }
 
 /// Repacks FP8 E4M3 rows `[rows, cols]` with block scales `scales[⌈rows/br⌉, ⌈cols/bc⌉]`

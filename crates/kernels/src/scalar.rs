@@ -131,7 +131,8 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
         | WeightFormat::Iq4Nlx8
         | WeightFormat::Iq4Xsx8
         | WeightFormat::Q2Kx8
-        | WeightFormat::Q3Kx8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        | WeightFormat::Q3Kx8
+        | WeightFormat::Mxfp4x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
@@ -239,6 +240,9 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
 
 /// IQ4_NL's and IQ4_XS's 16 levels (ggml's `kvalues_iq4nl`): a 4-bit index selects one.
 pub const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// `Mxfp4x8`'s levels: the E2M1 values ([`E2M1`]) doubled, so they are integers.
+pub const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 /// Element `n` (0..256) of a Q2_K super-block: its 2-bit value. ggml's order: each
 /// 128-element half reads 32 bytes of `qs` four times, two bits deeper each time; byte
@@ -486,8 +490,10 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
             if matches!(format, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8) {
                 q |= ((blk[q0 + 128 + 4 * r + e] >> (2 * j + usize::from(high))) & 1) << 4;
             }
-            if format == WeightFormat::Iq4Nlx8 {
-                return (IQ4_LEVELS[q as usize] as i32, 0.0);
+            match format {
+                WeightFormat::Iq4Nlx8 => return (IQ4_LEVELS[q as usize] as i32, 0.0),
+                WeightFormat::Mxfp4x8 => return (MXFP4_LEVELS[q as usize] as i32, 0.0),
+                _ => {}
             }
             let off = match format {
                 WeightFormat::Q4_0x8 => -8.0,

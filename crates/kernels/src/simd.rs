@@ -859,13 +859,13 @@ mod x86 {
         ($features:literal, $one:ident, $four:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
             /// The integer sums of one 32-column block of 8 interleaved IQ4 rows (indices at
             /// `qp` in Q4_0x8's order) against `T` tokens: each chunk's indices become int8
-            /// levels by PSHUFB (once for all tokens), then signed products as in Q8_0x8
+            /// levels of `table` (IQ4's, or MXFP4's doubled values) by PSHUFB (once for all tokens), then signed products as in Q8_0x8
             /// (|level| ≤ 127). 8 i32 lanes per token, one per row.
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn $iq4_sums<const T: usize>(qp: *const u8, ys: [*const i32; T]) -> [__m256i; T] {
+            unsafe fn $iq4_sums<const T: usize>(qp: *const u8, ys: [*const i32; T], table: &[i8; 16]) -> [__m256i; T] {
                 let low = _mm256_set1_epi8(0x0F);
-                let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(scalar::IQ4_LEVELS.as_ptr() as *const __m128i));
+                let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(table.as_ptr() as *const __m128i));
                 let mut sum: [$acc; T] = [$zero; T];
                 for j in 0..4 {
                     let c = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
@@ -1043,7 +1043,7 @@ mod x86 {
                 /// scales, then per sub-block the indices).
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn iq4<const XS: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                unsafe fn iq4<const XS: bool>(group: &[u8], x: &[BlockQ8], levels: &[i8; 16]) -> [f32; 8] {
                     let mut acc = _mm256_setzero_ps();
                     if XS {
                         let supers = x.len() / 8;
@@ -1056,7 +1056,7 @@ mod x86 {
                                 for line in 0..2 {
                                     _mm_prefetch(qp.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
                                 }
-                                let [isum] = $iq4_sums::<1>(qp, [xb.qs.as_ptr() as *const i32]);
+                                let [isum] = $iq4_sums::<1>(qp, [xb.qs.as_ptr() as *const i32], levels);
                                 let scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 8 * s) as *const __m128i)));
                                 acc_s = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc_s);
                             }
@@ -1069,7 +1069,7 @@ mod x86 {
                             for line in 0..3 {
                                 _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
                             }
-                            let [isum] = $iq4_sums::<1>(p.add(16), [xb.qs.as_ptr() as *const i32]);
+                            let [isum] = $iq4_sums::<1>(p.add(16), [xb.qs.as_ptr() as *const i32], levels);
                             let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                             acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
                         }
@@ -1125,8 +1125,9 @@ mod x86 {
                     WeightFormat::Q4Kx8 => k4::<false>(group, x),
                     WeightFormat::Q5Kx8 => k4::<true>(group, x),
                     WeightFormat::Q6Kx8 => k6(group, x),
-                    WeightFormat::Iq4Nlx8 => iq4::<false>(group, x),
-                    WeightFormat::Iq4Xsx8 => iq4::<true>(group, x),
+                    WeightFormat::Iq4Nlx8 => iq4::<false>(group, x, &scalar::IQ4_LEVELS),
+                    WeightFormat::Mxfp4x8 => iq4::<false>(group, x, &scalar::MXFP4_LEVELS),
+                    WeightFormat::Iq4Xsx8 => iq4::<true>(group, x, &scalar::IQ4_LEVELS),
                     _ => unreachable!("{format} does not interleave rows"),
                 }
             }
@@ -1263,7 +1264,7 @@ mod x86 {
                 /// for all four.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn iq4<const XS: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                unsafe fn iq4<const XS: bool>(group: &[u8], xs: [&[BlockQ8]; 4], levels: &[i8; 16]) -> [[f32; 8]; 4] {
                     let blocks = xs[0].len();
                     assert!(xs.iter().all(|x| x.len() == blocks));
                     let mut acc = [_mm256_setzero_ps(); 4];
@@ -1276,7 +1277,7 @@ mod x86 {
                             let mut acc_s = [_mm256_setzero_ps(); 4];
                             for s in 0..8 {
                                 let b = 8 * sb + s;
-                                let sum = $iq4_sums::<4>(p.add(80 + 128 * s), [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)));
+                                let sum = $iq4_sums::<4>(p.add(80 + 128 * s), [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)), levels);
                                 let scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 8 * s) as *const __m128i)));
                                 for t in 0..4 {
                                     acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xs[t][b].d)), _mm256_cvtepi32_ps(sum[t]), acc_s[t]);
@@ -1291,7 +1292,7 @@ mod x86 {
                         assert!(group.len() >= blocks * 144);
                         for b in 0..blocks {
                             let p = group.as_ptr().add(b * 144);
-                            let sum = $iq4_sums::<4>(p.add(16), [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)));
+                            let sum = $iq4_sums::<4>(p.add(16), [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)), levels);
                             let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                             for t in 0..4 {
                                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[t][b].d)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
@@ -1342,8 +1343,9 @@ mod x86 {
                 match format {
                     WeightFormat::Q2Kx8 => k23::<false>(group, xs),
                     WeightFormat::Q3Kx8 => k23::<true>(group, xs),
-                    WeightFormat::Iq4Nlx8 => iq4::<false>(group, xs),
-                    WeightFormat::Iq4Xsx8 => iq4::<true>(group, xs),
+                    WeightFormat::Iq4Nlx8 => iq4::<false>(group, xs, &scalar::IQ4_LEVELS),
+                    WeightFormat::Mxfp4x8 => iq4::<false>(group, xs, &scalar::MXFP4_LEVELS),
+                    WeightFormat::Iq4Xsx8 => iq4::<true>(group, xs, &scalar::IQ4_LEVELS),
                     WeightFormat::Q6Kx8 => k6(group, xs),
                     WeightFormat::Q4Kx8 => k4::<false>(group, xs),
                     WeightFormat::Q5Kx8 => k4::<true>(group, xs),
@@ -2875,12 +2877,13 @@ mod arm {
         out
     }
 
-    /// `IQ4_NLx8`: Q4_0x8's layout, the nibbles looked up in IQ4's levels (TBL).
+    /// `IQ4_NLx8` (and `MXFP4x8`): Q4_0x8's layout, the nibbles looked up in `table`
+    /// (IQ4's levels, or MXFP4's doubled values) by TBL.
     #[inline]
     #[target_feature(enable = "neon,dotprod")]
-    unsafe fn rows8_iq4nl<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
+    unsafe fn rows8_iq4nl<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T], table: &[i8; 16]) -> [[f32; 8]; T] {
         assert!(group.len() >= xs[0].len() * 144);
-        let levels = vld1q_s8(scalar::IQ4_LEVELS.as_ptr());
+        let levels = vld1q_s8(table.as_ptr());
         let mut acc = [[vdupq_n_f32(0.0); 2]; T];
         for b in 0..xs[0].len() {
             let p = group.as_ptr().add(b * 144);
@@ -3029,7 +3032,8 @@ mod arm {
     unsafe fn rows8_t<const T: usize>(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
         match format {
             WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => return rows8_super(format, group, xs),
-            WeightFormat::Iq4Nlx8 => return rows8_iq4nl(group, xs),
+            WeightFormat::Iq4Nlx8 => return rows8_iq4nl(group, xs, &scalar::IQ4_LEVELS),
+            WeightFormat::Mxfp4x8 => return rows8_iq4nl(group, xs, &scalar::MXFP4_LEVELS),
             _ => {}
         }
         let bb = 8 * format.block_bytes();
