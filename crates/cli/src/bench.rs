@@ -121,10 +121,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // Formats with an opt-in integer path, still on f32 activations. The embedding is
     // read by rows, not streamed: only multiplied matrices count.
     let on_f32 = |f: fn(WeightFormat) -> bool| model.linears().iter().filter(|l| f(l.format) && !l.name.contains("embed")).count();
-    let (mlx, fp8) = (on_f32(|f| matches!(f, WeightFormat::A4 { .. } | WeightFormat::Mxfp4)), on_f32(|f| f == WeightFormat::Fp8));
+    let (mlx, fp8) = (on_f32(|f| matches!(f, WeightFormat::A4 { .. } | WeightFormat::A8 { .. } | WeightFormat::Mxfp4)), on_f32(|f| f == WeightFormat::Fp8));
     if mlx > 0 {
         println!(
-            "note: {mlx} MLX 4-bit or mxfp4 matrices compute with f32 activations (logits within 1e-4 of mlx-lm's, compute-bound); TESSERA_MLX_INT8=1 runs them on the integer kernels with 8-bit activations, the weights unchanged (2.7× and 3.3× decode on the benchmark MoE here; logits ~1–2 % of their range off mlx-lm's, as llama.cpp's Q4_1 path)"
+            "note: {mlx} MLX-quantized matrices compute with f32 activations (logits within 1e-4 of mlx-lm's, compute-bound); TESSERA_MLX_INT8=1 runs them on the integer kernels with 8-bit activations, the weights unchanged (4-bit 2.7×, 8-bit 1.3×, mxfp4 3.3× decode on the benchmark MoE here; logits ~1–2 % of their range off mlx-lm's, as llama.cpp's Q4_1 path)"
         );
     }
     if fp8 > 0 {

@@ -1,6 +1,6 @@
 //! The opt-in integer paths for formats that compute with f32 activations by default:
-//! `TESSERA_MLX_INT8=1` (MLX affine 4-bit runs as `Q4_1x8`, mxfp4 as `MXFP4x8`, the same
-//! weights) and
+//! `TESSERA_MLX_INT8=1` (MLX affine 4-bit runs as `Q4_1x8`, 8-bit as `MLX-A8x8`, mxfp4
+//! as `MXFP4x8`, the same weights) and
 //! `TESSERA_FP8_Q8=1` (FP8 E4M3 requantized to `Q8_0x8`), both on the integer kernels
 //! with 8-bit activations. Checked against mlx-lm's float32 logits for the fixtures
 //! (the default paths match those within 1e-4: `mlx_reference.rs`), with the SIMD
@@ -107,6 +107,12 @@ fn f32_activation_formats_on_the_integer_kernels_match_mlx_lm_closely() {
     // MLX affine 4-bit (group 64), a qwen3_moe.
     let name = "qwen3_moe_mlx_q4g64";
     let mut model = load_converted(&fixture(name), "TESSERA_MLX_INT8", |f| matches!(f, WeightFormat::A4 { .. }), WeightFormat::Q4_1x8);
+    let (prompt, greedy, want_prompt, want_decode) = expected(name, "");
+    compare(name, &mut model, &prompt, &greedy, &want_prompt, &want_decode);
+
+    // MLX affine 8-bit (group 32), the same weights with the codes less 128.
+    let name = "qwen3_moe_mlx_q8g32";
+    let mut model = load_converted(&fixture(name), "TESSERA_MLX_INT8", |f| matches!(f, WeightFormat::A8 { .. }), WeightFormat::A8x8);
     let (prompt, greedy, want_prompt, want_decode) = expected(name, "");
     compare(name, &mut model, &prompt, &greedy, &want_prompt, &want_decode);
 

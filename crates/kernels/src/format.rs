@@ -116,6 +116,10 @@ pub enum WeightFormat {
     /// Q2_K and Q3_K interleaved by groups of 8 rows (module docs).
     Q2Kx8,
     Q3Kx8,
+    /// MLX affine 8-bit as 8 interleaved rows (made at load by `a8_as_rows8`, only in this
+    /// layout): per 32 columns the 8 rows' scales d and biases b as f16, then Q8_0x8's 256
+    /// code bytes holding q − 128 (i8), so w = d·q' + b + 128·d is the MLX weight s·q + b.
+    A8x8,
     /// MXFP4 as integer levels (made at load by `mxfp4_as_levels`, only in this layout):
     /// IQ4_NLx8's bytes, with MXFP4's values doubled (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12:
     /// `scalar::MXFP4_LEVELS`) in place of IQ4_NL's table and d = 2^(e − 128) per 32, so
@@ -206,6 +210,7 @@ impl WeightFormat {
             WeightFormat::Q6Kx8 => "Q6_Kx8",
             WeightFormat::Iq4Nlx8 => "IQ4_NLx8",
             WeightFormat::Mxfp4x8 => "MXFP4x8",
+            WeightFormat::A8x8 => "MLX-A8x8",
             WeightFormat::Iq4Xsx8 => "IQ4_XSx8",
             WeightFormat::Q2Kx8 => "Q2_Kx8",
             WeightFormat::Q3Kx8 => "Q3_Kx8",
@@ -260,6 +265,7 @@ impl WeightFormat {
                 | WeightFormat::Q2Kx8
                 | WeightFormat::Q3Kx8
                 | WeightFormat::Mxfp4x8
+                | WeightFormat::A8x8
         )
     }
 
@@ -268,7 +274,7 @@ impl WeightFormat {
     pub fn rows_per_group(self) -> usize {
         match self {
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 8,
-            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Mxfp4x8 => 8,
+            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Mxfp4x8 | WeightFormat::A8x8 => 8,
             WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 8,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
@@ -307,7 +313,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Iq4Nl => 32,
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 => 32,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 | WeightFormat::A8x8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
             WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 256,
@@ -337,6 +343,7 @@ impl WeightFormat {
             WeightFormat::Q3K => 110,
             WeightFormat::Q3Kx8 => 114,
             WeightFormat::Iq4Nl | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 => 18,
+            WeightFormat::A8x8 => 36,
             WeightFormat::Iq4Xs => 136,
             WeightFormat::Iq4Xsx8 => 138,
             WeightFormat::Fp8 => 36,
@@ -724,13 +731,49 @@ pub fn a4_as_q4_1(group: usize, rows: usize, cols: usize, data: &[u8]) -> Option
     Some(out)
 }
 
+/// MLX affine 8-bit rows ([`WeightFormat::A8`]: per group of `group`, an f32 scale and
+/// bias, then the u8 codes) as [`WeightFormat::A8x8`]: scale and bias as f16 (exact for
+/// the bf16/f16 scales MLX writes), the codes less 128 as i8, interleaved by 8 rows in
+/// Q8_0x8's order. `None` when a scale or bias does not fit an f16: the caller keeps
+/// the f32 path.
+pub fn a8_as_rows8(group: usize, rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
+    let a8 = WeightFormat::A8 { group: group as u16 };
+    let gb = a8.block_bytes();
+    assert!(matches!(group, 32 | 64 | 128) && cols % group == 0 && rows % 8 == 0, "a8_as_rows8: {rows}×{cols} in groups of {group}");
+    let row_in = a8.row_bytes(cols).expect("whole groups");
+    assert_eq!(data.len(), rows * row_in, "a8_as_rows8: {rows}×{cols} of {a8}");
+    let mut out = Vec::with_capacity(rows * cols / 32 * 36);
+    for g8 in 0..rows / 8 {
+        for b in 0..cols / 32 {
+            let (c0, gi) = (32 * b, 32 * b / group);
+            let header = |r: usize| &data[(8 * g8 + r) * row_in + gi * gb..][..gb];
+            let halves: Vec<(half::f16, half::f16)> = (0..8).map(|r| a4_scale_bias_f16(header(r))).collect::<Option<_>>()?;
+            halves.iter().for_each(|(d, _)| out.extend(d.to_le_bytes()));
+            halves.iter().for_each(|(_, m)| out.extend(m.to_le_bytes()));
+            for j in 0..8 {
+                for r in 0..8 {
+                    let codes = &header(r)[8 + (c0 + 4 * j) % group..][..4];
+                    out.extend(codes.iter().map(|&q| (q as i32 - 128) as i8 as u8));
+                }
+            }
+        }
+    }
+    Some(out)
+}
+
 /// Whether [`a4_as_q4_1`] can convert these A4 rows (every scale and bias fits an f16),
 /// read from the group headers alone: a loader decides before it sizes buffers.
 pub fn a4_fits_q4_1(group: usize, data: &[u8]) -> bool {
     data.chunks_exact(WeightFormat::A4 { group: group as u16 }.block_bytes()).all(|g| a4_scale_bias_f16(g).is_some())
 }
 
-/// An A4 group's f32 scale and bias as f16, if both fit.
+/// Whether [`a8_as_rows8`] can convert these A8 rows (every scale and bias fits an f16).
+pub fn a8_fits_rows8(group: usize, data: &[u8]) -> bool {
+    data.chunks_exact(WeightFormat::A8 { group: group as u16 }.block_bytes()).all(|g| a4_scale_bias_f16(g).is_some())
+}
+
+/// An MLX affine group's f32 scale and bias (its first 8 bytes, A4 and A8 alike) as
+/// f16, if both fit.
 fn a4_scale_bias_f16(group_bytes: &[u8]) -> Option<(half::f16, half::f16)> {
     let f = |at: usize| half::f16::from_f32(f32::from_le_bytes(group_bytes[at..at + 4].try_into().expect("4 bytes")));
     let (d, m) = (f(0), f(4));

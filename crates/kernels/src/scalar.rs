@@ -132,7 +132,8 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
         | WeightFormat::Iq4Xsx8
         | WeightFormat::Q2Kx8
         | WeightFormat::Q3Kx8
-        | WeightFormat::Mxfp4x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
+        | WeightFormat::Mxfp4x8
+        | WeightFormat::A8x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
@@ -477,10 +478,13 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
 }
 
 /// Row `r`'s quantized element `i` of one 8-row block of an interleaved format, and
-/// its offset `m` per unit of `d` (w = d·q + m·d; Q4_1's own m is separate).
+/// its offset `m` per unit of `d` (w = d·q + m·d, plus the stored m of the formats with
+/// one: `rows8_min`).
 fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
     match format {
         WeightFormat::Q8_0x8 => (blk[16 + 32 * (i / 4) + 4 * r + i % 4] as i8 as i32, 0.0),
+        // The codes less 128, the biases after the scales.
+        WeightFormat::A8x8 => (blk[32 + 32 * (i / 4) + 4 * r + i % 4] as i8 as i32, 128.0),
         _ => {
             let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
             let q0 = if min { 32 } else { 16 };
@@ -502,6 +506,15 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
             };
             (q as i32, off)
         }
+    }
+}
+
+/// Row `r`'s stored m of an 8-row block (Q4_1x8, Q5_1x8: their m; MLX-A8x8: its
+/// bias), 0 for the formats without one.
+fn rows8_min(format: WeightFormat, blk: &[u8], r: usize) -> f32 {
+    match format {
+        WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8 | WeightFormat::A8x8 => f16_at(blk, 16 + 2 * r),
+        _ => 0.0,
     }
 }
 
@@ -615,15 +628,13 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
         }
         return;
     }
-    let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
     let bb = 8 * format.block_bytes();
     for (b, blk) in group.chunks_exact(bb).take(cols / 32).enumerate() {
         for r in 0..8 {
             let d = f16_at(blk, 2 * r);
             for i in 0..32 {
                 let (q, off) = rows8_q(format, blk, r, i);
-                let m = if min { f16_at(blk, 16 + 2 * r) } else { off * d };
-                out[r * cols + 32 * b + i] = d * q as f32 + m;
+                out[r * cols + 32 * b + i] = d * q as f32 + off * d + rows8_min(format, blk, r);
             }
         }
     }
@@ -715,7 +726,6 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
         }
         return acc;
     }
-    let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
     let bb = 8 * format.block_bytes();
     let mut acc = [0.0f32; 8];
     for (blk, xb) in group.chunks_exact(bb).zip(x) {
@@ -728,7 +738,7 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
                 isum += q * xb.qs[i] as i32;
                 off = o;
             }
-            let m = if min { f16_at(blk, 16 + 2 * r) } else { off * d };
+            let m = off * d + rows8_min(format, blk, r);
             *a += d * xb.d * isum as f32 + m * xb.sum;
         }
     }

@@ -960,25 +960,30 @@ mod x86 {
 
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn i8(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
-                    assert!(group.len() >= x.len() * 272);
-                    let mut acc = _mm256_setzero_ps();
+                unsafe fn i8<const MIN: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
+                    // MLX-A8x8: the biases after the scales, then the codes less 128.
+                    let (bb, q0) = if MIN { (288, 32) } else { (272, 16) };
+                    assert!(group.len() >= x.len() * bb);
+                    let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for (b, xb) in x.iter().enumerate() {
-                        let p = group.as_ptr().add(b * 272);
+                        let p = group.as_ptr().add(b * bb);
                         for line in 0..5 {
                             _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
                         }
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        if MIN {
+                            acc_m = _mm256_fmadd_ps(a8_min(p, d), _mm256_set1_ps(xb.sum), acc_m);
+                        }
                         let y = xb.qs.as_ptr() as *const i32;
                         let mut sum: $acc = $zero;
                         for j in [0, 2, 4, 6] {
-                            let (w0, w1) = (_mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i), _mm256_loadu_si256(p.add(48 + 32 * j) as *const __m256i));
+                            let (w0, w1) = (_mm256_loadu_si256(p.add(q0 + 32 * j) as *const __m256i), _mm256_loadu_si256(p.add(q0 + 32 + 32 * j) as *const __m256i));
                             let (y0, y1) = (_mm256_set1_epi32(std::ptr::read_unaligned(y.add(j))), _mm256_set1_epi32(std::ptr::read_unaligned(y.add(j + 1))));
                             sum = $i8_pair(sum, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(y0, w0), _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(y1, w1));
                         }
                         acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum_i8(sum)), acc);
                     }
-                    std::mem::transmute::<__m256, [f32; 8]>(acc)
+                    std::mem::transmute::<__m256, [f32; 8]>(_mm256_add_ps(acc, acc_m))
                 }
 
                 /// Q4_Kx8 (Q5_Kx8 when `FIVE`): per 32-column sub-block the Q4_0x8 integer
@@ -1121,7 +1126,8 @@ mod x86 {
                     WeightFormat::Q4_1x8 => u4::<true, false>(group, x),
                     WeightFormat::Q5_0x8 => u4::<false, true>(group, x),
                     WeightFormat::Q5_1x8 => u4::<true, true>(group, x),
-                    WeightFormat::Q8_0x8 => i8(group, x),
+                    WeightFormat::Q8_0x8 => i8::<false>(group, x),
+                    WeightFormat::A8x8 => i8::<true>(group, x),
                     WeightFormat::Q4Kx8 => k4::<false>(group, x),
                     WeightFormat::Q5Kx8 => k4::<true>(group, x),
                     WeightFormat::Q6Kx8 => k6(group, x),
@@ -1165,20 +1171,21 @@ mod x86 {
 
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn i8(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                unsafe fn i8<const MIN: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+                    let (bb, q0) = if MIN { (288, 32) } else { (272, 16) };
                     let blocks = xs[0].len();
-                    assert!(group.len() >= blocks * 272 && xs.iter().all(|x| x.len() == blocks));
+                    assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
                     let mut acc = [_mm256_setzero_ps(); 4];
                     let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
                     for b in 0..blocks {
-                        let p = group.as_ptr().add(b * 272);
+                        let p = group.as_ptr().add(b * bb);
                         let mut sum: [$acc; 4] = [$zero; 4];
                         // Two chunks per pass and an opaque trip count: fully unrolled, LLVM
                         // hoists all eight chunks and their magnitudes (16 registers) and
                         // spills, at a third of the speed.
                         for jj in 0..std::hint::black_box(4usize) {
                             let j = 2 * jj;
-                            let (w0, w1) = (_mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i), _mm256_loadu_si256(p.add(48 + 32 * j) as *const __m256i));
+                            let (w0, w1) = (_mm256_loadu_si256(p.add(q0 + 32 * j) as *const __m256i), _mm256_loadu_si256(p.add(q0 + 32 + 32 * j) as *const __m256i));
                             let (a0, a1) = (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1));
                             for t in 0..4 {
                                 let y = ys[t].add(b * STRIDE + QS + j);
@@ -1187,9 +1194,13 @@ mod x86 {
                             }
                         }
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                        let m = if MIN { a8_min(p, d) } else { _mm256_setzero_ps() };
                         for t in 0..4 {
                             let xd = _mm256_set1_ps(xs[t][b].d);
                             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps($sum_i8(sum[t])), acc[t]);
+                            if MIN {
+                                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t][b].sum), acc[t]);
+                            }
                         }
                     }
                     std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
@@ -1353,7 +1364,8 @@ mod x86 {
                     WeightFormat::Q4_1x8 => u4::<true, false>(group, xs),
                     WeightFormat::Q5_0x8 => u4::<false, true>(group, xs),
                     WeightFormat::Q5_1x8 => u4::<true, true>(group, xs),
-                    WeightFormat::Q8_0x8 => i8(group, xs),
+                    WeightFormat::Q8_0x8 => i8::<false>(group, xs),
+                    WeightFormat::A8x8 => i8::<true>(group, xs),
                     _ => unreachable!("{format}: no four-token interleaved kernel"),
                 }
             }
@@ -1395,6 +1407,14 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     unsafe fn vnni_sum(acc: [__m256i; 2]) -> __m256i {
         _mm256_add_epi32(acc[0], acc[1])
+    }
+
+    /// MLX-A8x8's m per row for the block at `p` (scales `d` loaded): its bias plus
+    /// 128·d, the codes being stored less 128.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn a8_min(p: *const u8, d: __m256) -> __m256 {
+        _mm256_fmadd_ps(d, _mm256_set1_ps(128.0), _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)))
     }
 
     /// Bit `k` of every byte of `v`, moved to bit 4 (the rest zero). 16-bit shifts are
@@ -3039,9 +3059,9 @@ mod arm {
         let bb = 8 * format.block_bytes();
         let blocks = xs[0].len();
         assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
-        let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
+        let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8 | WeightFormat::A8x8);
         let five = matches!(format, WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8);
-        let eight = format == WeightFormat::Q8_0x8;
+        let eight = matches!(format, WeightFormat::Q8_0x8 | WeightFormat::A8x8);
         let mut acc = [[vdupq_n_f32(0.0); 2]; T];
         for b in 0..blocks {
             let p = group.as_ptr().add(b * bb);
@@ -3050,7 +3070,8 @@ mod arm {
             let isum = if eight {
                 let mut isum = [[vdupq_n_s32(0); 2]; T];
                 for j in 0..8 {
-                    let c = p.add(16 + 32 * j) as *const i8;
+                    // MLX-A8x8: the biases after the scales, then the codes less 128.
+                    let c = p.add(if min { 32 } else { 16 } + 32 * j) as *const i8;
                     for h in 0..2 {
                         let w = vld1q_s8(c.add(16 * h));
                         for t in 0..T {
@@ -3063,19 +3084,23 @@ mod arm {
                 let q0 = p.add(if min { 32 } else { 16 });
                 if five { nibble_sums::<true, T>(q0, ys, None) } else { nibble_sums::<false, T>(q0, ys, None) }
             };
-            // w = d·q + m: Q4_1/Q5_1 store m; Q4_0: m = −8·d, Q5_0: −16·d; Q8_0: none.
-            let m = if min {
-                halves8_f32(p.add(16))
-            } else if eight {
-                d
-            } else {
-                d.map(|dh| vmulq_n_f32(dh, if five { -16.0 } else { -8.0 }))
+            // w = d·q + m: Q4_1/Q5_1 store m; MLX-A8x8 its bias, + 128·d; Q4_0: m = −8·d,
+            // Q5_0: −16·d; Q8_0: none.
+            let has_m = format != WeightFormat::Q8_0x8;
+            let m = match format {
+                WeightFormat::A8x8 => {
+                    let b = halves8_f32(p.add(16));
+                    [vfmaq_n_f32(b[0], d[0], 128.0), vfmaq_n_f32(b[1], d[1], 128.0)]
+                }
+                _ if min => halves8_f32(p.add(16)),
+                _ if eight => d,
+                _ => d.map(|dh| vmulq_n_f32(dh, if five { -16.0 } else { -8.0 })),
             };
             for t in 0..T {
                 let xb = &xs[t][b];
                 for h in 0..2 {
                     acc[t][h] = vfmaq_f32(acc[t][h], vmulq_n_f32(d[h], xb.d), vcvtq_f32_s32(isum[t][h]));
-                    if !eight {
+                    if has_m {
                         acc[t][h] = vfmaq_n_f32(acc[t][h], m[h], xb.sum);
                     }
                 }

@@ -81,7 +81,7 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 | WeightFormat::Mxfp4x8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved (MXFP4x8 by mxfp4_as_levels)"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 | WeightFormat::Mxfp4x8 | WeightFormat::A8x8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved (MXFP4x8 and MLX-A8x8 by mxfp4_as_levels and a8_as_rows8)"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -798,14 +798,58 @@ fn fp8_as_q8_0_rounds_each_weight_to_its_nearest_step() {
     assert!(tessera_kernels::fp8_as_q8_0(rows, cols, &data).is_none());
 }
 
+/// For a layout made at load from another format (`dst`, of format `f`): every row's
+/// weights equal `source_row(row)` (within `weight_tol` relative; 0: exactly); the SIMD
+/// and scalar 8-row dots equal the exact sum over those weights and the q8 activations;
+/// matmul over 5 tokens (the four-token kernel and the one-token tail) equals the scalar
+/// 8-row dot per token.
+fn check_converted_rows8(rng: &mut Rng, f: WeightFormat, dst: WeightRows<'_>, source_row: &dyn Fn(usize) -> Vec<f32>, weight_tol: f32) {
+    let (isa, rows, cols) = (Isa::detect(), dst.rows, dst.cols);
+    let x = random_vec(rng, 5 * cols);
+    let mut xq = vec![BlockQ8::default(); 5 * cols / 32];
+    for t in 0..5 {
+        quantize_row_scalar(&x[t * cols..(t + 1) * cols], &mut xq[t * cols / 32..(t + 1) * cols / 32]);
+    }
+    let xq_of = |t: usize| &xq[t * cols / 32..(t + 1) * cols / 32];
+    for g in 0..rows / 8 {
+        let mut w8 = vec![0.0; 8 * cols];
+        scalar::dequantize_rows8(f, dst.group8(g), &mut w8);
+        let (simd, reference) = (isa.dot_q8_rows8(f, dst.group8(g), xq_of(0)), scalar::dot_q8_rows8(f, dst.group8(g), xq_of(0)));
+        for r in 0..8 {
+            let row = 8 * g + r;
+            let w = source_row(row);
+            for (j, (a, b)) in w8[r * cols..(r + 1) * cols].iter().zip(&w).enumerate() {
+                assert!((a - b).abs() <= weight_tol * (1.0 + b.abs()), "{f} {rows}x{cols} row {row} column {j}: {a} vs {b}");
+            }
+            let terms = || w.iter().enumerate().map(|(j, &wj)| wj as f64 * xq[j / 32].d as f64 * xq[j / 32].qs[j % 32] as f64);
+            let (exact, mag) = (terms().sum::<f64>(), terms().map(f64::abs).sum::<f64>() + 1.0);
+            assert!((reference[r] as f64 - exact).abs() <= 1e-5 * mag, "{f} scalar row {row}: {} vs {exact}", reference[r]);
+            assert!((simd[r] as f64 - exact).abs() <= 1e-5 * mag, "{f} simd row {row}: {} vs {exact}", simd[r]);
+        }
+    }
+    for threads in [1, 2] {
+        let pool = ThreadPool::new(threads);
+        let mut scratch = MatmulScratch::new(5, cols);
+        let mut y = vec![0.0; 5 * rows];
+        matmul(&pool, isa, dst, &x, 5, &mut y, &mut scratch);
+        for t in 0..5 {
+            for g in 0..rows / 8 {
+                let want = scalar::dot_q8_rows8(f, dst.group8(g), xq_of(t));
+                for r in 0..8 {
+                    let got = y[t * rows + 8 * g + r];
+                    assert!((got - want[r]).abs() <= 1e-4 * (1.0 + want[r].abs()), "{f} matmul token {t} row {}: {got} vs {}", 8 * g + r, want[r]);
+                }
+            }
+        }
+    }
+}
+
 /// MXFP4 rows as integer levels (`mxfp4_as_levels`, what `TESSERA_MLX_INT8=1` runs MLX
-/// mxfp4 checkpoints as): every weight keeps its exact value in `MXFP4x8`; the SIMD and
-/// scalar 8-row dots equal the exact sum over those weights and the q8 activations; matmul
-/// over 5 tokens (the four-token kernel and the one-token tail) equals the scalar 8-row
-/// dot per token. Exponents whose scale is no f16 normal are refused.
+/// mxfp4 checkpoints as): every weight keeps its exact value in `MXFP4x8`, and its
+/// kernels are right (`check_converted_rows8`). Exponents whose scale is no f16 normal
+/// are refused.
 #[test]
 fn mxfp4_as_levels_keeps_every_weight() {
-    let isa = Isa::detect();
     let mut rng = Rng(13);
     for (rows, cols) in [(8, 32), (16, 96), (24, 576)] {
         let mut data = Vec::new();
@@ -815,45 +859,45 @@ fn mxfp4_as_levels_keeps_every_weight() {
         }
         assert!(tessera_kernels::mxfp4_fits_levels(&data));
         let packed = tessera_kernels::mxfp4_as_levels(rows, cols, &data).expect("exponents in range");
-        let (f, src_row) = (WeightFormat::Mxfp4x8, WeightFormat::Mxfp4.row_bytes(cols).unwrap());
-        let dst = WeightRows::new(f, rows, cols, &packed).unwrap();
-        let x = random_vec(&mut rng, 5 * cols);
-        let mut xq = vec![BlockQ8::default(); 5 * cols / 32];
-        for t in 0..5 {
-            quantize_row_scalar(&x[t * cols..(t + 1) * cols], &mut xq[t * cols / 32..(t + 1) * cols / 32]);
-        }
-        let xq_of = |t: usize| &xq[t * cols / 32..(t + 1) * cols / 32];
-        for g in 0..rows / 8 {
-            let mut w8 = vec![0.0; 8 * cols];
-            scalar::dequantize_rows8(f, dst.group8(g), &mut w8);
-            let (simd, reference) = (isa.dot_q8_rows8(f, dst.group8(g), xq_of(0)), scalar::dot_q8_rows8(f, dst.group8(g), xq_of(0)));
-            for r in 0..8 {
-                let row = 8 * g + r;
-                let mut w = vec![0.0; cols];
-                scalar::dequantize_row(WeightFormat::Mxfp4, &data[row * src_row..(row + 1) * src_row], &mut w);
-                assert_eq!(&w8[r * cols..(r + 1) * cols], &w[..], "{f} {rows}x{cols} row {row}");
-                let exact: f64 = w.iter().enumerate().map(|(j, &wj)| wj as f64 * xq[j / 32].d as f64 * xq[j / 32].qs[j % 32] as f64).sum();
-                let mag: f64 = w.iter().enumerate().map(|(j, &wj)| (wj as f64 * xq[j / 32].d as f64 * xq[j / 32].qs[j % 32] as f64).abs()).sum::<f64>() + 1.0;
-                assert!((reference[r] as f64 - exact).abs() <= 1e-5 * mag, "{f} scalar row {row}: {} vs {exact}", reference[r]);
-                assert!((simd[r] as f64 - exact).abs() <= 1e-5 * mag, "{f} simd row {row}: {} vs {exact}", simd[r]);
-            }
-        }
-        for threads in [1, 2] {
-            let pool = ThreadPool::new(threads);
-            let mut scratch = MatmulScratch::new(5, cols);
-            let mut y = vec![0.0; 5 * rows];
-            matmul(&pool, isa, dst, &x, 5, &mut y, &mut scratch);
-            for t in 0..5 {
-                for g in 0..rows / 8 {
-                    let want = scalar::dot_q8_rows8(f, dst.group8(g), xq_of(t));
-                    for r in 0..8 {
-                        let got = y[t * rows + 8 * g + r];
-                        assert!((got - want[r]).abs() <= 1e-4 * (1.0 + want[r].abs()), "{f} matmul token {t} row {}: {got} vs {}", 8 * g + r, want[r]);
-                    }
-                }
-            }
-        }
+        let src_row = WeightFormat::Mxfp4.row_bytes(cols).unwrap();
+        let source_row = |row: usize| {
+            let mut w = vec![0.0; cols];
+            scalar::dequantize_row(WeightFormat::Mxfp4, &data[row * src_row..(row + 1) * src_row], &mut w);
+            w
+        };
+        check_converted_rows8(&mut rng, WeightFormat::Mxfp4x8, WeightRows::new(WeightFormat::Mxfp4x8, rows, cols, &packed).unwrap(), &source_row, 0.0);
         data[0] = 150;
         assert!(!tessera_kernels::mxfp4_fits_levels(&data) && tessera_kernels::mxfp4_as_levels(rows, cols, &data).is_none());
+    }
+}
+
+/// MLX affine 8-bit rows as `MLX-A8x8` (`a8_as_rows8`, what `TESSERA_MLX_INT8=1` runs
+/// MLX 8-bit checkpoints as): every weight keeps its value (to f32 rounding: d·(q − 128)
+/// + b + 128·d against s·q + b) for each group size, and its kernels are right
+/// (`check_converted_rows8`). Scales beyond f16 are refused.
+#[test]
+fn mlx_8bit_as_rows8_keeps_every_weight() {
+    let mut rng = Rng(14);
+    for group in [32u16, 64, 128] {
+        let a8 = WeightFormat::A8 { group };
+        let (rows, cols) = (16, 256);
+        let mut data = Vec::new();
+        for _ in 0..rows * cols / group as usize {
+            let (scale, bias) = (f16::from_f32(rng.f32().abs() * 0.002 + 1e-4).to_f32(), f16::from_f32(rng.f32() * 0.2).to_f32());
+            data.extend(scale.to_le_bytes());
+            data.extend(bias.to_le_bytes());
+            (0..group).for_each(|_| data.push(rng.byte()));
+        }
+        assert!(tessera_kernels::a8_fits_rows8(group as usize, &data));
+        let packed = tessera_kernels::a8_as_rows8(group as usize, rows, cols, &data).expect("f16 scales fit");
+        let src_row = a8.row_bytes(cols).unwrap();
+        let source_row = |row: usize| {
+            let mut w = vec![0.0; cols];
+            scalar::dequantize_row(a8, &data[row * src_row..(row + 1) * src_row], &mut w);
+            w
+        };
+        check_converted_rows8(&mut rng, WeightFormat::A8x8, WeightRows::new(WeightFormat::A8x8, rows, cols, &packed).unwrap(), &source_row, 1e-6);
+        data[0..4].copy_from_slice(&1e6f32.to_le_bytes());
+        assert!(!tessera_kernels::a8_fits_rows8(group as usize, &data) && tessera_kernels::a8_as_rows8(group as usize, rows, cols, &data).is_none());
     }
 }
