@@ -721,7 +721,7 @@ pub fn a4_as_q4_1(group: usize, rows: usize, cols: usize, data: &[u8]) -> Option
     assert_eq!(data.len(), rows * a4.row_bytes(cols).expect("whole groups"), "a4_as_q4_1: {rows}×{cols} of {a4}");
     let mut out = Vec::with_capacity(rows * cols / 32 * 20);
     for g in data.chunks_exact(a4.block_bytes()) {
-        let (d, m) = a4_scale_bias_f16(g)?;
+        let (d, m) = affine_scale_bias_f16(g)?;
         for nibbles in g[8..].chunks_exact(16) {
             out.extend(d.to_le_bytes());
             out.extend(m.to_le_bytes());
@@ -747,7 +747,10 @@ pub fn a8_as_rows8(group: usize, rows: usize, cols: usize, data: &[u8]) -> Optio
         for b in 0..cols / 32 {
             let (c0, gi) = (32 * b, 32 * b / group);
             let header = |r: usize| &data[(8 * g8 + r) * row_in + gi * gb..][..gb];
-            let halves: Vec<(half::f16, half::f16)> = (0..8).map(|r| a4_scale_bias_f16(header(r))).collect::<Option<_>>()?;
+            let mut halves = [(half::f16::ZERO, half::f16::ZERO); 8];
+            for (r, h) in halves.iter_mut().enumerate() {
+                *h = affine_scale_bias_f16(header(r))?;
+            }
             halves.iter().for_each(|(d, _)| out.extend(d.to_le_bytes()));
             halves.iter().for_each(|(_, m)| out.extend(m.to_le_bytes()));
             for j in 0..8 {
@@ -761,20 +764,17 @@ pub fn a8_as_rows8(group: usize, rows: usize, cols: usize, data: &[u8]) -> Optio
     Some(out)
 }
 
-/// Whether [`a4_as_q4_1`] can convert these A4 rows (every scale and bias fits an f16),
-/// read from the group headers alone: a loader decides before it sizes buffers.
-pub fn a4_fits_q4_1(group: usize, data: &[u8]) -> bool {
-    data.chunks_exact(WeightFormat::A4 { group: group as u16 }.block_bytes()).all(|g| a4_scale_bias_f16(g).is_some())
-}
-
-/// Whether [`a8_as_rows8`] can convert these A8 rows (every scale and bias fits an f16).
-pub fn a8_fits_rows8(group: usize, data: &[u8]) -> bool {
-    data.chunks_exact(WeightFormat::A8 { group: group as u16 }.block_bytes()).all(|g| a4_scale_bias_f16(g).is_some())
+/// Whether [`a4_as_q4_1`] or [`a8_as_rows8`] can convert these rows of MLX affine
+/// `format` (A4 or A8: every scale and bias fits an f16), read from the group headers
+/// alone: a loader decides before it sizes buffers.
+pub fn affine_fits_f16(format: WeightFormat, data: &[u8]) -> bool {
+    assert!(matches!(format, WeightFormat::A4 { .. } | WeightFormat::A8 { .. }), "affine_fits_f16: {format} is not MLX affine");
+    data.chunks_exact(format.block_bytes()).all(|g| affine_scale_bias_f16(g).is_some())
 }
 
 /// An MLX affine group's f32 scale and bias (its first 8 bytes, A4 and A8 alike) as
 /// f16, if both fit.
-fn a4_scale_bias_f16(group_bytes: &[u8]) -> Option<(half::f16, half::f16)> {
+fn affine_scale_bias_f16(group_bytes: &[u8]) -> Option<(half::f16, half::f16)> {
     let f = |at: usize| half::f16::from_f32(f32::from_le_bytes(group_bytes[at..at + 4].try_into().expect("4 bytes")));
     let (d, m) = (f(0), f(4));
     (d.is_finite() && m.is_finite()).then_some((d, m))

@@ -3086,21 +3086,20 @@ mod arm {
             };
             // w = d·q + m: Q4_1/Q5_1 store m; MLX-A8x8 its bias, + 128·d; Q4_0: m = −8·d,
             // Q5_0: −16·d; Q8_0: none.
-            let has_m = format != WeightFormat::Q8_0x8;
             let m = match format {
+                WeightFormat::Q8_0x8 => None,
                 WeightFormat::A8x8 => {
                     let b = halves8_f32(p.add(16));
-                    [vfmaq_n_f32(b[0], d[0], 128.0), vfmaq_n_f32(b[1], d[1], 128.0)]
+                    Some([vfmaq_n_f32(b[0], d[0], 128.0), vfmaq_n_f32(b[1], d[1], 128.0)])
                 }
-                _ if min => halves8_f32(p.add(16)),
-                _ if eight => d,
-                _ => d.map(|dh| vmulq_n_f32(dh, if five { -16.0 } else { -8.0 })),
+                _ if min => Some(halves8_f32(p.add(16))),
+                _ => Some(d.map(|dh| vmulq_n_f32(dh, if five { -16.0 } else { -8.0 }))),
             };
             for t in 0..T {
                 let xb = &xs[t][b];
                 for h in 0..2 {
                     acc[t][h] = vfmaq_f32(acc[t][h], vmulq_n_f32(d[h], xb.d), vcvtq_f32_s32(isum[t][h]));
-                    if has_m {
+                    if let Some(m) = m {
                         acc[t][h] = vfmaq_n_f32(acc[t][h], m[h], xb.sum);
                     }
                 }

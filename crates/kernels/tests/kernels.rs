@@ -745,7 +745,7 @@ fn mlx_4bit_as_q4_1_keeps_every_weight() {
             data.extend(bias.to_le_bytes());
             (0..group / 2).for_each(|_| data.push(rng.byte()));
         }
-        assert!(tessera_kernels::a4_fits_q4_1(group as usize, &data));
+        assert!(tessera_kernels::affine_fits_f16(WeightFormat::A4 { group }, &data));
         let q = tessera_kernels::a4_as_q4_1(group as usize, rows, cols, &data).expect("f16 scales fit");
         assert_eq!(q.len(), rows * WeightFormat::Q4_1.row_bytes(cols).unwrap());
         let (ra, rq) = (a4.row_bytes(cols).unwrap(), WeightFormat::Q4_1.row_bytes(cols).unwrap());
@@ -757,7 +757,7 @@ fn mlx_4bit_as_q4_1_keeps_every_weight() {
         }
         // One scale beyond f16 (65504): refused.
         data[0..4].copy_from_slice(&1e6f32.to_le_bytes());
-        assert!(!tessera_kernels::a4_fits_q4_1(group as usize, &data));
+        assert!(!tessera_kernels::affine_fits_f16(WeightFormat::A4 { group }, &data));
         assert!(tessera_kernels::a4_as_q4_1(group as usize, rows, cols, &data).is_none());
     }
 }
@@ -888,7 +888,7 @@ fn mlx_8bit_as_rows8_keeps_every_weight() {
             data.extend(bias.to_le_bytes());
             (0..group).for_each(|_| data.push(rng.byte()));
         }
-        assert!(tessera_kernels::a8_fits_rows8(group as usize, &data));
+        assert!(tessera_kernels::affine_fits_f16(a8, &data));
         let packed = tessera_kernels::a8_as_rows8(group as usize, rows, cols, &data).expect("f16 scales fit");
         let src_row = a8.row_bytes(cols).unwrap();
         let source_row = |row: usize| {
@@ -898,6 +898,6 @@ fn mlx_8bit_as_rows8_keeps_every_weight() {
         };
         check_converted_rows8(&mut rng, WeightFormat::A8x8, WeightRows::new(WeightFormat::A8x8, rows, cols, &packed).unwrap(), &source_row, 1e-6);
         data[0..4].copy_from_slice(&1e6f32.to_le_bytes());
-        assert!(!tessera_kernels::a8_fits_rows8(group as usize, &data) && tessera_kernels::a8_as_rows8(group as usize, rows, cols, &data).is_none());
+        assert!(!tessera_kernels::affine_fits_f16(a8, &data) && tessera_kernels::a8_as_rows8(group as usize, rows, cols, &data).is_none());
     }
 }

@@ -103,9 +103,8 @@ impl Linear {
         }
         let data = self.weights(ckpt).data;
         let fits = match self.format {
-            WeightFormat::A4 { group } => tessera_kernels::a4_fits_q4_1(group as usize, data),
+            WeightFormat::A4 { .. } | WeightFormat::A8 { .. } => tessera_kernels::affine_fits_f16(self.format, data),
             WeightFormat::Mxfp4 => tessera_kernels::mxfp4_fits_levels(data),
-            WeightFormat::A8 { group } => tessera_kernels::a8_fits_rows8(group as usize, data),
             _ => tessera_kernels::fp8_fits_q8_0(data),
         };
         fits.then_some(to)
