@@ -303,6 +303,14 @@ QUANT_FIXTURES = {
         "config.json records it as a per-path entry without 'mode' and load_model passes that dict "
         "straight to to_quantized (default mode affine).",
     ),
+    "qwen3_moe_mlx_mxfp8": dict(
+        seed=6106,
+        base=qwen3_moe_cfg(),
+        q=dict(group_size=32, bits=8, mode="mxfp8"),
+        notes="qwen3_moe quantized with mlx_lm.utils.quantize_model(group 32, bits 8, mode mxfp8): E4M3 "
+        "codes, no biases, U8 E8M0 scales. As for mxfp4, the model's quant_predicate makes mlp.gate AFFINE "
+        "8-bit group 64 (no 'mode' key in its per-path entry).",
+    ),
     "deepseek_v3_mlx_q4g32": dict(
         seed=8308,
         base=deepseek_cfg(qk_nope_head_dim=32),

@@ -201,6 +201,12 @@ fn mlx_mxfp4() {
     check("qwen3_moe_mlx_mxfp4");
 }
 
+/// mxfp8 (E4M3 codes, an E8M0 exponent per 32) loads as FP8 blocks.
+#[test]
+fn mlx_mxfp8() {
+    check("qwen3_moe_mlx_mxfp8");
+}
+
 #[test]
 fn mlx_quantized_mla_embed_q_unembed_out() {
     check("deepseek_v3_mlx_q4g32");

@@ -666,13 +666,16 @@ fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8]
 /// `packed` holds `rows` rows of `cols` elements in MLX's packing: a little-endian
 /// bitstream per row, element i at bits `[i·b, (i+1)·b)`. `scales` (and `biases` for
 /// affine) hold `rows · cols / group` values, already converted to f32; for mxfp4
-/// `e8m0` holds the raw exponent bytes instead.
+/// and mxfp8 `e8m0` holds the raw exponent bytes instead. mxfp8 (E4M3 codes, an E8M0
+/// exponent per 32) becomes [`WeightFormat::Fp8`]: the same codes, the exponent as its
+/// f32 scale 2^(e−127), exactly (e = 255 reads as +inf, as in MLX).
 pub fn repack_mlx(format: WeightFormat, rows: usize, cols: usize, packed: &[u8], scales: &[f32], biases: &[f32], e8m0: &[u8]) -> Vec<u8> {
     let g = format.block_elems();
     let groups = cols / g;
     let bits = match format {
         WeightFormat::A4 { .. } | WeightFormat::Mxfp4 => 4,
-        WeightFormat::A8 { .. } => 8,
+        // FP8 blocks from mxfp8: the codes as they are, the exponent as an f32 scale.
+        WeightFormat::A8 { .. } | WeightFormat::Fp8 => 8,
         _ => panic!("repack_mlx: {format} is not an MLX format"),
     };
     let row_in = cols * bits / 8;
@@ -684,6 +687,7 @@ pub fn repack_mlx(format: WeightFormat, rows: usize, cols: usize, packed: &[u8],
             let at = r * groups + gi;
             match format {
                 WeightFormat::Mxfp4 => out.push(e8m0[at]),
+                WeightFormat::Fp8 => out.extend(crate::scalar::e8m0(e8m0[at]).to_le_bytes()),
                 _ => {
                     out.extend(scales[at].to_le_bytes());
                     out.extend(biases[at].to_le_bytes());

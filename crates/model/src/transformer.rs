@@ -925,10 +925,15 @@ impl<'a> Loader<'a> {
             return Err(err(w, format!("{packed_cols} packed words do not hold {cols} columns at a whole number of bits")));
         }
         let format = if scales.dtype == crate::checkpoint::TensorDtype::U8 {
-            if (bits, group) != (4, 32) || biases.is_some() {
-                return Err(err(scales, format!("U8 scales mean a microscaling mode; only mxfp4 (4 bits, group 32) is supported, found {bits} bits, group {group}")));
+            // Microscaling: E8M0 exponents, no biases. mxfp8 runs as FP8 blocks.
+            match (bits, group, biases.is_some()) {
+                (4, 32, false) => WeightFormat::Mxfp4,
+                (8, 32, false) => WeightFormat::Fp8,
+                _ => {
+                    let what = if biases.is_some() { "with biases" } else { "without biases" };
+                    return Err(err(scales, format!("U8 scales mean a microscaling mode; mxfp4 and mxfp8 (4 or 8 bits, group 32, no biases) are supported, found {bits} bits, group {group}, {what} (nvfp4, 4 bits in groups of 16, is not supported)")));
+                }
             }
-            WeightFormat::Mxfp4
         } else {
             let g = match group {
                 32 | 64 | 128 => group as u16,
@@ -955,7 +960,7 @@ impl<'a> Loader<'a> {
             scalar::dequantize_row(f, bytes, &mut out);
             Ok(out)
         };
-        let data = if layout.format == WeightFormat::Mxfp4 {
+        let data = if matches!(layout.format, WeightFormat::Mxfp4 | WeightFormat::Fp8) {
             tessera_kernels::repack_mlx(layout.format, rows, cols, packed, &[], &[], scale_bytes)
         } else {
             let b = bias_bytes.ok_or_else(|| err(w, "affine quantization needs a `.biases` tensor beside `.scales`".into()))?;

@@ -429,6 +429,40 @@ fn moe_checkpoints_that_disagree_with_their_config_are_clear_errors() {
     );
 }
 
+/// MLX microscaling modes other than mxfp4 and mxfp8 (nvfp4: 4 bits in groups of 16
+/// with E4M3 scales) are refused at load, naming the module, what was found and what is
+/// supported; as are U8 scales beside biases.
+#[test]
+fn unsupported_mlx_microscaling_is_a_clear_error() {
+    use safetensors::{tensor::TensorView, Dtype};
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe_mlx_mxfp8");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let q = "model.layers.0.self_attn.q_proj";
+    let case = |name: &str, swap: &[(String, Dtype, Vec<usize>, Vec<u8>)], needles: &[&str]| {
+        let dir = scratch(&format!("mlx-{name}"));
+        // One file, no index: the index would list the tensors before the edit.
+        std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+        let mut views: Vec<(String, TensorView)> = st.tensors().into_iter().filter(|(n, _)| !swap.iter().any(|s| &s.0 == n)).collect();
+        for (n, dtype, shape, data) in swap {
+            views.push((n.clone(), TensorView::new(*dtype, shape.clone(), data).unwrap()));
+        }
+        std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        expect_error(&dir, needles);
+    };
+    // q_proj is [64, 64]: nvfp4 packs it in 8 words a row with 4 scales of 16 columns.
+    case(
+        "nvfp4",
+        &[(format!("{q}.weight"), Dtype::U32, vec![64, 8], vec![0; 64 * 8 * 4]), (format!("{q}.scales"), Dtype::U8, vec![64, 4], vec![127; 64 * 4])],
+        &[&format!("{q}.scales"), "4 bits, group 16", "mxfp4 and mxfp8", "nvfp4"],
+    );
+    case(
+        "u8-scales-with-biases",
+        &[(format!("{q}.biases"), Dtype::U8, vec![64, 2], vec![0; 64 * 2])],
+        &[&format!("{q}.scales"), "8 bits, group 32, with biases", "no biases"],
+    );
+}
+
 /// A MoE layer runs its experts fused (every expert in two regions) up to
 /// `EXPERT_SLOTS_FUSED_MAX` slots, expert by expert above that. A 160-token prompt
 /// (320 slots at top-2) in one step takes the per-expert path; the same tokens decoded
