@@ -39,7 +39,7 @@ impl Placement {
         if world == 0 || tp == 0 || pp == 0 || ep == 0 {
             return Err("--tp, --pp and --ep must be at least 1".into());
         }
-        if world % pp != 0 {
+        if !world.is_multiple_of(pp) {
             return Err(format!("{world} ranks cannot form {pp} equal pipeline stages"));
         }
         let g = world / pp;

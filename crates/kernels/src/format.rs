@@ -360,7 +360,7 @@ impl WeightFormat {
     /// number of blocks.
     pub fn row_bytes(self, cols: usize) -> Result<usize, FormatError> {
         let block = self.block_elems();
-        if cols % block != 0 {
+        if !cols.is_multiple_of(block) {
             return Err(FormatError::RowNotBlockMultiple { format: self, cols, block });
         }
         Ok(cols / block * self.block_bytes())
@@ -398,7 +398,7 @@ pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, d
         WeightFormat::Q2K => repack_k23_rows8_into::<false>(rows, cols, data, out),
         WeightFormat::Q3K => repack_k23_rows8_into::<true>(rows, cols, data, out),
         WeightFormat::F16 | WeightFormat::Bf16 => {
-            assert!(rows % 4 == 0 && cols % 16 == 0 && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
+            assert!(rows.is_multiple_of(4) && cols.is_multiple_of(16) && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
             let row_bytes = cols * 2;
             let mut pieces = out.chunks_exact_mut(32);
             for g in 0..rows / 4 {
@@ -420,7 +420,7 @@ pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, d
 fn repack_k4_rows8_into<const FIVE: bool>(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     let supers = cols / 256;
     let (src_bytes, qs_at, sub_bytes) = if FIVE { (176, 48, 160) } else { (144, 16, 128) };
-    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * src_bytes, "repack Q4_K/Q5_K: shape");
+    assert!(rows.is_multiple_of(8) && cols.is_multiple_of(256) && data.len() == rows * supers * src_bytes, "repack Q4_K/Q5_K: shape");
     let mut chunks = out.chunks_exact_mut(160 + 8 * sub_bytes);
     for g in 0..rows / 8 {
         for sb in 0..supers {
@@ -439,7 +439,7 @@ fn repack_k4_rows8_into<const FIVE: bool>(rows: usize, cols: usize, data: &[u8],
             // (Q5_K: its fifth bit is bit s of qh[l]).
             let q = |r: usize, s: usize, l: usize| {
                 let byte = src(r)[qs_at + 32 * (s / 2) + l];
-                if s % 2 == 0 { byte & 0x0F } else { byte >> 4 }
+                if s.is_multiple_of(2) { byte & 0x0F } else { byte >> 4 }
             };
             let fifth = |r: usize, s: usize, l: usize| (src(r)[16 + l] >> s) & 1;
             for s in 0..8 {
@@ -471,7 +471,7 @@ fn repack_k23_rows8_into<const THREE: bool>(rows: usize, cols: usize, data: &[u8
     use crate::scalar::{q2k_at, q3k_at, q3k_scale};
     let supers = cols / 256;
     let (src_bytes, head, sub_bytes) = if THREE { (110, 144, 96) } else { (84, 160, 64) };
-    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * src_bytes, "repack Q2_K/Q3_K: shape");
+    assert!(rows.is_multiple_of(8) && cols.is_multiple_of(256) && data.len() == rows * supers * src_bytes, "repack Q2_K/Q3_K: shape");
     let mut chunks = out.chunks_exact_mut(head + 8 * sub_bytes);
     for g in 0..rows / 8 {
         for sb in 0..supers {
@@ -517,7 +517,7 @@ fn repack_k23_rows8_into<const THREE: bool>(rows: usize, cols: usize, data: &[u8
 /// indices, the 6-bit scales unpacked to bytes.
 fn repack_iq4xs_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     let supers = cols / 256;
-    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * 136, "repack IQ4_XS: shape");
+    assert!(rows.is_multiple_of(8) && cols.is_multiple_of(256) && data.len() == rows * supers * 136, "repack IQ4_XS: shape");
     let mut chunks = out.chunks_exact_mut(8 * 138);
     for g in 0..rows / 8 {
         for sb in 0..supers {
@@ -552,7 +552,7 @@ fn repack_iq4xs_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]
 /// quants, moved.
 fn repack_k6_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     let supers = cols / 256;
-    assert!(rows % 8 == 0 && cols % 256 == 0 && data.len() == rows * supers * 210, "repack Q6_K: shape");
+    assert!(rows.is_multiple_of(8) && cols.is_multiple_of(256) && data.len() == rows * supers * 210, "repack Q6_K: shape");
     let mut chunks = out.chunks_exact_mut(8 * 210);
     for g in 0..rows / 8 {
         for sb in 0..supers {
@@ -610,7 +610,7 @@ fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8]
     };
     let eight = format == WeightFormat::Q8_0;
     let (bb, blocks) = (format.block_bytes(), cols / 32);
-    assert!(rows % 8 == 0 && cols % 32 == 0 && data.len() == rows * blocks * bb && out.len() == data.len(), "repack_rows8: shape");
+    assert!(rows.is_multiple_of(8) && cols.is_multiple_of(32) && data.len() == rows * blocks * bb && out.len() == data.len(), "repack_rows8: shape");
     let mut at = 0;
     let mut put = |bytes: &[u8]| {
         out[at..at + bytes.len()].copy_from_slice(bytes);
@@ -721,7 +721,7 @@ pub fn repack_mlx(format: WeightFormat, rows: usize, cols: usize, packed: &[u8],
 /// Size: 20 bytes per 32 weights against A4's 24 (group 32), 20 (64) or 18 (128).
 pub fn a4_as_q4_1(group: usize, rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
     let a4 = WeightFormat::A4 { group: group as u16 };
-    assert!(matches!(group, 32 | 64 | 128) && cols % group == 0, "a4_as_q4_1: {cols} columns in groups of {group}");
+    assert!(matches!(group, 32 | 64 | 128) && cols.is_multiple_of(group), "a4_as_q4_1: {cols} columns in groups of {group}");
     assert_eq!(data.len(), rows * a4.row_bytes(cols).expect("whole groups"), "a4_as_q4_1: {rows}×{cols} of {a4}");
     let mut out = Vec::with_capacity(rows * cols / 32 * 20);
     for g in data.chunks_exact(a4.block_bytes()) {
@@ -743,7 +743,7 @@ pub fn a4_as_q4_1(group: usize, rows: usize, cols: usize, data: &[u8]) -> Option
 pub fn a8_as_rows8(group: usize, rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
     let a8 = WeightFormat::A8 { group: group as u16 };
     let gb = a8.block_bytes();
-    assert!(matches!(group, 32 | 64 | 128) && cols % group == 0 && rows % 8 == 0, "a8_as_rows8: {rows}×{cols} in groups of {group}");
+    assert!(matches!(group, 32 | 64 | 128) && cols.is_multiple_of(group) && rows.is_multiple_of(8), "a8_as_rows8: {rows}×{cols} in groups of {group}");
     let row_in = a8.row_bytes(cols).expect("whole groups");
     assert_eq!(data.len(), rows * row_in, "a8_as_rows8: {rows}×{cols} of {a8}");
     let mut out = Vec::with_capacity(rows * cols / 32 * 36);
@@ -791,7 +791,7 @@ fn affine_scale_bias_f16(group_bytes: &[u8]) -> Option<(half::f16, half::f16)> {
 /// its block's largest), where E4M3 itself keeps 3 mantissa bits. `None` when a block
 /// holds a NaN code or its d does not fit an f16: the caller keeps the FP8 path.
 pub fn fp8_as_q8_0(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
-    assert!(cols % 32 == 0 && data.len() == rows * cols / 32 * 36, "fp8_as_q8_0: {rows}×{cols} in {} bytes", data.len());
+    assert!(cols.is_multiple_of(32) && data.len() == rows * cols / 32 * 36, "fp8_as_q8_0: {rows}×{cols} in {} bytes", data.len());
     let mut out = Vec::with_capacity(rows * cols / 32 * 34);
     let mut w = [0.0f32; 32];
     for b in data.chunks_exact(36) {
@@ -826,7 +826,7 @@ pub fn fp8_fits_q8_0(data: &[u8]) -> bool {
 /// exponent's d is not an f16 normal (e outside 114..=142, weights below 2^-14 or above
 /// 2^15 in scale): the caller keeps the f32 path.
 pub fn mxfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
-    assert!(rows % 8 == 0 && cols % 32 == 0 && data.len() == rows * cols / 32 * 17, "mxfp4_as_levels: {rows}×{cols} in {} bytes", data.len());
+    assert!(rows.is_multiple_of(8) && cols.is_multiple_of(32) && data.len() == rows * cols / 32 * 17, "mxfp4_as_levels: {rows}×{cols} in {} bytes", data.len());
     if !mxfp4_fits_levels(data) {
         return None;
     }
@@ -856,7 +856,7 @@ fn mxfp4_d(e: u8) -> f32 {
 /// (DeepSeek's `weight_scale_inv`, which despite its name multiplies) into [`WeightFormat::Fp8`].
 /// `bc` must be a multiple of 32 so no 32-block straddles two scales.
 pub fn repack_fp8(rows: usize, cols: usize, w: &[u8], scales: &[f32], (br, bc): (usize, usize)) -> Vec<u8> {
-    assert!(cols % 32 == 0 && bc % 32 == 0 && w.len() == rows * cols);
+    assert!(cols.is_multiple_of(32) && bc % 32 == 0 && w.len() == rows * cols);
     let scale_cols = cols.div_ceil(bc);
     assert_eq!(scales.len(), rows.div_ceil(br) * scale_cols, "repack_fp8: scale grid");
     let mut out = Vec::with_capacity(rows * cols / 32 * 36);

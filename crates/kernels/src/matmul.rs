@@ -45,7 +45,7 @@ impl<'a> WeightRows<'a> {
     /// formats slice on whole groups only.
     pub fn slice_rows(&self, range: std::ops::Range<usize>) -> WeightRows<'a> {
         let rpg = self.format.rows_per_group();
-        assert!(range.end <= self.rows && range.start % rpg == 0 && range.len() % rpg == 0, "slice_rows: {range:?} of {} rows in groups of {rpg}", self.rows);
+        assert!(range.end <= self.rows && range.start.is_multiple_of(rpg) && range.len().is_multiple_of(rpg), "slice_rows: {range:?} of {} rows in groups of {rpg}", self.rows);
         WeightRows {
             rows: range.len(),
             data: &self.data[range.start * self.row_stride..range.end * self.row_stride],
@@ -186,7 +186,7 @@ pub fn matmul_jobs<'w>(
     scratch: &mut MatmulScratch,
 ) {
     assert!(jobs <= JOBS_MAX, "matmul_jobs: {jobs} matrices in one call (limit {JOBS_MAX})");
-    assert!(cols > 0 && x.len() % cols == 0, "matmul_jobs: x is not rows × {cols}");
+    assert!(cols > 0 && x.len().is_multiple_of(cols), "matmul_jobs: x is not rows × {cols}");
     let n_rows = x.len() / cols;
     let mut outs = [SharedMut(std::ptr::null_mut::<f32>()); GROUP_MAX];
     assert!(ys.len() <= GROUP_MAX, "matmul_jobs: at most {GROUP_MAX} outputs");
@@ -200,7 +200,7 @@ pub fn matmul_jobs<'w>(
     for i in 0..jobs {
         let j = job(i);
         let rpg = j.w.format.rows_per_group();
-        assert!(j.w.cols == cols && j.w.rows % rpg == 0, "matmul_jobs: job {i} is {}×{} in groups of {rpg}, input width {cols}", j.w.rows, j.w.cols);
+        assert!(j.w.cols == cols && j.w.rows.is_multiple_of(rpg), "matmul_jobs: job {i} is {}×{} in groups of {rpg}, input width {cols}", j.w.rows, j.w.cols);
         assert!(j.rows.end <= n_rows && j.out < ys.len() && ys[j.out].len() >= j.rows.end * j.w.rows, "matmul_jobs: job {i} rows {:?} or output {} out of bounds", j.rows, j.out);
         q8 |= j.w.format.int8_activations();
         all_grouped &= rpg > 1;
@@ -236,7 +236,7 @@ pub fn matmul_jobs<'w>(
 /// them.
 fn unit_rows(isa: Isa, w: &WeightRows<'_>, n_tokens: usize) -> usize {
     match w.format.rows_per_group() {
-        8 if isa.pairs_groups() && n_tokens >= 4 && w.rows % 16 == 0 && w.format.pairs_in_512_bits() => 16,
+        8 if isa.pairs_groups() && n_tokens >= 4 && w.rows.is_multiple_of(16) && w.format.pairs_in_512_bits() => 16,
         rpg => rpg,
     }
 }
@@ -254,24 +254,30 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n
     let unit = |r: usize| &w.data[r * u * w.row_stride..r * (u + 1) * w.row_stride];
     match (unit_rows(isa, w, n_tokens), f.rows_per_group()) {
         // Two 8-row groups in one pass; a tail token takes them one at a time.
-        (16, _) => each_token::<4, 16>(n_tokens, rows, 16 * u, y, |t| isa.dot_q8_rows16_x4(f, unit(16), q4(t)), |t| {
+        (16, _) => each_token::<4, 16>(0..n_tokens, rows, 16 * u, y, |t| isa.dot_q8_rows16_x4(f, unit(16), q4(t)), |t| {
             let (a, b) = (isa.dot_q8_rows8(f, w.group8(2 * u), xq_of(t)), isa.dot_q8_rows8(f, w.group8(2 * u + 1), xq_of(t)));
             std::array::from_fn(|k| if k < 8 { a[k] } else { b[k - 8] })
         }),
         // Four float rows (one stream), two tokens per pass.
-        (_, 4) => each_token::<2, 4>(n_tokens, rows, 4 * u, y, |t| isa.dot_f32_rows4_x2(f, unit(4), [x_of(t), x_of(t + 1)]), |t| isa.dot_f32_rows4(f, unit(4), x_of(t))),
-        (_, 8) => each_token::<4, 8>(n_tokens, rows, 8 * u, y, |t| isa.dot_q8_rows8_x4(f, unit(8), q4(t)), |t| isa.dot_q8_rows8(f, unit(8), xq_of(t))),
-        _ if f.int8_activations() => each_token::<4, 1>(n_tokens, rows, u, y, |t| isa.dot_q8_x4(f, w.row(u), q4(t)).map(|v| [v]), |t| [isa.dot_q8(f, w.row(u), xq_of(t))]),
-        _ => each_token::<4, 1>(n_tokens, rows, u, y, |t| isa.dot_f32_x4(f, w.row(u), f4(t)).map(|v| [v]), |t| [isa.dot_f32(f, w.row(u), x_of(t))]),
+        (_, 4) => each_token::<2, 4>(0..n_tokens, rows, 4 * u, y, |t| isa.dot_f32_rows4_x2(f, unit(4), [x_of(t), x_of(t + 1)]), |t| isa.dot_f32_rows4(f, unit(4), x_of(t))),
+        (_, 8) => {
+            // Eight tokens per pass, then four, then one.
+            let t8 = n_tokens / 8 * 8;
+            let q8 = |t: usize| std::array::from_fn(|k| xq_of(t + k));
+            each_token::<8, 8>(0..t8, rows, 8 * u, y, |t| isa.dot_q8_rows8_x8(f, unit(8), q8(t)), |_| unreachable!("whole passes of 8"));
+            each_token::<4, 8>(t8..n_tokens, rows, 8 * u, y, |t| isa.dot_q8_rows8_x4(f, unit(8), q4(t)), |t| isa.dot_q8_rows8(f, unit(8), xq_of(t)));
+        }
+        _ if f.int8_activations() => each_token::<4, 1>(0..n_tokens, rows, u, y, |t| isa.dot_q8_x4(f, w.row(u), q4(t)).map(|v| [v]), |t| [isa.dot_q8(f, w.row(u), xq_of(t))]),
+        _ => each_token::<4, 1>(0..n_tokens, rows, u, y, |t| isa.dot_f32_x4(f, w.row(u), f4(t)).map(|v| [v]), |t| [isa.dot_f32(f, w.row(u), x_of(t))]),
     }
 }
 
-/// Rows `r0 .. r0 + R` for every token: `P` tokens per pass through `many` (the unit's
-/// bytes stay in L1 across them), the rest one by one through `one`; results to
+/// Rows `r0 .. r0 + R` for tokens `tokens`: `P` tokens per pass through `many` (the
+/// unit's bytes stay in L1 across them), the rest one by one through `one`; results to
 /// `y[t·rows + r]`.
 #[inline]
 fn each_token<const P: usize, const R: usize>(
-    n_tokens: usize,
+    tokens: std::ops::Range<usize>,
     rows: usize,
     r0: usize,
     y: SharedMut<f32>,
@@ -284,14 +290,14 @@ fn each_token<const P: usize, const R: usize>(
             unsafe { *y.ptr().add(t * rows + r0 + k) = vk };
         }
     };
-    let mut t = 0;
-    while t + P <= n_tokens {
+    let mut t = tokens.start;
+    while t + P <= tokens.end {
         for (dt, v) in many(t).into_iter().enumerate() {
             put(t + dt, v);
         }
         t += P;
     }
-    for t in t..n_tokens {
+    for t in t..tokens.end {
         put(t, one(t));
     }
 }

@@ -434,10 +434,20 @@ fn interleaved_rows_are_the_source_rows() {
             assert_eq!(packed.len(), data.len() + extra);
             let src = WeightRows::new(format, rows, cols, &data).unwrap();
             let dst = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
-            let x = random_vec(&mut rng, 5 * cols);
+            // 13 tokens: matmul takes a pass of eight, one of four and one alone.
+            const TOKENS: usize = 13;
+            let x = random_vec(&mut rng, TOKENS * cols);
             let mut xq = vec![BlockQ8::default(); cols / 32];
             quantize_row_scalar(&x[..cols], &mut xq);
+            let xq8 = random_q8_rows(&mut rng, 8, cols);
+            let xs8: [&[BlockQ8]; 8] = std::array::from_fn(|t| &xq8[t][..]);
             for g in 0..rows / 8 {
+                // Eight tokens in one pass are two four-token passes, bit for bit.
+                let eight = isa.dot_q8_rows8_x8(packed_format, dst.group8(g), xs8);
+                let four = [0, 4].map(|t0| isa.dot_q8_rows8_x4(packed_format, dst.group8(g), std::array::from_fn(|k| xs8[t0 + k])));
+                for t in 0..8 {
+                    assert_eq!(eight[t].map(f32::to_bits), four[t / 4][t % 4].map(f32::to_bits), "{packed_format} {rows}x{cols} group {g}: token {t} of eight");
+                }
                 let mut w8 = vec![0.0; 8 * cols];
                 scalar::dequantize_rows8(packed_format, dst.group8(g), &mut w8);
                 let simd = isa.dot_q8_rows8(packed_format, dst.group8(g), &xq);
@@ -454,10 +464,10 @@ fn interleaved_rows_are_the_source_rows() {
             }
             for threads in [1, 2] {
                 let pool = ThreadPool::new(threads);
-                let mut scratch = MatmulScratch::new(5, cols);
-                let (mut y0, mut y1) = (vec![0.0; 5 * rows], vec![0.0; 5 * rows]);
-                matmul(&pool, isa, src, &x, 5, &mut y0, &mut scratch);
-                matmul(&pool, isa, dst, &x, 5, &mut y1, &mut scratch);
+                let mut scratch = MatmulScratch::new(TOKENS, cols);
+                let (mut y0, mut y1) = (vec![0.0; TOKENS * rows], vec![0.0; TOKENS * rows]);
+                matmul(&pool, isa, src, &x, TOKENS, &mut y0, &mut scratch);
+                matmul(&pool, isa, dst, &x, TOKENS, &mut y1, &mut scratch);
                 for (a, b) in y0.iter().zip(&y1) {
                     assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{packed_format} matmul: {a} vs {b}");
                 }
@@ -602,7 +612,7 @@ fn mac_probe_simd_matches_scalar() {
 }
 
 /// The VNNI kernels compute the same integer sums as the AVX2 ones (PMADDUBSW never
-/// saturates on these operands), so every interleaved format's one- and four-token
+/// saturates on these operands), so every interleaved format's one-, four- and eight-token
 /// results (and the 512-bit two-group pass's) must be equal bit for bit, and the int8
 /// probe's sum too. Runs where the CPU
 /// has AVX-512 VNNI (not this project's AVX2-only CI machine: there it checks nothing
@@ -629,13 +639,16 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
                 let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
                 let packed = tessera_kernels::repack_interleaved(format, rows, cols, &data);
                 let w = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
-                let xq = random_q8_rows(&mut rng, 4, cols);
+                let xq = random_q8_rows(&mut rng, 8, cols);
                 let xs = [&xq[0][..], &xq[1][..], &xq[2][..], &xq[3][..]];
+                let xs8: [&[BlockQ8]; 8] = std::array::from_fn(|t| &xq[t][..]);
                 for g in 0..rows / 8 {
                     let one = |isa: Isa| isa.dot_q8_rows8(packed_format, w.group8(g), xs[0]).map(f32::to_bits);
                     let four = |isa: Isa| isa.dot_q8_rows8_x4(packed_format, w.group8(g), xs).map(|r| r.map(f32::to_bits));
+                    let eight = |isa: Isa| isa.dot_q8_rows8_x8(packed_format, w.group8(g), xs8).map(|r| r.map(f32::to_bits));
                     assert_eq!(one(vnni), one(avx2), "{packed_format} cols {cols} group {g}: one token");
                     assert_eq!(four(vnni), four(avx2), "{packed_format} cols {cols} group {g}: four tokens");
+                    assert_eq!(eight(vnni), eight(avx2), "{packed_format} cols {cols} group {g}: eight tokens");
                 }
                 // Both groups in one 512-bit pass against the AVX2 kernel on each group.
                 let pair = vnni.dot_q8_rows16_x4(packed_format, &packed, xs).map(|r| r.map(f32::to_bits));

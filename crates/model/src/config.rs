@@ -669,13 +669,13 @@ impl ModelConfig {
                 return Err((k, "must be > 0".into()));
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err((
                 "num_key_value_heads",
                 format!("{} query heads cannot be grouped over {} kv heads", self.heads, self.kv_heads),
             ));
         }
-        if self.head_dim % 2 != 0 || self.rope.dim % 2 != 0 || self.rope.dim > self.head_dim {
+        if !self.head_dim.is_multiple_of(2) || !self.rope.dim.is_multiple_of(2) || self.rope.dim > self.head_dim {
             return Err(("head_dim", format!("head_dim {} / rope dim {} must be even, rope ≤ head", self.head_dim, self.rope.dim)));
         }
         if self.layer_ffn.len() != self.layers {

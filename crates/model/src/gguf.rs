@@ -317,7 +317,7 @@ pub fn write(path: &Path, metadata: &BTreeMap<String, GgufValue>, tensors: &[Ten
             .ok_or_else(|| LoadError::tensor(path, t.name, format!("{:?} has no ggml type", t.dtype)))?;
         let (_, block, block_bytes) = ggml_type(ty).expect("a mapped type");
         let elems: usize = t.shape.iter().product();
-        if elems as u64 % block != 0 || (elems as u64 / block * block_bytes) as usize != t.data.len() {
+        if !(elems as u64).is_multiple_of(block) || (elems as u64 / block * block_bytes) as usize != t.data.len() {
             return Err(LoadError::tensor(path, t.name, format!("{} bytes for shape {:?} of {:?}", t.data.len(), t.shape, t.dtype)));
         }
         put_string(&mut head, t.name);

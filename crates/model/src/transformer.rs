@@ -72,7 +72,7 @@ impl Linear {
     /// has kernels for it. Matrices whose rows (or columns) do not come in whole groups
     /// (pieces) keep their format.
     fn interleaved(&self, isa: Isa) -> Option<WeightFormat> {
-        let whole = |to: &WeightFormat| self.rows > 0 && self.rows % to.rows_per_group() == 0 && to.row_bytes(self.cols).is_ok();
+        let whole = |to: &WeightFormat| self.rows > 0 && self.rows.is_multiple_of(to.rows_per_group()) && to.row_bytes(self.cols).is_ok();
         self.format.interleaved().filter(|to| whole(to) && isa.runs_interleaved(*to))
     }
 
@@ -98,7 +98,7 @@ impl Linear {
             WeightFormat::Fp8 if fp8 => WeightFormat::Q8_0x8,
             _ => return None,
         };
-        if !(self.rows > 0 && self.rows % 8 == 0 && isa.runs_interleaved(to) && to.row_bytes(self.cols).is_ok()) {
+        if !(self.rows > 0 && self.rows.is_multiple_of(8) && isa.runs_interleaved(to) && to.row_bytes(self.cols).is_ok()) {
             return None;
         }
         let data = self.weights(ckpt).data;
@@ -747,7 +747,7 @@ impl<'a> Loader<'a> {
         if t.dtype == TensorDtype::F8E4M3 {
             const BLOCK: usize = 128;
             let s = self.require(&format!("{base}.weight_scale_inv"))?;
-            let inside = |r: &Range<usize>, total: usize| r.start % BLOCK != 0 || (r.end % BLOCK != 0 && r.end != total);
+            let inside = |r: &Range<usize>, total: usize| !r.start.is_multiple_of(BLOCK) || (!r.end.is_multiple_of(BLOCK) && r.end != total);
             if stack.is_some() || inside(&sel.rows, rows) || inside(&sel.cols, cols) {
                 return Err(LoadError::tensor(
                     file,
@@ -888,7 +888,7 @@ impl<'a> Loader<'a> {
         if s.shape != grid || s.dtype != crate::checkpoint::TensorDtype::F32 {
             return Err(err(s, format!("expected F32 {grid:?} block scales for a [{rows}, {cols}] FP8 weight, found {:?} {}", s.dtype, shape_str(&s.shape))));
         }
-        if cols % 32 != 0 {
+        if !cols.is_multiple_of(32) {
             return Err(err(w, format!("FP8 rows of {cols} columns are not a multiple of 32")));
         }
         Ok(s)
@@ -911,7 +911,7 @@ impl<'a> Loader<'a> {
         }
         let packed_cols = w.shape[lead.len() + 1];
         let groups = *scales.shape.last().unwrap_or(&0);
-        if scales.shape.len() != w.shape.len() || scales.shape[..lead.len() + 1] != w.shape[..lead.len() + 1] || groups == 0 || cols % groups != 0 {
+        if scales.shape.len() != w.shape.len() || scales.shape[..lead.len() + 1] != w.shape[..lead.len() + 1] || groups == 0 || !cols.is_multiple_of(groups) {
             return Err(err(scales, format!("scales shape {} does not fit a [{rows}, {cols}] weight", shape_str(&scales.shape))));
         }
         if let Some(b) = biases {
@@ -2149,7 +2149,7 @@ impl Run<'_> {
         let run = |i: usize| starts[active[i] as usize] - s0..starts[active[i] as usize + 1] - s0;
         let (gate, up) = (&mut ws.moe_gate[..slots * width], &mut ws.moe_up[..slots * width]);
         let gate_up = |i: usize| {
-            let l = if i % 2 == 0 { &m.gate[local(i / 2)] } else { &m.up[local(i / 2)] };
+            let l = if i.is_multiple_of(2) { &m.gate[local(i / 2)] } else { &m.up[local(i / 2)] };
             RowsJob { w: l.weights(self.ckpt), rows: run(i / 2), out: i % 2 }
         };
         matmul_jobs(self.pool, self.isa, &ws.moe_in[..slots * h], h, 2 * active.len(), &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);

@@ -89,7 +89,7 @@ pub fn safetensors_bytes_with(tensors: &[(String, Vec<usize>, Vec<f32>)], bf16: 
         offset += data.len() * size;
     }
     let mut h = serde_json::to_string(&header).unwrap();
-    while (8 + h.len()) % 8 != 0 {
+    while !(8 + h.len()).is_multiple_of(8) {
         h.push(' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -196,12 +196,12 @@ impl Gguf {
             offsets.push(offset);
             offset += (t.data.len() as u64).div_ceil(32) * 32;
         }
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
         for t in &self.tensors {
             out.extend(&t.data);
-            while out.len() % 32 != 0 {
+            while !out.len().is_multiple_of(32) {
                 out.push(0);
             }
         }

@@ -306,7 +306,7 @@ fn big(comm: &Communicator) -> Result<(), CommError> {
     if n > 1 {
         let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
         let mine: Vec<f32> = (0..len).map(|i| f32::gen(me, i, 7)).collect();
-        if me % 2 == 0 {
+        if me.is_multiple_of(2) {
             comm.send(&mine, next, "big send")?;
             comm.recv(&mut buf, prev, "big send")?;
         } else {
