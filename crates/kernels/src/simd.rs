@@ -1188,8 +1188,10 @@ mod x86 {
             }
 
             /// Eight tokens at once for the 4- and 5-bit block formats (nibble unpacking
-            /// shared by eight: 5–10 % over two four-token passes in the 32-token GEMM);
-            /// `None` for the other layouts, which take [`Isa::dot_q8_rows8_x4`] twice.
+            /// shared by eight: 1.08–1.18× two four-token passes, alternating in one
+            /// process on this project's Zen 3; the 32-token GEMM bench 5–8 %); `None`
+            /// for the other layouts, which take [`Isa::dot_q8_rows8_x4`] twice (Q5_Kx8
+            /// and Q8_0x8 ran slower at eight: their accumulators spill).
             #[target_feature(enable = $features)]
             pub unsafe fn $eight(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 8]) -> Option<[[f32; 8]; 8]> {
                 Some(match format {
