@@ -311,6 +311,14 @@ QUANT_FIXTURES = {
         "codes, no biases, U8 E8M0 scales. As for mxfp4, the model's quant_predicate makes mlp.gate AFFINE "
         "8-bit group 64 (no 'mode' key in its per-path entry).",
     ),
+    "qwen3_moe_mlx_nvfp4": dict(
+        seed=6206,
+        base=qwen3_moe_cfg(),
+        q=dict(group_size=16, bits=4, mode="nvfp4"),
+        notes="qwen3_moe quantized with mlx_lm.utils.quantize_model(group 16, bits 4, mode nvfp4): E2M1 "
+        "codes, U8 E4M3 scales per 16, no biases, no global scale. As for mxfp4, the model's quant_predicate "
+        "makes mlp.gate AFFINE 8-bit group 64.",
+    ),
     "deepseek_v3_mlx_q4g32": dict(
         seed=8308,
         base=deepseek_cfg(qk_nope_head_dim=32),

@@ -132,6 +132,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "note: {fp8} FP8 matrices compute with f32 activations (compute-bound); TESSERA_FP8_Q8=1 requantizes them to Q8_0 for the integer kernels (1.6–1.9× decode on the benchmark MoE here; each weight within 0.4 % of its block's largest, as llama.cpp's FP8 → Q8_0 conversions)"
         );
     }
+    let nvfp4 = on_f32(|f| f == WeightFormat::Nvfp4);
+    if nvfp4 > 0 {
+        println!("note: {nvfp4} NVFP4 matrices compute with f32 activations (compute-bound); they have no integer path yet (a scale per 16 columns fits none of the 8-row layouts)");
+    }
     if a.profile {
         let p = tessera_engine::bench::profile_decode(&model, &cfg, cfg.tg.max(1), a.profile_batch)?;
         print_profile(&p, report.bandwidth_best_gb_s(), a.profile_batch);

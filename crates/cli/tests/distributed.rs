@@ -229,7 +229,7 @@ fn mixtral_every_placement() {
 /// projection: refused with the reason (real models' 128-wide heads never meet this).
 #[test]
 fn quantized_checkpoints_every_placement() {
-    for name in ["qwen3_moe_mlx_q8g32", "qwen3_moe_mlx_mxfp4", "qwen3_moe_mlx_mxfp8", "deepseek_v3_mlx_q4g32"] {
+    for name in ["qwen3_moe_mlx_q8g32", "qwen3_moe_mlx_mxfp4", "qwen3_moe_mlx_mxfp8", "qwen3_moe_mlx_nvfp4", "deepseek_v3_mlx_q4g32"] {
         let why = "choose a placement whose splits fall on multiples of 32";
         every_placement(name, &[("TP3", why), ("TP4", why)]);
     }
@@ -396,6 +396,7 @@ fn shards_on_disk_run_the_same_model() {
         ("qwen3_moe_mlx_q8g32", &["--tp", "2"]),
         ("qwen3_moe_mlx_mxfp4", &["--ep", "2"]),
         ("qwen3_moe_mlx_mxfp8", &["--tp", "2"]),
+        ("qwen3_moe_mlx_nvfp4", &["--ep", "2"]),
         ("deepseek_v3_mlx_q4g32", &["--tp", "2"]),
         ("fp8/deepseek_v3_fp8", &["--pp", "2"]),
     ] {

@@ -207,6 +207,12 @@ fn mlx_mxfp8() {
     check("qwen3_moe_mlx_mxfp8");
 }
 
+/// nvfp4 (E2M1 codes, an E4M3 scale per 16) as NVFP4 blocks of 32.
+#[test]
+fn mlx_nvfp4() {
+    check("qwen3_moe_mlx_nvfp4");
+}
+
 #[test]
 fn mlx_quantized_mla_embed_q_unembed_out() {
     check("deepseek_v3_mlx_q4g32");

@@ -96,6 +96,10 @@ pub enum WeightFormat {
     /// IQ4_NL for matrices whose width is not a multiple of 256.
     Iq4Nl,
     Iq4Xs,
+    /// MLX nvfp4: per 32, two E4M3 scales (elements 0..16, then 16..32) and 16 bytes of
+    /// E2M1 codes in Q4_0's nibble order (byte j: element j low, j + 16 high);
+    /// w = e2m1(q)·scale. MLX writes a U8 E4M3 scale per 16 and no global scale.
+    Nvfp4,
     /// FP8 E4M3 with a per-block scale (DeepSeek-V3/Kimi-K2 "fp8" checkpoints, whose
     /// 128×128 `weight_scale_inv` blocks are repacked per 32 columns): f32 scale, then
     /// 32 E4M3 bytes; w = e4m3(q)·scale.
@@ -161,7 +165,7 @@ impl fmt::Display for WeightFormat {
 
 impl WeightFormat {
     /// One of each kind (affine formats with each supported group), for tests.
-    pub const ALL: [WeightFormat; 23] = [
+    pub const ALL: [WeightFormat; 24] = [
         WeightFormat::F32,
         WeightFormat::F16,
         WeightFormat::Bf16,
@@ -179,6 +183,7 @@ impl WeightFormat {
         WeightFormat::Iq4Nl,
         WeightFormat::Iq4Xs,
         WeightFormat::Fp8,
+        WeightFormat::Nvfp4,
         WeightFormat::A4 { group: 32 },
         WeightFormat::A4 { group: 64 },
         WeightFormat::A4 { group: 128 },
@@ -225,6 +230,7 @@ impl WeightFormat {
             WeightFormat::Iq4Nl => "IQ4_NL",
             WeightFormat::Iq4Xs => "IQ4_XS",
             WeightFormat::Fp8 => "FP8-E4M3",
+            WeightFormat::Nvfp4 => "NVFP4",
             WeightFormat::A4 { group: 32 } => "MLX-A4/g32",
             WeightFormat::A4 { group: 64 } => "MLX-A4/g64",
             WeightFormat::A4 { .. } => "MLX-A4/g128",
@@ -312,7 +318,7 @@ impl WeightFormat {
     pub fn block_elems(self) -> usize {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
-            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Iq4Nl => 32,
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Nvfp4 | WeightFormat::Iq4Nl => 32,
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 | WeightFormat::A8x8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
@@ -333,6 +339,7 @@ impl WeightFormat {
             WeightFormat::Q5_0 | WeightFormat::Q5_0x8 => 22,
             WeightFormat::Q5_1 | WeightFormat::Q5_1x8 => 24,
             WeightFormat::Mxfp4 => 17,
+            WeightFormat::Nvfp4 => 18,
             WeightFormat::Q4K => 144,
             WeightFormat::Q4Kx8 => 148,
             WeightFormat::Q5Kx8 => 180,
@@ -666,14 +673,15 @@ fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8]
 /// `packed` holds `rows` rows of `cols` elements in MLX's packing: a little-endian
 /// bitstream per row, element i at bits `[i·b, (i+1)·b)`. `scales` (and `biases` for
 /// affine) hold `rows · cols / group` values, already converted to f32; for mxfp4
-/// and mxfp8 `e8m0` holds the raw exponent bytes instead. mxfp8 (E4M3 codes, an E8M0
+/// and mxfp8 `e8m0` holds the raw exponent bytes instead (for nvfp4 its E4M3 scale
+/// bytes, one per 16). mxfp8 (E4M3 codes, an E8M0
 /// exponent per 32) becomes [`WeightFormat::Fp8`]: the same codes, the exponent as its
 /// f32 scale 2^(e−127), exactly (e = 255 reads as +inf, as in MLX).
 pub fn repack_mlx(format: WeightFormat, rows: usize, cols: usize, packed: &[u8], scales: &[f32], biases: &[f32], e8m0: &[u8]) -> Vec<u8> {
     let g = format.block_elems();
     let groups = cols / g;
     let bits = match format {
-        WeightFormat::A4 { .. } | WeightFormat::Mxfp4 => 4,
+        WeightFormat::A4 { .. } | WeightFormat::Mxfp4 | WeightFormat::Nvfp4 => 4,
         // FP8 blocks from mxfp8: the codes as they are, the exponent as an f32 scale.
         WeightFormat::A8 { .. } | WeightFormat::Fp8 => 8,
         _ => panic!("repack_mlx: {format} is not an MLX format"),
@@ -687,6 +695,8 @@ pub fn repack_mlx(format: WeightFormat, rows: usize, cols: usize, packed: &[u8],
             let at = r * groups + gi;
             match format {
                 WeightFormat::Mxfp4 => out.push(e8m0[at]),
+                // Two E4M3 scales per 32: MLX's groups are 16 wide.
+                WeightFormat::Nvfp4 => out.extend_from_slice(&e8m0[2 * at..2 * at + 2]),
                 WeightFormat::Fp8 => out.extend(crate::scalar::e8m0(e8m0[at]).to_le_bytes()),
                 _ => {
                     out.extend(scales[at].to_le_bytes());

@@ -120,6 +120,16 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        WeightFormat::Nvfp4 => {
+            let mut q = [0u8; 32];
+            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(18)) {
+                let d = [e4m3(b[0]), e4m3(b[1])];
+                nibbles(&b[2..18], &mut q);
+                for j in 0..32 {
+                    o[j] = E2M1[q[j] as usize] * d[j / 16];
+                }
+            }
+        }
         WeightFormat::Q4_0x8
         | WeightFormat::Q4_1x8
         | WeightFormat::Q5_0x8

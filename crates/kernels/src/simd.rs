@@ -44,6 +44,8 @@ const KIND_A4: u8 = 2;
 const KIND_A8: u8 = 3;
 #[allow(dead_code)]
 const KIND_FP8: u8 = 4;
+#[allow(dead_code)]
+const KIND_NVFP4: u8 = 5;
 
 /// The decoding kind of `format`, if it has one.
 #[allow(dead_code)]
@@ -53,6 +55,7 @@ fn kind32(format: WeightFormat) -> Option<u8> {
         WeightFormat::A4 { .. } => Some(KIND_A4),
         WeightFormat::A8 { .. } => Some(KIND_A8),
         WeightFormat::Fp8 => Some(KIND_FP8),
+        WeightFormat::Nvfp4 => Some(KIND_NVFP4),
         _ => None,
     }
 }
@@ -634,6 +637,17 @@ mod x86 {
                 let v = _mm256_shuffle_epi8(lut, nibbles32(b.add(1)));
                 Some(widen32(v, true).map(|w| _mm256_mul_ps(w, d)))
             }
+            WeightFormat::Nvfp4 if K == KIND_NVFP4 => {
+                // As MXFP4, but a scale per 16: elements 0..16 (the low nibbles, the
+                // first two vectors) take the first, 16..32 the second.
+                let lut = _mm256_setr_epi8(
+                    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                );
+                let b = row.add(c * bb);
+                let d = [*b, *b.add(1)].map(|e| _mm256_set1_ps(scalar::e4m3(e) * 0.5));
+                let w = widen32(_mm256_shuffle_epi8(lut, nibbles32(b.add(2))), true);
+                Some(std::array::from_fn(|k| _mm256_mul_ps(w[k], d[k / 2])))
+            }
             WeightFormat::A4 { group } | WeightFormat::A8 { group } if K == KIND_A4 || K == KIND_A8 => {
                 let g = group as usize;
                 let (b, sub) = (row.add(c * 32 / g * bb), c * 32 % g / 32);
@@ -692,6 +706,7 @@ mod x86 {
                 KIND_MXFP4 => dot32_t::<KIND_MXFP4>(format, row, xp, x.len(), &mut accs),
                 KIND_A4 => dot32_t::<KIND_A4>(format, row, xp, x.len(), &mut accs),
                 KIND_A8 => dot32_t::<KIND_A8>(format, row, xp, x.len(), &mut accs),
+                KIND_NVFP4 => dot32_t::<KIND_NVFP4>(format, row, xp, x.len(), &mut accs),
                 _ => dot32_t::<KIND_FP8>(format, row, xp, x.len(), &mut accs),
             }
         } else {
@@ -735,6 +750,7 @@ mod x86 {
             Some(KIND_A4) => dot32_x4_t::<KIND_A4>(format, row, xs),
             Some(KIND_A8) => dot32_x4_t::<KIND_A8>(format, row, xs),
             Some(KIND_FP8) => dot32_x4_t::<KIND_FP8>(format, row, xs),
+            Some(KIND_NVFP4) => dot32_x4_t::<KIND_NVFP4>(format, row, xs),
             _ => xs.map(|x| dot_block_f32(format, row, x)),
         }
     }
@@ -2551,6 +2567,23 @@ mod arm {
                 let q = [vandq_u8(q, low), vshrq_n_u8::<4>(q)].map(|n| vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)));
                 widen(q, true, d, vdupq_n_f32(0.0))
             }
+            WeightFormat::Nvfp4 if K == KIND_NVFP4 => {
+                // As MXFP4, but a scale per 16: the low nibbles (elements 0..16) take
+                // the first, the high ones the second.
+                let lut: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+                let lut = vld1q_s8(lut.as_ptr());
+                let b = row.as_ptr().add(c * bb);
+                let q = vld1q_u8(b.add(2));
+                let zero = vdupq_n_f32(0.0);
+                let mut w = [zero; 8];
+                for (h, n) in [vandq_u8(q, low), vshrq_n_u8::<4>(q)].into_iter().enumerate() {
+                    let d = vdupq_n_f32(scalar::e4m3(*b.add(h)) * 0.5);
+                    for (k, v) in widen16(vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)), true).into_iter().enumerate() {
+                        w[4 * h + k] = vfmaq_f32(zero, v, d);
+                    }
+                }
+                w
+            }
             WeightFormat::A4 { group } | WeightFormat::A8 { group } if K == KIND_A4 || K == KIND_A8 => {
                 let g = group as usize;
                 let (b, sub) = (row.as_ptr().add(c * 32 / g * bb), c * 32 % g / 32);
@@ -2581,6 +2614,7 @@ mod arm {
             Some(KIND_A4) if whole => dot32_x4_t::<KIND_A4>(format, row, xs),
             Some(KIND_A8) if whole => dot32_x4_t::<KIND_A8>(format, row, xs),
             Some(KIND_FP8) if whole => dot32_x4_t::<KIND_FP8>(format, row, xs),
+            Some(KIND_NVFP4) if whole => dot32_x4_t::<KIND_NVFP4>(format, row, xs),
             _ => xs.map(|x| dot_float(format, row, x)),
         }
     }
@@ -2612,6 +2646,7 @@ mod arm {
             Some(KIND_A4) => dot32_t::<KIND_A4>(format, row, x, &mut acc),
             Some(KIND_A8) => dot32_t::<KIND_A8>(format, row, x, &mut acc),
             Some(KIND_FP8) => dot32_t::<KIND_FP8>(format, row, x, &mut acc),
+            Some(KIND_NVFP4) => dot32_t::<KIND_NVFP4>(format, row, x, &mut acc),
             _ => return scalar::dot_f32(format, row, x),
         }
         let s4 = [0, 2, 4, 6].map(|i| vaddq_f32(acc[i], acc[i + 1]));

@@ -73,6 +73,13 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..16).for_each(|_| out.push(rng.byte()));
             }
         }
+        WeightFormat::Nvfp4 => {
+            for _ in 0..cols / 32 {
+                // Two E4M3 scales of 2^-2..2^2 (either sign, any mantissa), then codes.
+                (0..2).for_each(|_| out.push(((5 + rng.byte() % 5) << 3) | (rng.byte() & 0x87)));
+                (0..16).for_each(|_| out.push(rng.byte()));
+            }
+        }
         WeightFormat::A4 { group } | WeightFormat::A8 { group } => {
             let per = if matches!(format, WeightFormat::A4 { .. }) { group as usize / 2 } else { group as usize };
             for _ in 0..cols / group as usize {

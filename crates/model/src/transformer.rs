@@ -782,16 +782,18 @@ impl<'a> Loader<'a> {
     fn block_of(&self, hf: &str, cols: usize) -> usize {
         let base = hf.strip_suffix(".weight").unwrap_or(hf);
         if let Some(scales) = self.find(&format!("{base}.scales")) {
+            // Microscaling (U8 scales): blocks of 32 as repacked (nvfp4's groups of 16
+            // come in pairs).
+            if scales.dtype == crate::checkpoint::TensorDtype::U8 {
+                return 32;
+            }
             // A shard's scales cover only its slice: take the group size from the
             // config's `quantization` (per module, else global), as mlx writes it.
             if self.presliced {
                 let q = self.c.config.as_ref().map(|c| &c["quantization"]);
                 let group = q.and_then(|q| q[base]["group_size"].as_u64().or(q["group_size"].as_u64()));
-                if let Some(g) = group.filter(|_| scales.dtype != crate::checkpoint::TensorDtype::U8) {
+                if let Some(g) = group {
                     return g as usize;
-                }
-                if scales.dtype == crate::checkpoint::TensorDtype::U8 {
-                    return 32;
                 }
             }
             return cols / scales.shape.last().copied().unwrap_or(1).max(1);
@@ -925,13 +927,15 @@ impl<'a> Loader<'a> {
             return Err(err(w, format!("{packed_cols} packed words do not hold {cols} columns at a whole number of bits")));
         }
         let format = if scales.dtype == crate::checkpoint::TensorDtype::U8 {
-            // Microscaling: E8M0 exponents, no biases. mxfp8 runs as FP8 blocks.
+            // Microscaling, no biases: mxfp4 and mxfp8 (E8M0 exponents per 32; mxfp8
+            // runs as FP8 blocks), nvfp4 (E4M3 scales per 16).
             match (bits, group, biases.is_some()) {
                 (4, 32, false) => WeightFormat::Mxfp4,
                 (8, 32, false) => WeightFormat::Fp8,
+                (4, 16, false) if cols % 32 == 0 => WeightFormat::Nvfp4,
                 _ => {
                     let what = if biases.is_some() { "with biases" } else { "without biases" };
-                    return Err(err(scales, format!("U8 scales mean a microscaling mode; mxfp4 and mxfp8 (4 or 8 bits, group 32, no biases) are supported, found {bits} bits, group {group}, {what} (nvfp4, 4 bits in groups of 16, is not supported)")));
+                    return Err(err(scales, format!("U8 scales mean a microscaling mode; mxfp4, mxfp8 (4 or 8 bits, group 32) and nvfp4 (4 bits, group 16, rows a multiple of 32 wide), all without biases, are supported; found {bits} bits, group {group}, {what}, {cols} columns")));
                 }
             }
         } else {
@@ -960,7 +964,7 @@ impl<'a> Loader<'a> {
             scalar::dequantize_row(f, bytes, &mut out);
             Ok(out)
         };
-        let data = if matches!(layout.format, WeightFormat::Mxfp4 | WeightFormat::Fp8) {
+        let data = if matches!(layout.format, WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Nvfp4) {
             tessera_kernels::repack_mlx(layout.format, rows, cols, packed, &[], &[], scale_bytes)
         } else {
             let b = bias_bytes.ok_or_else(|| err(w, "affine quantization needs a `.biases` tensor beside `.scales`".into()))?;
@@ -1029,13 +1033,15 @@ impl<'a> Loader<'a> {
             let scales = self.require(&format!("{base}.scales"))?;
             let biases = self.find(&format!("{base}.biases"));
             let layout = self.mlx_layout(t, scales, biases, &lead, rows, cols)?;
-            let (g0, g1) = (sel.cols.start / layout.group, sel.cols.end.div_ceil(layout.group));
+            // Whole repacked blocks (nvfp4's are two of its groups of 16).
+            let unit = layout.format.block_elems();
+            let cc = sel.cols.start / unit * unit..(sel.cols.end.div_ceil(unit) * unit).min(cols);
+            let (g0, g1) = (cc.start / layout.group, cc.end / layout.group);
             let words = g0 * layout.words_per_group * 4..g1 * layout.words_per_group * 4;
             let packed = self.read_rows(t, n, rows, elems.clone(), sel.rows.clone(), words)?;
             let aux = g0 * layout.scale_bytes..g1 * layout.scale_bytes;
             let sb = self.read_rows(scales, n, rows, elems.clone(), sel.rows.clone(), aux.clone())?;
             let bb = biases.map(|b| self.read_rows(b, n, rows, elems.clone(), sel.rows.clone(), aux.clone())).transpose()?;
-            let cc = g0 * layout.group..g1 * layout.group;
             let l = self.mlx_repack(t, layout, elems.len() * sel.rows.len(), cc.len(), &packed, scales, &sb, bb.as_deref())?;
             (sel.rows.clone(), cc, l)
         };

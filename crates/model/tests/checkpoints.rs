@@ -429,9 +429,9 @@ fn moe_checkpoints_that_disagree_with_their_config_are_clear_errors() {
     );
 }
 
-/// MLX microscaling modes other than mxfp4 and mxfp8 (nvfp4: 4 bits in groups of 16
-/// with E4M3 scales) are refused at load, naming the module, what was found and what is
-/// supported; as are U8 scales beside biases.
+/// MLX microscaling layouts other than mxfp4, mxfp8 and nvfp4 are refused at load,
+/// naming the module, what was found and what is supported; as are U8 scales beside
+/// biases.
 #[test]
 fn unsupported_mlx_microscaling_is_a_clear_error() {
     use safetensors::{tensor::TensorView, Dtype};
@@ -450,16 +450,16 @@ fn unsupported_mlx_microscaling_is_a_clear_error() {
         std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
         expect_error(&dir, needles);
     };
-    // q_proj is [64, 64]: nvfp4 packs it in 8 words a row with 4 scales of 16 columns.
+    // q_proj is [64, 64]: a 4-bit microscaling mode in groups of 8 (none has them).
     case(
-        "nvfp4",
-        &[(format!("{q}.weight"), Dtype::U32, vec![64, 8], vec![0; 64 * 8 * 4]), (format!("{q}.scales"), Dtype::U8, vec![64, 4], vec![127; 64 * 4])],
-        &[&format!("{q}.scales"), "4 bits, group 16", "mxfp4 and mxfp8", "nvfp4"],
+        "groups-of-8",
+        &[(format!("{q}.weight"), Dtype::U32, vec![64, 8], vec![0; 64 * 8 * 4]), (format!("{q}.scales"), Dtype::U8, vec![64, 8], vec![56; 64 * 8])],
+        &[&format!("{q}.scales"), "4 bits, group 8", "mxfp4, mxfp8", "nvfp4"],
     );
     case(
         "u8-scales-with-biases",
         &[(format!("{q}.biases"), Dtype::U8, vec![64, 2], vec![0; 64 * 2])],
-        &[&format!("{q}.scales"), "8 bits, group 32, with biases", "no biases"],
+        &[&format!("{q}.scales"), "8 bits, group 32, with biases", "without biases"],
     );
 }
 

@@ -124,6 +124,7 @@ fn mlx_quantized_rows_match_mx_dequantize() {
         ("mxfp4_g32", WeightFormat::Mxfp4),
         // mxfp8 runs as FP8 blocks (E4M3 codes, the exponent as an f32 scale).
         ("mxfp8_g32", WeightFormat::Fp8),
+        ("nvfp4_g16", WeightFormat::Nvfp4),
     ];
     for (name, format) in cases {
         let t = |k: &str| st.tensor(&format!("{name}.{k}")).unwrap();
@@ -131,7 +132,7 @@ fn mlx_quantized_rows_match_mx_dequantize() {
         let (rows, cols) = (deq.shape()[0], deq.shape()[1]);
         let want = f32s(deq.data());
         let packed = t("weight").data().to_vec();
-        let data = if matches!(format, WeightFormat::Mxfp4 | WeightFormat::Fp8) {
+        let data = if matches!(format, WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Nvfp4) {
             repack_mlx(format, rows, cols, &packed, &[], &[], t("scales").data())
         } else {
             repack_mlx(format, rows, cols, &packed, &f32s(t("scales").data()), &f32s(t("biases").data()), &[])

@@ -83,6 +83,8 @@ fn quantized_ranks_read_their_slices() {
     check("qwen3_moe_mlx_mxfp4", 2, true);
     check_with("qwen3_moe_mlx_mxfp8", 2, false, false);
     check("qwen3_moe_mlx_mxfp8", 2, true);
+    check_with("qwen3_moe_mlx_nvfp4", 2, false, false);
+    check("qwen3_moe_mlx_nvfp4", 2, true);
     check_with("deepseek_v3_mlx_q4g32", 2, false, false);
     check_with("gguf_moe/qwen3_moe.q8_0.gguf", 2, false, false);
     check("gguf_moe/qwen3_moe.q8_0.gguf", 2, true);
