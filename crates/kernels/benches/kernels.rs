@@ -17,7 +17,7 @@ fn main() {
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
-const FORMATS: [WeightFormat; 20] = [
+const FORMATS: [WeightFormat; 21] = [
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
     WeightFormat::Q4_0x8,
@@ -31,6 +31,7 @@ const FORMATS: [WeightFormat; 20] = [
     WeightFormat::Q6K,
     WeightFormat::Q6Kx8,
     WeightFormat::Mxfp4,
+    WeightFormat::Nvfp4,
     WeightFormat::Fp8,
     WeightFormat::A4 { group: 64 },
     WeightFormat::A8 { group: 64 },
@@ -53,7 +54,7 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// A `ROWS × COLS` matrix of `format` with sane scales (f16 0.01, e8m0 2^0, FP8's f32 0.01) and, for
+/// A `ROWS × COLS` matrix of `format` with sane scales (f16 0.01, e8m0 2^0, NVFP4's E4M3 1.0, FP8's f32 0.01) and, for
 /// float formats, small normal values.
 fn matrix(format: WeightFormat) -> Vec<u8> {
     if format.rows_per_group() > 1 {
@@ -77,6 +78,8 @@ fn matrix(format: WeightFormat) -> Vec<u8> {
                     }
                     WeightFormat::Q6K => b[bb - 2..].copy_from_slice(&f16),
                     WeightFormat::Mxfp4 => b[0] = 127,
+                    // E4M3 1.0 for both halves.
+                    WeightFormat::Nvfp4 => b[..2].copy_from_slice(&[0x38, 0x38]),
                     WeightFormat::A4 { .. } | WeightFormat::A8 { .. } => {
                         // f32 scale and bias.
                         b[..4].copy_from_slice(&0.01f32.to_le_bytes());

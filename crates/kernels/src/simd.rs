@@ -644,7 +644,7 @@ mod x86 {
                     0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                 );
                 let b = row.add(c * bb);
-                let d = [*b, *b.add(1)].map(|e| _mm256_set1_ps(scalar::e4m3(e) * 0.5));
+                let d = [*b, *b.add(1)].map(|e| _mm256_set1_ps(scalar::E4M3[e as usize] * 0.5));
                 let w = widen32(_mm256_shuffle_epi8(lut, nibbles32(b.add(2))), true);
                 Some(std::array::from_fn(|k| _mm256_mul_ps(w[k], d[k / 2])))
             }
@@ -2577,7 +2577,7 @@ mod arm {
                 let zero = vdupq_n_f32(0.0);
                 let mut w = [zero; 8];
                 for (h, n) in [vandq_u8(q, low), vshrq_n_u8::<4>(q)].into_iter().enumerate() {
-                    let d = vdupq_n_f32(scalar::e4m3(*b.add(h)) * 0.5);
+                    let d = vdupq_n_f32(scalar::E4M3[*b.add(h) as usize] * 0.5);
                     for (k, v) in widen16(vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)), true).into_iter().enumerate() {
                         w[4 * h + k] = vfmaq_f32(zero, v, d);
                     }
