@@ -1035,6 +1035,7 @@ impl<'a> Loader<'a> {
             let layout = self.mlx_layout(t, scales, biases, &lead, rows, cols)?;
             // Whole repacked blocks (nvfp4's are two of its groups of 16).
             let unit = layout.format.block_elems();
+            assert!(unit.is_multiple_of(layout.group), "{}: blocks of {unit} are not whole groups of {}", layout.format, layout.group);
             let cc = sel.cols.start / unit * unit..(sel.cols.end.div_ceil(unit) * unit).min(cols);
             let (g0, g1) = (cc.start / layout.group, cc.end / layout.group);
             let words = g0 * layout.words_per_group * 4..g1 * layout.words_per_group * 4;
