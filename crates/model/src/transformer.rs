@@ -932,7 +932,7 @@ impl<'a> Loader<'a> {
             match (bits, group, biases.is_some()) {
                 (4, 32, false) => WeightFormat::Mxfp4,
                 (8, 32, false) => WeightFormat::Fp8,
-                (4, 16, false) if cols % 32 == 0 => WeightFormat::Nvfp4,
+                (4, 16, false) if cols.is_multiple_of(32) => WeightFormat::Nvfp4,
                 _ => {
                     let what = if biases.is_some() { "with biases" } else { "without biases" };
                     return Err(err(scales, format!("U8 scales mean a microscaling mode; mxfp4, mxfp8 (4 or 8 bits, group 32) and nvfp4 (4 bits, group 16, rows a multiple of 32 wide), all without biases, are supported; found {bits} bits, group {group}, {what}, {cols} columns")));
