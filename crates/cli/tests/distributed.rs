@@ -47,8 +47,7 @@ fn tessera(n: usize, args: &[String]) -> Output {
         cmd.args(["launch", "-n", &n.to_string(), "--"]);
     }
     cmd.args(args).env_remove("TESSERA_RANK").env_remove("RANK").env("TESSERA_ISA", "auto");
-    let out = cmd.output().expect("running tessera");
-    out
+    cmd.output().expect("running tessera")
 }
 
 fn ok(out: &Output, what: &str) -> String {

@@ -281,7 +281,7 @@ fn gguf_deepseek2_matches_mlx_with_gguf_yarn_semantics() {
     let exp = expected_from("deepseek_v3", &dir.join("deepseek_v3.gguf_semantics.safetensors"), "");
     // Greedy ids differ from the fixture's (different yarn magnitude): take them from the logits.
     let vocab = 256;
-    let greedy: Vec<u32> = exp.decode_logits.chunks(vocab).map(|r| argmax(r)).collect();
+    let greedy: Vec<u32> = exp.decode_logits.chunks(vocab).map(argmax).collect();
     check_with("deepseek_v3", &dir.join("deepseek_v3.f32.gguf"), Expected { greedy, ..exp });
 }
 

@@ -4,7 +4,9 @@
 //! - Q4_0: 32 weights in 18 bytes: f16 d, 16 bytes of nibbles; w = d·(q−8)
 //! - Q4_1: 32 weights in 20 bytes: f16 d, f16 m, 16 bytes of nibbles; w = d·q + m
 //! - Q8_0: 32 weights in 34 bytes: f16 d, 32 × i8; w = d·q
+//!
 //! Nibble order: element j < 16 is the low nibble of byte j, element j+16 the high one.
+//!
 //! - MXFP4: 32 weights in 17 bytes: u8 E8M0 exponent e, 16 bytes of E2M1 nibbles (same
 //!   order); w = e2m1(q)·2^(e−127). GGUF type 39; MLX `mxfp4` is repacked into it.
 //! - Q5_0: 32 weights in 22 bytes: f16 d, u32 qh, 16 bytes of nibbles; w = d·(q−16),

@@ -892,8 +892,8 @@ fn mxfp4_as_levels_keeps_every_weight() {
 }
 
 /// MLX affine 8-bit rows as `MLX-A8x8` (`a8_as_rows8`, what `TESSERA_MLX_INT8=1` runs
-/// MLX 8-bit checkpoints as): every weight keeps its value (to f32 rounding: d·(q − 128)
-/// + b + 128·d against s·q + b) for each group size, and its kernels are right
+/// MLX 8-bit checkpoints as): every weight keeps its value (to f32 rounding:
+/// d·(q − 128) + b + 128·d against s·q + b) for each group size, and its kernels are right
 /// (`check_converted_rows8`). Scales beyond f16 are refused.
 #[test]
 fn mlx_8bit_as_rows8_keeps_every_weight() {
