@@ -627,26 +627,16 @@ mod x86 {
     unsafe fn decode32<const K: u8>(format: WeightFormat, row: *const u8, c: usize) -> Option<[__m256; 4]> {
         let bb = format.block_bytes();
         match format {
-            WeightFormat::Mxfp4 if K == KIND_MXFP4 => {
-                // Doubled E2M1 values as i8 (llama.cpp's trick): value = lut[q] / 2.
-                let lut = _mm256_setr_epi8(
-                    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                );
+            WeightFormat::Mxfp4 | WeightFormat::Nvfp4 if K == KIND_MXFP4 || K == KIND_NVFP4 => {
+                // Doubled E2M1 values as i8 (llama.cpp's trick), value = level / 2, so the
+                // scales are halved. MXFP4: one E8M0 scale per 32; NVFP4: an E4M3 scale
+                // per 16, the first for the low nibbles (elements 0..16, the first two
+                // vectors), the second for the high ones.
                 let b = row.add(c * bb);
-                let d = _mm256_set1_ps(scalar::e8m0(*b) * 0.5);
-                let v = _mm256_shuffle_epi8(lut, nibbles32(b.add(1)));
-                Some(widen32(v, true).map(|w| _mm256_mul_ps(w, d)))
-            }
-            WeightFormat::Nvfp4 if K == KIND_NVFP4 => {
-                // As MXFP4, but a scale per 16: elements 0..16 (the low nibbles, the
-                // first two vectors) take the first, 16..32 the second.
-                let lut = _mm256_setr_epi8(
-                    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                );
-                let b = row.add(c * bb);
-                let d = [*b, *b.add(1)].map(|e| _mm256_set1_ps(scalar::E4M3[e as usize] * 0.5));
-                let w = widen32(_mm256_shuffle_epi8(lut, nibbles32(b.add(2))), true);
-                Some(std::array::from_fn(|k| _mm256_mul_ps(w[k], d[k / 2])))
+                let (d, codes) = if K == KIND_MXFP4 { ([scalar::e8m0(*b); 2], b.add(1)) } else { ([*b, *b.add(1)].map(|e| scalar::E4M3[e as usize]), b.add(2)) };
+                let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(scalar::MXFP4_LEVELS.as_ptr() as *const __m128i));
+                let w = widen32(_mm256_shuffle_epi8(levels, nibbles32(codes)), true);
+                Some(std::array::from_fn(|k| _mm256_mul_ps(w[k], _mm256_set1_ps(d[k / 2] * 0.5))))
             }
             WeightFormat::A4 { group } | WeightFormat::A8 { group } if K == KIND_A4 || K == KIND_A8 => {
                 let g = group as usize;
@@ -2557,29 +2547,18 @@ mod arm {
             w
         };
         match format {
-            WeightFormat::Mxfp4 if K == KIND_MXFP4 => {
-                // Doubled E2M1 values as i8: value = lut[q] / 2.
-                let lut: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-                let lut = vld1q_s8(lut.as_ptr());
+            WeightFormat::Mxfp4 | WeightFormat::Nvfp4 if K == KIND_MXFP4 || K == KIND_NVFP4 => {
+                // Doubled E2M1 values as i8, value = level / 2 (see the x86 decoder): one
+                // scale per 32 (MXFP4) or one per 16 (NVFP4: low nibbles first).
                 let b = row.as_ptr().add(c * bb);
-                let d = vdupq_n_f32(scalar::e8m0(*b) * 0.5);
-                let q = vld1q_u8(b.add(1));
-                let q = [vandq_u8(q, low), vshrq_n_u8::<4>(q)].map(|n| vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)));
-                widen(q, true, d, vdupq_n_f32(0.0))
-            }
-            WeightFormat::Nvfp4 if K == KIND_NVFP4 => {
-                // As MXFP4, but a scale per 16: the low nibbles (elements 0..16) take
-                // the first, the high ones the second.
-                let lut: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-                let lut = vld1q_s8(lut.as_ptr());
-                let b = row.as_ptr().add(c * bb);
-                let q = vld1q_u8(b.add(2));
-                let zero = vdupq_n_f32(0.0);
-                let mut w = [zero; 8];
+                let (d, codes) = if K == KIND_MXFP4 { ([scalar::e8m0(*b); 2], b.add(1)) } else { ([*b, *b.add(1)].map(|e| scalar::E4M3[e as usize]), b.add(2)) };
+                let levels = vld1q_s8(scalar::MXFP4_LEVELS.as_ptr());
+                let q = vld1q_u8(codes);
+                let mut w = [vdupq_n_f32(0.0); 8];
                 for (h, n) in [vandq_u8(q, low), vshrq_n_u8::<4>(q)].into_iter().enumerate() {
-                    let d = vdupq_n_f32(scalar::E4M3[*b.add(h) as usize] * 0.5);
-                    for (k, v) in widen16(vreinterpretq_u8_s8(vqtbl1q_s8(lut, n)), true).into_iter().enumerate() {
-                        w[4 * h + k] = vfmaq_f32(zero, v, d);
+                    let dh = vdupq_n_f32(d[h] * 0.5);
+                    for (k, v) in widen16(vreinterpretq_u8_s8(vqtbl1q_s8(levels, n)), true).into_iter().enumerate() {
+                        w[4 * h + k] = vmulq_f32(v, dh);
                     }
                 }
                 w

@@ -964,7 +964,8 @@ impl<'a> Loader<'a> {
             scalar::dequantize_row(f, bytes, &mut out);
             Ok(out)
         };
-        let data = if matches!(layout.format, WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Nvfp4) {
+        // Microscaling scales are raw bytes (E8M0, E4M3); affine ones are floats.
+        let data = if scales.dtype == crate::checkpoint::TensorDtype::U8 {
             tessera_kernels::repack_mlx(layout.format, rows, cols, packed, &[], &[], scale_bytes)
         } else {
             let b = bias_bytes.ok_or_else(|| err(w, "affine quantization needs a `.biases` tensor beside `.scales`".into()))?;
