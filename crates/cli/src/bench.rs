@@ -253,6 +253,20 @@ fn print_table(model: &str, r: &BenchReport) {
         f32 as f64 / 1e6,
         1.0 / r.compute_s_per_token()
     );
+    // How far batching can go here: a batched step reads more than batch 1 (MoE: every
+    // expert its tokens chose; every sequence's cache) and does B tokens' products.
+    for d in r.batched.iter().filter(|d| d.batch > 1) {
+        let (Some(bytes), Some(ceiling), Some(ratio)) = (d.bytes_per_step, r.ceiling_tok_per_sec(d), r.batch_ratio_ceiling(d)) else { continue };
+        let bw = d.batch as f64 * r.bandwidth_best_gb_s() * 1e9 / bytes;
+        println!(
+            "batch {} ceiling: {} read per step (weights, each chosen expert once, KV caches) → ≤ {bw:.1} tok/s at the best bandwidth; ≤ {:.1} at the compute roofline; so at most {ratio:.2}× a batch-1 decode at 100 % of its bandwidth roofline ({:.2}× at 90 %)",
+            d.batch,
+            mib(bytes as usize),
+            1.0 / r.compute_s_per_token(),
+            ratio / 0.9
+        );
+        debug_assert!(ceiling <= bw);
+    }
 }
 
 fn stat_json(s: &Stat) -> Value {
@@ -267,6 +281,9 @@ fn decode_json(r: &BenchReport, d: &DecodeResult) -> Value {
         "ms_per_step": stat_json(&d.ms_per_step),
         "ratio_to_batch1": r.batch_ratio(d),
         "compute_fraction": r.compute_fraction(d.tok_per_sec.median),
+        "bytes_per_step": d.bytes_per_step,
+        "tok_per_sec_ceiling": r.ceiling_tok_per_sec(d),
+        "ratio_ceiling_to_batch1_roofline": r.batch_ratio_ceiling(d),
     })
 }
 

@@ -168,6 +168,10 @@ pub struct DecodeResult {
     pub tok_per_sec: Stat,
     /// Milliseconds per step.
     pub ms_per_step: Stat,
+    /// Weight and KV-cache bytes read per step, averaged over the timed steps
+    /// ([`Stepper::bytes_read`]; `None` when steps run on other ranks too). With MoE a
+    /// batched step reads every expert any of its tokens chose, once.
+    pub bytes_per_step: Option<f64>,
 }
 
 #[derive(Clone, Debug)]
@@ -300,6 +304,19 @@ impl BenchReport {
     /// Aggregate tok/s of a batched result over batch-1 decode tok/s (medians).
     pub fn batch_ratio(&self, r: &DecodeResult) -> f64 {
         r.tok_per_sec.median / self.decode.tok_per_sec.median
+    }
+    /// The fastest `d` could run: its bytes per step at the best measured bandwidth,
+    /// or its multiply-adds at the best measured compute ceilings, whichever is slower
+    /// (tok/s, all sequences together). `None` without a byte count.
+    pub fn ceiling_tok_per_sec(&self, d: &DecodeResult) -> Option<f64> {
+        let bandwidth = d.batch as f64 * self.bandwidth_best_gb_s() * 1e9 / d.bytes_per_step?;
+        Some(bandwidth.min(1.0 / self.compute_s_per_token()))
+    }
+    /// How many times batch-1 decode *at its bandwidth roofline* `d` can be at most
+    /// ([`Self::ceiling_tok_per_sec`] ÷ [`Self::roofline_tok_per_sec`]): a batched
+    /// speed-up larger than this needs a batch-1 decode below the roofline by as much.
+    pub fn batch_ratio_ceiling(&self, d: &DecodeResult) -> Option<f64> {
+        Some(self.ceiling_tok_per_sec(d)? / self.roofline_tok_per_sec())
     }
 }
 
@@ -447,6 +464,9 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
     let mut d_secs = Vec::with_capacity(r);
     let mut d_adjacent = Vec::with_capacity(r);
     let mut b_secs = vec![Vec::with_capacity(r); cfg.batch.len()];
+    // Bytes read over every round's timed steps (`None` once a count is missing).
+    let mut d_bytes = Some(0u64);
+    let mut b_bytes = vec![Some(0u64); cfg.batch.len()];
     for round in 0..r {
         for (j, prompt) in prompts.iter().enumerate() {
             progress(&format!("round {}/{r}: prompt {} tokens", round + 1, prompt.len()));
@@ -469,12 +489,14 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
             step1(stepper, chunk, &mut logits)?;
         }
         let near_before = read_bandwidth(&pool, bw_buf, ADJACENT_PASSES);
+        let bytes_before = stepper.bytes_read();
         let start = Instant::now();
         for t in d_tokens.chunks(1) {
             checksum = checksum.wrapping_add(sampler.sample(&mut logits, &[])? as u64);
             step1(stepper, t, &mut logits)?;
         }
         d_secs.push(start.elapsed().as_secs_f64());
+        d_bytes = read_since(d_bytes, bytes_before, stepper.bytes_read());
         let near_after = read_bandwidth(&pool, bw_buf, ADJACENT_PASSES);
         d_adjacent.push(near_before.best_gb_s.max(near_after.best_gb_s));
 
@@ -487,6 +509,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
                 }
             }
             let logits_b = &mut b_logits[..b * vocab];
+            let bytes_before = stepper.bytes_read();
             let start = Instant::now();
             for step in b_tokens.chunks_exact(b_max) {
                 for row in logits_b.chunks_exact_mut(vocab) {
@@ -497,6 +520,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
                 stepper.step(&b_chunks, logits_b)?;
             }
             b_secs[j].push(start.elapsed().as_secs_f64());
+            b_bytes[j] = read_since(b_bytes[j], bytes_before, stepper.bytes_read());
         }
     }
 
@@ -506,10 +530,11 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
     let mac_peak_after = [MacKind::Int8, MacKind::F32].map(|k| mac_peak(&pool, isa, k, PROBE_PASSES));
     std::hint::black_box(checksum);
 
-    let decode_result = |batch: usize, secs: &[f64]| {
+    let decode_result = |batch: usize, secs: &[f64], bytes: Option<u64>| {
         let tps: Vec<f64> = secs.iter().map(|s| (batch * cfg.tg) as f64 / s).collect();
         let ms: Vec<f64> = secs.iter().map(|s| s * 1e3 / cfg.tg as f64).collect();
-        DecodeResult { batch, steps: cfg.tg, tok_per_sec: Stat::of(&tps), ms_per_step: Stat::of(&ms) }
+        let bytes_per_step = bytes.map(|b| b as f64 / (secs.len() * cfg.tg) as f64);
+        DecodeResult { batch, steps: cfg.tg, tok_per_sec: Stat::of(&tps), ms_per_step: Stat::of(&ms), bytes_per_step }
     };
     let mut formats: Vec<FormatBytes> = Vec::new();
     for t in model.checkpoint().tensors() {
@@ -539,8 +564,8 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
             .enumerate()
             .map(|(j, &n)| PromptResult { tokens: n, tok_per_sec: Stat::of(&pp_tps[j]), time_to_first_token_ms: Stat::of(&pp_ttft[j]) })
             .collect(),
-        decode: decode_result(1, &d_secs),
-        batched: cfg.batch.iter().enumerate().map(|(j, &b)| decode_result(b, &b_secs[j])).collect(),
+        decode: decode_result(1, &d_secs, d_bytes),
+        batched: cfg.batch.iter().enumerate().map(|(j, &b)| decode_result(b, &b_secs[j], b_bytes[j])).collect(),
         bandwidth_before,
         bandwidth_after,
         decode_rounds: d_secs.iter().zip(&d_adjacent).map(|(s, &adjacent_best_gb_s)| DecodeRound { tok_per_sec: cfg.tg as f64 / s, adjacent_best_gb_s }).collect(),
@@ -549,6 +574,11 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
         mac_peak_after,
         pages,
     })
+}
+
+/// `total` plus the bytes read between two [`Stepper::bytes_read`] counts.
+fn read_since(total: Option<u64>, before: Option<u64>, after: Option<u64>) -> Option<u64> {
+    Some(total? + after?.checked_sub(before?).expect("the byte count only grows"))
 }
 
 /// Every thread of `pool` runs [`Isa::mac_probe`] of `kind`, `passes` times (each
@@ -711,6 +741,23 @@ mod tests {
         assert!(peaks.iter().all(|&p| p > 0.0) && r.mac_peak_before.iter().all(|m| m.best_gmac_s >= m.median_gmac_s));
         let c = r.compute_fraction(r.decode.tok_per_sec.median);
         assert!(c > 0.0 && (c - r.decode.tok_per_sec.median * 97280.0 / (peaks[1] * 1e9)).abs() < 1e-9 * (1.0 + c));
+        // Bytes per step, from the same config (f32: 4 bytes a weight): attention 3 ×
+        // 12288, the dense MLP 18432, two routers 512 and the head 16384 weights; one
+        // embedding row (64) per token; an expert is 6144 weights, each step reads every
+        // expert its tokens chose (batch 1: two per MoE layer; batch 3: 2 to 6). KV (f16,
+        // 2 kv heads of 16) at positions 6, 7, 8 reads 3 layers × 2 × 32 × 2 bytes ×
+        // (p + 1) per sequence: 384 × 24 / 3 on average.
+        let fixed = |b: f64| 4.0 * (3.0 * 12288.0 + 18432.0 + 2.0 * 512.0 + 16384.0) + b * (4.0 * 64.0 + 384.0 * 8.0);
+        let expert = 4.0 * 6144.0;
+        assert_eq!(r.decode.bytes_per_step, Some(fixed(1.0) + 4.0 * expert));
+        assert_eq!(r.batched[0].bytes_per_step, Some(fixed(1.0) + 4.0 * expert));
+        let b3 = r.batched[1].bytes_per_step.unwrap();
+        assert!((fixed(3.0) + 4.0 * expert..=fixed(3.0) + 12.0 * expert).contains(&b3), "{b3}");
+        // The batched ceiling: B tokens' bytes at the best bandwidth, or the compute
+        // roofline, whichever is lower, against batch 1's bandwidth roofline.
+        let bw3 = 3.0 * r.bandwidth_best_gb_s() * 1e9 / b3;
+        assert_eq!(r.ceiling_tok_per_sec(&r.batched[1]), Some(bw3.min(1.0 / r.compute_s_per_token())));
+        assert_eq!(r.batch_ratio_ceiling(&r.batched[1]), Some(bw3.min(1.0 / r.compute_s_per_token()) / r.roofline_tok_per_sec()));
     }
 
     #[test]

@@ -125,6 +125,11 @@ pub trait Stepper {
     /// The oldest outstanding step's logits, rows in chunk order (one per `Last` chunk,
     /// one per token of an `All` chunk); returns the number of rows.
     fn collect(&mut self, logits: &mut [f32]) -> Result<usize, EngineError>;
+    /// Weight and KV-cache bytes the steps so far have read in this process
+    /// ([`Workspace::bytes_read`]); `None` where a step runs on other ranks too.
+    fn bytes_read(&self) -> Option<u64> {
+        None
+    }
     /// Submit then collect.
     fn step(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<usize, EngineError> {
         self.submit(chunks)?;
@@ -192,6 +197,9 @@ impl Stepper for LocalStepper<'_> {
     }
     fn in_flight_max(&self) -> usize {
         1
+    }
+    fn bytes_read(&self) -> Option<u64> {
+        Some(self.ws.bytes_read())
     }
     fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
         let n = self.caches.len();

@@ -478,6 +478,9 @@ pub struct Workspace {
     logits_part: Vec<f32>,
     logits_gather: Vec<f32>,
     profile: Option<Profile>,
+    /// Weight and KV-cache bytes every step so far has read (the profiler's byte
+    /// counts, kept without it: one add per module call).
+    bytes_read: u64,
 }
 
 fn shape_str(s: &[usize]) -> String {
@@ -1612,6 +1615,7 @@ impl DenseTransformer {
             logits_part: vec![0.0; head_rows * vmax],
             logits_gather: vec![0.0; head_rows * vmax * tp_gather],
             profile: None,
+            bytes_read: 0,
         }
     }
 
@@ -2534,6 +2538,11 @@ impl Workspace {
     pub fn start_profile(&mut self) {
         self.profile = Some(Profile::default());
     }
+    /// Weight and KV-cache bytes read by every step run on this workspace (a batched
+    /// step's distinct experts, not a token's share; see [`Profile::bytes`]).
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
     /// Stops profiling and returns what was collected.
     pub fn take_profile(&mut self) -> Option<Profile> {
         self.profile.take()
@@ -2544,6 +2553,7 @@ impl Workspace {
     }
     #[inline]
     fn charge(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize) {
+        self.bytes_read += bytes as u64;
         if let (Some(p), Some(t)) = (self.profile.as_mut(), since) {
             p.add(kind, t, bytes);
         }
