@@ -121,20 +121,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // Formats with an opt-in integer path, still on f32 activations. The embedding is
     // read by rows, not streamed: only multiplied matrices count.
     let on_f32 = |f: fn(WeightFormat) -> bool| model.linears().iter().filter(|l| f(l.format) && !l.name.contains("embed")).count();
-    let (mlx, fp8) = (on_f32(|f| matches!(f, WeightFormat::A4 { .. } | WeightFormat::A8 { .. } | WeightFormat::Mxfp4)), on_f32(|f| f == WeightFormat::Fp8));
+    let (mlx, fp8) = (on_f32(|f| matches!(f, WeightFormat::A4 { .. } | WeightFormat::A8 { .. } | WeightFormat::Mxfp4 | WeightFormat::Nvfp4)), on_f32(|f| f == WeightFormat::Fp8));
     if mlx > 0 {
         println!(
-            "note: {mlx} MLX-quantized matrices compute with f32 activations (logits within 1e-4 of mlx-lm's, compute-bound); TESSERA_MLX_INT8=1 runs them on the integer kernels with 8-bit activations, the weights unchanged (4-bit 2.7×, 8-bit 1.3×, mxfp4 3.3× decode on the benchmark MoE here; logits ~1–2 % of their range off mlx-lm's, as llama.cpp's Q4_1 path)"
+            "note: {mlx} MLX-quantized matrices compute with f32 activations (logits within 1e-4 of mlx-lm's, compute-bound); TESSERA_MLX_INT8=1 runs them on the integer kernels with 8-bit activations, the weights unchanged (4-bit 2.7×, 8-bit 1.3×, mxfp4 3.3×, nvfp4 2.5× decode on the benchmark MoE here; logits ~1–2 % of their range off mlx-lm's, as llama.cpp's Q4_1 path)"
         );
     }
     if fp8 > 0 {
         println!(
             "note: {fp8} FP8 matrices compute with f32 activations (compute-bound); TESSERA_FP8_Q8=1 requantizes them to Q8_0 for the integer kernels (1.6–1.9× decode on the benchmark MoE here; each weight within 0.4 % of its block's largest, as llama.cpp's FP8 → Q8_0 conversions)"
         );
-    }
-    let nvfp4 = on_f32(|f| f == WeightFormat::Nvfp4);
-    if nvfp4 > 0 {
-        println!("note: {nvfp4} NVFP4 matrices compute with f32 activations (compute-bound); they have no integer path yet (a scale per 16 columns fits none of the 8-row layouts)");
     }
     if a.profile {
         let p = tessera_engine::bench::profile_decode(&model, &cfg, cfg.tg.max(1), a.profile_batch)?;

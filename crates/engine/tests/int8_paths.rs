@@ -1,6 +1,6 @@
 //! The opt-in integer paths for formats that compute with f32 activations by default:
 //! `TESSERA_MLX_INT8=1` (MLX affine 4-bit runs as `Q4_1x8`, 8-bit as `MLX-A8x8`, mxfp4
-//! as `MXFP4x8`, the same weights) and
+//! as `MXFP4x8`, nvfp4 as `NVFP4x8`, the same weights) and
 //! `TESSERA_FP8_Q8=1` (FP8 E4M3 requantized to `Q8_0x8`), both on the integer kernels
 //! with 8-bit activations. Checked against mlx-lm's float32 logits for the fixtures
 //! (the default paths match those within 1e-4: `mlx_reference.rs`), with the SIMD
@@ -119,6 +119,12 @@ fn f32_activation_formats_on_the_integer_kernels_match_mlx_lm_closely() {
     // MLX mxfp4 (the same qwen3_moe), as exact integer levels.
     let name = "qwen3_moe_mlx_mxfp4";
     let mut model = load_converted(&fixture(name), "TESSERA_MLX_INT8", |f| f == WeightFormat::Mxfp4, WeightFormat::Mxfp4x8);
+    let (prompt, greedy, want_prompt, want_decode) = expected(name, "");
+    compare(name, &mut model, &prompt, &greedy, &want_prompt, &want_decode);
+
+    // MLX nvfp4 (the same qwen3_moe), as exact integer levels with two scales per 32.
+    let name = "qwen3_moe_mlx_nvfp4";
+    let mut model = load_converted(&fixture(name), "TESSERA_MLX_INT8", |f| f == WeightFormat::Nvfp4, WeightFormat::Nvfp4x8);
     let (prompt, greedy, want_prompt, want_decode) = expected(name, "");
     compare(name, &mut model, &prompt, &greedy, &want_prompt, &want_decode);
 

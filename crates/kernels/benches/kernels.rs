@@ -17,7 +17,7 @@ fn main() {
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
-const FORMATS: [WeightFormat; 21] = [
+const FORMATS: [WeightFormat; 22] = [
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
     WeightFormat::Q4_0x8,
@@ -32,6 +32,7 @@ const FORMATS: [WeightFormat; 21] = [
     WeightFormat::Q6Kx8,
     WeightFormat::Mxfp4,
     WeightFormat::Nvfp4,
+    WeightFormat::Nvfp4x8,
     WeightFormat::Fp8,
     WeightFormat::A4 { group: 64 },
     WeightFormat::A8 { group: 64 },
@@ -57,6 +58,9 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
 /// A `ROWS × COLS` matrix of `format` with sane scales (f16 0.01, e8m0 2^0, NVFP4's E4M3 1.0, FP8's f32 0.01) and, for
 /// float formats, small normal values.
 fn matrix(format: WeightFormat) -> Vec<u8> {
+    if format == WeightFormat::Nvfp4x8 {
+        return tessera_kernels::nvfp4_as_levels(ROWS, COLS, &matrix(WeightFormat::Nvfp4));
+    }
     if format.rows_per_group() > 1 {
         let source = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::F16, WeightFormat::Bf16].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
         return tessera_kernels::repack_interleaved(source, ROWS, COLS, &matrix(source));

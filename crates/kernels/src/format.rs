@@ -131,6 +131,12 @@ pub enum WeightFormat {
     /// `scalar::MXFP4_LEVELS`) in place of IQ4_NL's table and d = 2^(e − 128) per 32, so
     /// w = d·level is the MXFP4 weight exactly.
     Mxfp4x8,
+    /// NVFP4 as integer levels (made at load by `nvfp4_as_levels`, only in this layout):
+    /// per 32 columns the 8 rows' d of elements 0..16 (f16), then of 16..32, then the
+    /// codes in Q4_0x8's order (the low nibbles are elements 0..16, the high ones 16..32),
+    /// with MXFP4's doubled levels and d = scale / 2, so w = d·level is the NVFP4 weight
+    /// exactly. Q4_1x8's size: 20 bytes per row and 32.
+    Nvfp4x8,
     /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
     F16x4,
     Bf16x4,
@@ -217,6 +223,7 @@ impl WeightFormat {
             WeightFormat::Q6Kx8 => "Q6_Kx8",
             WeightFormat::Iq4Nlx8 => "IQ4_NLx8",
             WeightFormat::Mxfp4x8 => "MXFP4x8",
+            WeightFormat::Nvfp4x8 => "NVFP4x8",
             WeightFormat::A8x8 => "MLX-A8x8",
             WeightFormat::Iq4Xsx8 => "IQ4_XSx8",
             WeightFormat::Q2Kx8 => "Q2_Kx8",
@@ -273,6 +280,7 @@ impl WeightFormat {
                 | WeightFormat::Q2Kx8
                 | WeightFormat::Q3Kx8
                 | WeightFormat::Mxfp4x8
+                | WeightFormat::Nvfp4x8
                 | WeightFormat::A8x8
         )
     }
@@ -282,7 +290,7 @@ impl WeightFormat {
     pub fn rows_per_group(self) -> usize {
         match self {
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 8,
-            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Mxfp4x8 | WeightFormat::A8x8 => 8,
+            WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Mxfp4x8 | WeightFormat::Nvfp4x8 | WeightFormat::A8x8 => 8,
             WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 8,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
             _ => 1,
@@ -321,7 +329,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Nvfp4 | WeightFormat::Iq4Nl => 32,
-            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 | WeightFormat::A8x8 => 32,
+            WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 | WeightFormat::Nvfp4x8 | WeightFormat::A8x8 => 32,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
             WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 256,
@@ -337,7 +345,7 @@ impl WeightFormat {
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 32,
             WeightFormat::Q8_0 | WeightFormat::Q8_0x8 => 34,
             WeightFormat::Q4_0 | WeightFormat::Q4_0x8 => 18,
-            WeightFormat::Q4_1 | WeightFormat::Q4_1x8 => 20,
+            WeightFormat::Q4_1 | WeightFormat::Q4_1x8 | WeightFormat::Nvfp4x8 => 20,
             WeightFormat::Q5_0 | WeightFormat::Q5_0x8 => 22,
             WeightFormat::Q5_1 | WeightFormat::Q5_1x8 => 24,
             WeightFormat::Mxfp4 => 17,
@@ -851,6 +859,26 @@ pub fn mxfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>>
     let mut out = vec![0u8; rows_bytes.len()];
     repack_rows8_into(WeightFormat::Iq4Nl, rows, cols, &rows_bytes, &mut out);
     Some(out)
+}
+
+/// NVFP4 rows ([`WeightFormat::Nvfp4`]: per 32, two E4M3 scales and 16 bytes of E2M1
+/// codes in Q4_0's nibble order) as [`WeightFormat::Nvfp4x8`]: each scale halved into an
+/// f16 d (the levels are the values doubled), the codes unchanged, interleaved by 8 rows.
+/// Exact for every scale: an E4M3 value over 2 (2^-10 to 224) is an f16 normal.
+pub fn nvfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
+    assert!(rows.is_multiple_of(8) && cols.is_multiple_of(32) && data.len() == rows * cols / 32 * 18, "nvfp4_as_levels: {rows}×{cols} in {} bytes", data.len());
+    // Q4_1's row bytes (the two d where its d and m go, then the codes), then its 8-row
+    // layout: the two d of 8 rows, then the codes in Q4_0x8's order.
+    let mut rows_bytes = Vec::with_capacity(rows * cols / 32 * 20);
+    for b in data.chunks_exact(18) {
+        for scale in &b[..2] {
+            rows_bytes.extend(half::f16::from_f32(crate::scalar::E4M3[*scale as usize] / 2.0).to_le_bytes());
+        }
+        rows_bytes.extend_from_slice(&b[2..18]);
+    }
+    let mut out = vec![0u8; rows_bytes.len()];
+    repack_rows8_into(WeightFormat::Q4_1, rows, cols, &rows_bytes, &mut out);
+    out
 }
 
 /// Whether [`mxfp4_as_levels`] can convert these MXFP4 rows (every exponent's d an f16

@@ -155,6 +155,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
         | WeightFormat::Q2Kx8
         | WeightFormat::Q3Kx8
         | WeightFormat::Mxfp4x8
+        | WeightFormat::Nvfp4x8
         | WeightFormat::A8x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
         WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
@@ -508,8 +509,8 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
         // The codes less 128, the biases after the scales.
         WeightFormat::A8x8 => (blk[32 + 32 * (i / 4) + 4 * r + i % 4] as i8 as i32, 128.0),
         _ => {
-            let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
-            let q0 = if min { 32 } else { 16 };
+            // After the 8 rows' d, Q4_1x8's and Q5_1x8's m or NVFP4x8's second d.
+            let q0 = if matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8 | WeightFormat::Nvfp4x8) { 32 } else { 16 };
             let (j, e, high) = ((i % 16) / 4, i % 4, i >= 16);
             let byte = blk[q0 + 32 * j + 4 * r + e];
             let mut q = if high { byte >> 4 } else { byte & 0x0F };
@@ -518,7 +519,7 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
             }
             match format {
                 WeightFormat::Iq4Nlx8 => return (IQ4_LEVELS[q as usize] as i32, 0.0),
-                WeightFormat::Mxfp4x8 => return (MXFP4_LEVELS[q as usize] as i32, 0.0),
+                WeightFormat::Mxfp4x8 | WeightFormat::Nvfp4x8 => return (MXFP4_LEVELS[q as usize] as i32, 0.0),
                 _ => {}
             }
             let off = match format {
@@ -529,6 +530,11 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
             (q as i32, off)
         }
     }
+}
+
+/// Where row `r`'s d for element `i` of an 8-row block is (NVFP4x8: one per 16).
+fn rows8_d_at(format: WeightFormat, r: usize, i: usize) -> usize {
+    2 * r + if format == WeightFormat::Nvfp4x8 && i >= 16 { 16 } else { 0 }
 }
 
 /// Row `r`'s stored m of an 8-row block (Q4_1x8, Q5_1x8: their m; MLX-A8x8: its
@@ -653,8 +659,8 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
     let bb = 8 * format.block_bytes();
     for (b, blk) in group.chunks_exact(bb).take(cols / 32).enumerate() {
         for r in 0..8 {
-            let d = f16_at(blk, 2 * r);
             for i in 0..32 {
+                let d = f16_at(blk, rows8_d_at(format, r, i));
                 let (q, off) = rows8_q(format, blk, r, i);
                 out[r * cols + 32 * b + i] = d * q as f32 + off * d + rows8_min(format, blk, r);
             }
@@ -750,6 +756,19 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
     }
     let bb = 8 * format.block_bytes();
     let mut acc = [0.0f32; 8];
+    if format == WeightFormat::Nvfp4x8 {
+        // A d per 16 columns: one integer sum per half.
+        for (blk, xb) in group.chunks_exact(bb).zip(x) {
+            for (r, a) in acc.iter_mut().enumerate() {
+                let mut isum = [0i32; 2];
+                for i in 0..32 {
+                    isum[i / 16] += rows8_q(format, blk, r, i).0 * xb.qs[i] as i32;
+                }
+                *a += xb.d * (f16_at(blk, rows8_d_at(format, r, 0)) * isum[0] as f32 + f16_at(blk, rows8_d_at(format, r, 16)) * isum[1] as f32);
+            }
+        }
+        return acc;
+    }
     for (blk, xb) in group.chunks_exact(bb).zip(x) {
         for (r, a) in acc.iter_mut().enumerate() {
             let d = f16_at(blk, 2 * r);

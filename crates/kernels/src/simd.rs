@@ -882,7 +882,7 @@ mod x86 {
     /// The integer sums are exact either way, so the two ISAs' results are equal bit for
     /// bit (`vnni_kernels_equal_avx2_bit_for_bit`).
     macro_rules! rows8_kernels {
-        ($features:literal, $one:ident, $four:ident, $eight:ident, $u4_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+        ($features:literal, $one:ident, $four:ident, $eight:ident, $u4_many:ident, $nv_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
             /// The integer sums of one 32-column block of 8 interleaved IQ4 rows (indices at
             /// `qp` in Q4_0x8's order) against `T` tokens: each chunk's indices become int8
             /// levels of `table` (IQ4's, or MXFP4's doubled values) by PSHUFB (once for all tokens), then signed products as in Q8_0x8
@@ -1159,6 +1159,7 @@ mod x86 {
                     WeightFormat::Q6Kx8 => k6(group, x),
                     WeightFormat::Iq4Nlx8 => iq4::<false>(group, x, &scalar::IQ4_LEVELS),
                     WeightFormat::Mxfp4x8 => iq4::<false>(group, x, &scalar::MXFP4_LEVELS),
+                    WeightFormat::Nvfp4x8 => $nv_many::<1>(group, [x])[0],
                     WeightFormat::Iq4Xsx8 => iq4::<true>(group, x, &scalar::IQ4_LEVELS),
                     _ => unreachable!("{format} does not interleave rows"),
                 }
@@ -1188,6 +1189,63 @@ mod x86 {
                         let xb = &xs[t][b];
                         acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
                         acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
+                    }
+                }
+                std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
+            }
+
+            /// NVFP4x8 for `T` tokens: per block, each chunk's codes become MXFP4's doubled
+            /// levels plus 12 (0..=24, unsigned: no sign trick) by PSHUFB, once for all
+            /// tokens; the low nibbles (elements 0..16) and the high ones (16..32) are summed
+            /// apart, each half less 12·Σx_q of its 16 activations (`half_sums`) and scaled
+            /// by its own d. A half's 8 pair sums stay in 16-bit lanes (8·24·127 < 2^15).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $nv_many<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
+                const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+                const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+                const OFFSET: i8 = 12;
+                const LEVELS: [i8; 16] = {
+                    let mut t = scalar::MXFP4_LEVELS;
+                    let mut i = 0;
+                    while i < 16 {
+                        t[i] += OFFSET;
+                        i += 1;
+                    }
+                    t
+                };
+                let blocks = xs[0].len();
+                assert!(group.len() >= blocks * 160 && xs.iter().all(|x| x.len() == blocks));
+                let low = _mm256_set1_epi8(0x0F);
+                let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(LEVELS.as_ptr() as *const __m128i));
+                let level = |n: __m256i| _mm256_shuffle_epi8(levels, _mm256_and_si256(n, low));
+                let mut acc = [_mm256_setzero_ps(); T];
+                for b in 0..blocks {
+                    let p = group.as_ptr().add(b * 160);
+                    for line in 0..3 {
+                        _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
+                    }
+                    let qp = p.add(32);
+                    let ys: [*const i32; T] = std::array::from_fn(|t| (xs[t].as_ptr() as *const i32).add(b * STRIDE + QS));
+                    let mut sum: [[$acc; 2]; T] = [[$zero; 2]; T];
+                    for j in [0, 2] {
+                        let (c0, c1) = (_mm256_loadu_si256(qp.add(32 * j) as *const __m256i), _mm256_loadu_si256(qp.add(32 * j + 32) as *const __m256i));
+                        let (l0, l1) = (level(c0), level(c1));
+                        let (h0, h1) = (level(_mm256_srli_epi16(c0, 4)), level(_mm256_srli_epi16(c1, 4)));
+                        for t in 0..T {
+                            let yb = |k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(ys[t].add(k)));
+                            sum[t][0] = $u4_pair(sum[t][0], l0, yb(j), l1, yb(j + 1));
+                            sum[t][1] = $u4_pair(sum[t][1], h0, yb(4 + j), h1, yb(5 + j));
+                        }
+                    }
+                    let d = [_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i))];
+                    for t in 0..T {
+                        let xb = &xs[t][b];
+                        let xd = _mm256_set1_ps(xb.d);
+                        for h in 0..2 {
+                            let isum = _mm256_sub_epi32($sum(sum[t][h]), _mm256_set1_epi32(OFFSET as i32 * xb.half_sums[h] as i32));
+                            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d[h], xd), _mm256_cvtepi32_ps(isum), acc[t]);
+                        }
                     }
                 }
                 std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
@@ -1411,6 +1469,7 @@ mod x86 {
                     WeightFormat::Q3Kx8 => k23::<true>(group, xs),
                     WeightFormat::Iq4Nlx8 => iq4::<false>(group, xs, &scalar::IQ4_LEVELS),
                     WeightFormat::Mxfp4x8 => iq4::<false>(group, xs, &scalar::MXFP4_LEVELS),
+                    WeightFormat::Nvfp4x8 => $nv_many::<4>(group, xs),
                     WeightFormat::Iq4Xsx8 => iq4::<true>(group, xs, &scalar::IQ4_LEVELS),
                     WeightFormat::Q6Kx8 => k6(group, xs),
                     WeightFormat::Q4Kx8 => k4::<false>(group, xs),
@@ -1576,8 +1635,8 @@ mod x86 {
         ([f(_mm256_and_si256(a, low)), f(_mm256_and_si256(b, low))], [f(_mm256_srli_epi32(a, 4)), f(_mm256_srli_epi32(b, 4))])
     }
 
-    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_x8, avx2_u4_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
-    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_x8_vnni, vnni_u4_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
+    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_x8, avx2_u4_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
+    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_x8_vnni, vnni_u4_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
 
     /// Two 8-row groups against four tokens on 512-bit registers: each chunk's two
     /// 32-byte halves (group g, group g + 1) share the broadcast activations, so one
@@ -2980,6 +3039,43 @@ mod arm {
         store_rows8(acc)
     }
 
+    /// `NVFP4x8`: Q4_0x8's nibble order after two sets of d, the nibbles looked up in
+    /// MXFP4's doubled levels by TBL, summed apart for elements 0..16 (low nibbles) and
+    /// 16..32 (high), each half with its own d.
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn rows8_nvfp4<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
+        let blocks = xs[0].len();
+        assert!(group.len() >= blocks * 160 && xs.iter().all(|x| x.len() == blocks));
+        let (levels, low) = (vld1q_s8(scalar::MXFP4_LEVELS.as_ptr()), vdupq_n_u8(0x0F));
+        let mut acc = [[vdupq_n_f32(0.0); 2]; T];
+        for b in 0..blocks {
+            let p = group.as_ptr().add(b * 160);
+            let ys = words_of(&xs, b);
+            // [token][element half][row half]
+            let mut isum = [[[vdupq_n_s32(0); 2]; 2]; T];
+            for j in 0..4 {
+                for h in 0..2 {
+                    let c = vld1q_u8(p.add(32 + 32 * j + 16 * h));
+                    let (lo, hi) = (vqtbl1q_s8(levels, vandq_u8(c, low)), vqtbl1q_s8(levels, vshrq_n_u8::<4>(c)));
+                    for t in 0..T {
+                        isum[t][0][h] = sdot(isum[t][0][h], lo, word(ys[t], j));
+                        isum[t][1][h] = sdot(isum[t][1][h], hi, word(ys[t], 4 + j));
+                    }
+                }
+            }
+            let d = [halves8_f32(p), halves8_f32(p.add(16))];
+            for t in 0..T {
+                for h in 0..2 {
+                    for half in 0..2 {
+                        acc[t][h] = vfmaq_f32(acc[t][h], vmulq_n_f32(d[half][h], xs[t][b].d), vcvtq_f32_s32(isum[t][half][h]));
+                    }
+                }
+            }
+        }
+        store_rows8(acc)
+    }
+
     /// The super-block 8-row layouts (`Q2_Kx8`, `Q3_Kx8`, `Q4_Kx8`, `Q5_Kx8`, `Q6_Kx8`,
     /// `IQ4_XSx8`; format module docs) with SDOT against `T` tokens, per 32-column
     /// sub-block (its weights unpacked once for all tokens): Q2_K's and Q3_K's values in
@@ -3117,6 +3213,7 @@ mod arm {
             WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => return rows8_super(format, group, xs),
             WeightFormat::Iq4Nlx8 => return rows8_iq4nl(group, xs, &scalar::IQ4_LEVELS),
             WeightFormat::Mxfp4x8 => return rows8_iq4nl(group, xs, &scalar::MXFP4_LEVELS),
+            WeightFormat::Nvfp4x8 => return rows8_nvfp4(group, xs),
             _ => {}
         }
         let bb = 8 * format.block_bytes();

@@ -88,7 +88,7 @@ fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 | WeightFormat::Mxfp4x8 | WeightFormat::A8x8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved (MXFP4x8 and MLX-A8x8 by mxfp4_as_levels and a8_as_rows8)"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 | WeightFormat::Mxfp4x8 | WeightFormat::Nvfp4x8 | WeightFormat::A8x8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved (MXFP4x8, NVFP4x8 and MLX-A8x8 by mxfp4_as_levels, nvfp4_as_levels and a8_as_rows8)"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());
@@ -888,6 +888,36 @@ fn mxfp4_as_levels_keeps_every_weight() {
         check_converted_rows8(&mut rng, WeightFormat::Mxfp4x8, WeightRows::new(WeightFormat::Mxfp4x8, rows, cols, &packed).unwrap(), &source_row, 0.0);
         data[0] = 150;
         assert!(!tessera_kernels::mxfp4_fits_levels(&data) && tessera_kernels::mxfp4_as_levels(rows, cols, &data).is_none());
+    }
+}
+
+/// NVFP4 rows as integer levels (`nvfp4_as_levels`, what `TESSERA_MLX_INT8=1` runs MLX
+/// nvfp4 checkpoints as): every weight keeps its exact value in `NVFP4x8`, the largest
+/// and the smallest E4M3 scales included, and its kernels are right
+/// (`check_converted_rows8`: one token, five through matmul, on one and two threads).
+#[test]
+fn nvfp4_as_levels_keeps_every_weight() {
+    let mut rng = Rng(15);
+    for (rows, cols) in [(8, 32), (16, 96), (24, 576)] {
+        let mut data = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            // Scales of either sign between 2^-3 and 2^1 (no NaN code); then the codes.
+            (0..2).for_each(|_| {
+                let b = rng.byte();
+                data.push((b & 0x80) | (0x20 + b % 0x20));
+            });
+            (0..16).for_each(|_| data.push(rng.byte()));
+        }
+        // E4M3's largest (448) and smallest subnormal (2^-9) scales.
+        (data[0], data[19]) = (0x7E, 0x01);
+        let packed = tessera_kernels::nvfp4_as_levels(rows, cols, &data);
+        let src_row = WeightFormat::Nvfp4.row_bytes(cols).unwrap();
+        let source_row = |row: usize| {
+            let mut w = vec![0.0; cols];
+            scalar::dequantize_row(WeightFormat::Nvfp4, &data[row * src_row..(row + 1) * src_row], &mut w);
+            w
+        };
+        check_converted_rows8(&mut rng, WeightFormat::Nvfp4x8, WeightRows::new(WeightFormat::Nvfp4x8, rows, cols, &packed).unwrap(), &source_row, 0.0);
     }
 }
 

@@ -81,7 +81,8 @@ impl Linear {
     /// scales within f16's range):
     /// - `mlx`: MLX affine 4-bit as `Q4_1x8` (the same weights: scale and bias per 32
     ///   as f16), 8-bit as `MLX-A8x8` (the same: codes less 128, scale and bias as f16),
-    ///   mxfp4 as `MXFP4x8` (the same: integer levels, the scale halved into an f16);
+    ///   mxfp4 as `MXFP4x8` (the same: integer levels, the scale halved into an f16),
+    ///   nvfp4 as `NVFP4x8` (the same, with its two scales per 32);
     /// - `fp8`: FP8 E4M3 requantized as `Q8_0x8` (each weight within 0.4 % of its
     ///   block's largest).
     ///
@@ -94,6 +95,7 @@ impl Linear {
         let to = match self.format {
             WeightFormat::A4 { .. } if mlx => WeightFormat::Q4_1x8,
             WeightFormat::Mxfp4 if mlx => WeightFormat::Mxfp4x8,
+            WeightFormat::Nvfp4 if mlx => WeightFormat::Nvfp4x8,
             WeightFormat::A8 { .. } if mlx => WeightFormat::A8x8,
             WeightFormat::Fp8 if fp8 => WeightFormat::Q8_0x8,
             _ => return None,
@@ -105,6 +107,8 @@ impl Linear {
         let fits = match self.format {
             WeightFormat::A4 { .. } | WeightFormat::A8 { .. } => tessera_kernels::affine_fits_f16(self.format, data),
             WeightFormat::Mxfp4 => tessera_kernels::mxfp4_fits_levels(data),
+            // Every E4M3 scale over 2 is an f16 normal.
+            WeightFormat::Nvfp4 => true,
             _ => tessera_kernels::fp8_fits_q8_0(data),
         };
         fits.then_some(to)
@@ -130,6 +134,7 @@ impl Linear {
                         tessera_kernels::repack_interleaved_into(WeightFormat::Q8_0, self.rows, self.cols, &q8_0, out);
                     }
                     WeightFormat::Mxfp4 => out.copy_from_slice(&tessera_kernels::mxfp4_as_levels(self.rows, self.cols, src).expect("exponents checked")),
+                    WeightFormat::Nvfp4 => out.copy_from_slice(&tessera_kernels::nvfp4_as_levels(self.rows, self.cols, src)),
                     WeightFormat::A8 { group } => out.copy_from_slice(&tessera_kernels::a8_as_rows8(group as usize, self.rows, self.cols, src).expect("scales and biases fit f16")),
                     _ => tessera_kernels::repack_interleaved_into(self.format, self.rows, self.cols, src, out),
                 }
