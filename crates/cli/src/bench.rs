@@ -124,7 +124,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let (mlx, fp8) = (on_f32(|f| matches!(f, WeightFormat::A4 { .. } | WeightFormat::A8 { .. } | WeightFormat::Mxfp4 | WeightFormat::Nvfp4)), on_f32(|f| f == WeightFormat::Fp8));
     if mlx > 0 {
         println!(
-            "note: {mlx} MLX-quantized matrices compute with f32 activations (logits within 1e-4 of mlx-lm's, compute-bound); TESSERA_MLX_INT8=1 runs them on the integer kernels with 8-bit activations, the weights unchanged (4-bit 2.7×, 8-bit 1.3×, mxfp4 3.3×, nvfp4 2.5× decode on the benchmark MoE here; logits ~1–2 % of their range off mlx-lm's, as llama.cpp's Q4_1 path)"
+            "note: {mlx} MLX-quantized matrices compute with f32 activations (logits within 1e-4 of mlx-lm's, compute-bound); TESSERA_MLX_INT8=1 runs them on the integer kernels with 8-bit activations, the weights unchanged (4-bit 2.7×, 8-bit 1.3×, mxfp4 3.3×, nvfp4 2.7× decode on the benchmark MoE here; logits ~1–2 % of their range off mlx-lm's, as llama.cpp's Q4_1 path)"
         );
     }
     if fp8 > 0 {

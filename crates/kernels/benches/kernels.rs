@@ -59,7 +59,7 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
 /// float formats, small normal values.
 fn matrix(format: WeightFormat) -> Vec<u8> {
     if format == WeightFormat::Nvfp4x8 {
-        return tessera_kernels::nvfp4_as_levels(ROWS, COLS, &matrix(WeightFormat::Nvfp4));
+        return tessera_kernels::nvfp4_as_levels(ROWS, COLS, &matrix(WeightFormat::Nvfp4)).expect("no NaN scale");
     }
     if format.rows_per_group() > 1 {
         let source = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::F16, WeightFormat::Bf16].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");

@@ -132,10 +132,10 @@ pub enum WeightFormat {
     /// w = d·level is the MXFP4 weight exactly.
     Mxfp4x8,
     /// NVFP4 as integer levels (made at load by `nvfp4_as_levels`, only in this layout):
-    /// per 32 columns the 8 rows' d of elements 0..16 (f16), then of 16..32, then the
-    /// codes in Q4_0x8's order (the low nibbles are elements 0..16, the high ones 16..32),
-    /// with MXFP4's doubled levels and d = scale / 2, so w = d·level is the NVFP4 weight
-    /// exactly. Q4_1x8's size: 20 bytes per row and 32.
+    /// NVFP4's own blocks interleaved as Q4_0x8's (each row's two E4M3 scale bytes where
+    /// Q4_0's f16 d goes, elements 0..16's first; the codes in Q4_0x8's order, the low
+    /// nibbles being elements 0..16), taken with MXFP4's doubled levels and d = scale / 2,
+    /// so w = d·level is the NVFP4 weight exactly. 18 bytes per row and 32, as the source.
     Nvfp4x8,
     /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
     F16x4,
@@ -345,7 +345,7 @@ impl WeightFormat {
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 32,
             WeightFormat::Q8_0 | WeightFormat::Q8_0x8 => 34,
             WeightFormat::Q4_0 | WeightFormat::Q4_0x8 => 18,
-            WeightFormat::Q4_1 | WeightFormat::Q4_1x8 | WeightFormat::Nvfp4x8 => 20,
+            WeightFormat::Q4_1 | WeightFormat::Q4_1x8 => 20,
             WeightFormat::Q5_0 | WeightFormat::Q5_0x8 => 22,
             WeightFormat::Q5_1 | WeightFormat::Q5_1x8 => 24,
             WeightFormat::Mxfp4 => 17,
@@ -359,7 +359,7 @@ impl WeightFormat {
             WeightFormat::Q2K | WeightFormat::Q2Kx8 => 84,
             WeightFormat::Q3K => 110,
             WeightFormat::Q3Kx8 => 114,
-            WeightFormat::Iq4Nl | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 => 18,
+            WeightFormat::Iq4Nl | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 | WeightFormat::Nvfp4x8 => 18,
             WeightFormat::A8x8 => 36,
             WeightFormat::Iq4Xs => 136,
             WeightFormat::Iq4Xsx8 => 138,
@@ -861,24 +861,21 @@ pub fn mxfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>>
     Some(out)
 }
 
-/// NVFP4 rows ([`WeightFormat::Nvfp4`]: per 32, two E4M3 scales and 16 bytes of E2M1
-/// codes in Q4_0's nibble order) as [`WeightFormat::Nvfp4x8`]: each scale halved into an
-/// f16 d (the levels are the values doubled), the codes unchanged, interleaved by 8 rows.
-/// Exact for every scale: an E4M3 value over 2 (2^-10 to 224) is an f16 normal.
-pub fn nvfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
+/// NVFP4 rows ([`WeightFormat::Nvfp4`]: per 32, two E4M3 scale bytes and 16 bytes of
+/// E2M1 codes in Q4_0's nibble order, so Q4_0's block shape) as [`WeightFormat::Nvfp4x8`]:
+/// Q4_0's 8-row interleave of the same bytes, the scales kept as E4M3 (the kernels widen
+/// them exactly). `None` when a scale is negative or a NaN code (MLX writes neither; the
+/// kernels' widening takes neither): the caller keeps the f32 path, where they stay what
+/// they are.
+pub fn nvfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
     assert!(rows.is_multiple_of(8) && cols.is_multiple_of(32) && data.len() == rows * cols / 32 * 18, "nvfp4_as_levels: {rows}×{cols} in {} bytes", data.len());
-    // Q4_1's row bytes (the two d where its d and m go, then the codes), then its 8-row
-    // layout: the two d of 8 rows, then the codes in Q4_0x8's order.
-    let mut rows_bytes = Vec::with_capacity(rows * cols / 32 * 20);
-    for b in data.chunks_exact(18) {
-        for scale in &b[..2] {
-            rows_bytes.extend(half::f16::from_f32(crate::scalar::E4M3[*scale as usize] / 2.0).to_le_bytes());
-        }
-        rows_bytes.extend_from_slice(&b[2..18]);
-    }
-    let mut out = vec![0u8; rows_bytes.len()];
-    repack_rows8_into(WeightFormat::Q4_1, rows, cols, &rows_bytes, &mut out);
-    out
+    nvfp4_fits_levels(data).then(|| repack_rows8(WeightFormat::Q4_0, rows, cols, data))
+}
+
+/// Whether [`nvfp4_as_levels`] can convert these NVFP4 rows: every scale positive (or
+/// +0) and not E4M3's NaN.
+pub fn nvfp4_fits_levels(data: &[u8]) -> bool {
+    data.chunks_exact(18).all(|b| b[0] < 0x7F && b[1] < 0x7F)
 }
 
 /// Whether [`mxfp4_as_levels`] can convert these MXFP4 rows (every exponent's d an f16

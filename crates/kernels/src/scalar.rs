@@ -509,8 +509,8 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
         // The codes less 128, the biases after the scales.
         WeightFormat::A8x8 => (blk[32 + 32 * (i / 4) + 4 * r + i % 4] as i8 as i32, 128.0),
         _ => {
-            // After the 8 rows' d, Q4_1x8's and Q5_1x8's m or NVFP4x8's second d.
-            let q0 = if matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8 | WeightFormat::Nvfp4x8) { 32 } else { 16 };
+            let min = matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8);
+            let q0 = if min { 32 } else { 16 };
             let (j, e, high) = ((i % 16) / 4, i % 4, i >= 16);
             let byte = blk[q0 + 32 * j + 4 * r + e];
             let mut q = if high { byte >> 4 } else { byte & 0x0F };
@@ -532,9 +532,13 @@ fn rows8_q(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> (i32, f32) {
     }
 }
 
-/// Where row `r`'s d for element `i` of an 8-row block is (NVFP4x8: one per 16).
-fn rows8_d_at(format: WeightFormat, r: usize, i: usize) -> usize {
-    2 * r + if format == WeightFormat::Nvfp4x8 && i >= 16 { 16 } else { 0 }
+/// Row `r`'s d for element `i` of an 8-row block: an f16, or NVFP4x8's E4M3 scale of
+/// the element's half over 2 (its levels are the values doubled).
+fn rows8_d(format: WeightFormat, blk: &[u8], r: usize, i: usize) -> f32 {
+    match format {
+        WeightFormat::Nvfp4x8 => E4M3[blk[2 * r + i / 16] as usize] / 2.0,
+        _ => f16_at(blk, 2 * r),
+    }
 }
 
 /// Row `r`'s stored m of an 8-row block (Q4_1x8, Q5_1x8: their m; MLX-A8x8: its
@@ -660,7 +664,7 @@ pub fn dequantize_rows8(format: WeightFormat, group: &[u8], out: &mut [f32]) {
     for (b, blk) in group.chunks_exact(bb).take(cols / 32).enumerate() {
         for r in 0..8 {
             for i in 0..32 {
-                let d = f16_at(blk, rows8_d_at(format, r, i));
+                let d = rows8_d(format, blk, r, i);
                 let (q, off) = rows8_q(format, blk, r, i);
                 out[r * cols + 32 * b + i] = d * q as f32 + off * d + rows8_min(format, blk, r);
             }
@@ -764,7 +768,7 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
                 for i in 0..32 {
                     isum[i / 16] += rows8_q(format, blk, r, i).0 * xb.qs[i] as i32;
                 }
-                *a += xb.d * (f16_at(blk, rows8_d_at(format, r, 0)) * isum[0] as f32 + f16_at(blk, rows8_d_at(format, r, 16)) * isum[1] as f32);
+                *a += xb.d * (rows8_d(format, blk, r, 0) * isum[0] as f32 + rows8_d(format, blk, r, 16) * isum[1] as f32);
             }
         }
         return acc;

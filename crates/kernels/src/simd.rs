@@ -1198,7 +1198,8 @@ mod x86 {
             /// levels plus 12 (0..=24, unsigned: no sign trick) by PSHUFB, once for all
             /// tokens; the low nibbles (elements 0..16) and the high ones (16..32) are summed
             /// apart, each half less 12·Σx_q of its 16 activations (`half_sums`) and scaled
-            /// by its own d. A half's 8 pair sums stay in 16-bit lanes (8·24·127 < 2^15).
+            /// by its own d (`e4m3_pairs`). A half's 8 pair sums stay in 16-bit lanes
+            /// (8·24·127 < 2^15).
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn $nv_many<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
@@ -1215,17 +1216,17 @@ mod x86 {
                     t
                 };
                 let blocks = xs[0].len();
-                assert!(group.len() >= blocks * 160 && xs.iter().all(|x| x.len() == blocks));
+                assert!(group.len() >= blocks * 144 && xs.iter().all(|x| x.len() == blocks));
                 let low = _mm256_set1_epi8(0x0F);
                 let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(LEVELS.as_ptr() as *const __m128i));
                 let level = |n: __m256i| _mm256_shuffle_epi8(levels, _mm256_and_si256(n, low));
                 let mut acc = [_mm256_setzero_ps(); T];
                 for b in 0..blocks {
-                    let p = group.as_ptr().add(b * 160);
+                    let p = group.as_ptr().add(b * 144);
                     for line in 0..3 {
                         _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
                     }
-                    let qp = p.add(32);
+                    let qp = p.add(16);
                     let ys: [*const i32; T] = std::array::from_fn(|t| (xs[t].as_ptr() as *const i32).add(b * STRIDE + QS));
                     let mut sum: [[$acc; 2]; T] = [[$zero; 2]; T];
                     for j in [0, 2] {
@@ -1238,10 +1239,11 @@ mod x86 {
                             sum[t][1] = $u4_pair(sum[t][1], h0, yb(4 + j), h1, yb(5 + j));
                         }
                     }
-                    let d = [_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i))];
+                    let d = e4m3_pairs(p);
                     for t in 0..T {
                         let xb = &xs[t][b];
-                        let xd = _mm256_set1_ps(xb.d);
+                        // The scales come as 2^-8 × E4M3 (`e4m3_pairs`); the levels are doubled.
+                        let xd = _mm256_set1_ps(xb.d * 128.0);
                         for h in 0..2 {
                             let isum = _mm256_sub_epi32($sum(sum[t][h]), _mm256_set1_epi32(OFFSET as i32 * xb.half_sums[h] as i32));
                             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d[h], xd), _mm256_cvtepi32_ps(isum), acc[t]);
@@ -1521,6 +1523,19 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     unsafe fn vnni_sum(acc: [__m256i; 2]) -> __m256i {
         _mm256_add_epi32(acc[0], acc[1])
+    }
+
+    /// NVFP4x8's 8 rows' scale pairs at `p` (row r: byte 2r for elements 0..16, 2r + 1 for
+    /// 16..32) as two vectors of f32 rows, each 2^-8 × its E4M3 value: a positive E4M3
+    /// byte's exponent and mantissa moved into an f16's (bits 7..14) make the f16 2^-8 ×
+    /// the E4M3 value exactly, subnormals included (both formats' spacing scales by the
+    /// same power of two). `nvfp4_fits_levels` admits no sign bit.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn e4m3_pairs(p: *const u8) -> [__m256; 2] {
+        let w = _mm_loadu_si128(p as *const __m128i);
+        let bits = _mm_set1_epi16(0x7F80);
+        [_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(w, 7), bits)), _mm256_cvtph_ps(_mm_and_si128(_mm_srli_epi16(w, 1), bits))]
     }
 
     /// MLX-A8x8's m per row for the block at `p` (scales `d` loaded): its bias plus
@@ -3039,24 +3054,26 @@ mod arm {
         store_rows8(acc)
     }
 
-    /// `NVFP4x8`: Q4_0x8's nibble order after two sets of d, the nibbles looked up in
-    /// MXFP4's doubled levels by TBL, summed apart for elements 0..16 (low nibbles) and
-    /// 16..32 (high), each half with its own d.
+    /// `NVFP4x8`: Q4_0x8's nibble order after the rows' E4M3 scale pairs, the nibbles
+    /// looked up in MXFP4's doubled levels by TBL, summed apart for elements 0..16 (low
+    /// nibbles) and 16..32 (high), each half with its own scale, widened as on x86 (a
+    /// positive E4M3 byte's bits moved into an f16's is 2^-8 × its value, exactly).
     #[inline]
     #[target_feature(enable = "neon,dotprod")]
     unsafe fn rows8_nvfp4<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
         let blocks = xs[0].len();
-        assert!(group.len() >= blocks * 160 && xs.iter().all(|x| x.len() == blocks));
+        assert!(group.len() >= blocks * 144 && xs.iter().all(|x| x.len() == blocks));
         let (levels, low) = (vld1q_s8(scalar::MXFP4_LEVELS.as_ptr()), vdupq_n_u8(0x0F));
+        let bits = vdupq_n_u16(0x7F80);
         let mut acc = [[vdupq_n_f32(0.0); 2]; T];
         for b in 0..blocks {
-            let p = group.as_ptr().add(b * 160);
+            let p = group.as_ptr().add(b * 144);
             let ys = words_of(&xs, b);
             // [token][element half][row half]
             let mut isum = [[[vdupq_n_s32(0); 2]; 2]; T];
             for j in 0..4 {
                 for h in 0..2 {
-                    let c = vld1q_u8(p.add(32 + 32 * j + 16 * h));
+                    let c = vld1q_u8(p.add(16 + 32 * j + 16 * h));
                     let (lo, hi) = (vqtbl1q_s8(levels, vandq_u8(c, low)), vqtbl1q_s8(levels, vshrq_n_u8::<4>(c)));
                     for t in 0..T {
                         isum[t][0][h] = sdot(isum[t][0][h], lo, word(ys[t], j));
@@ -3064,11 +3081,15 @@ mod arm {
                     }
                 }
             }
-            let d = [halves8_f32(p), halves8_f32(p.add(16))];
+            // Row r's pair is u16 r: elements 0..16's scale in its low byte.
+            let w = vld1q_u16(p as *const u16);
+            let d = [vandq_u16(vshlq_n_u16::<7>(w), bits), vandq_u16(vshrq_n_u16::<1>(w), bits)].map(|h| [f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h))]);
             for t in 0..T {
+                // 2^-8 × E4M3 scales, doubled levels.
+                let xd = xs[t][b].d * 128.0;
                 for h in 0..2 {
                     for half in 0..2 {
-                        acc[t][h] = vfmaq_f32(acc[t][h], vmulq_n_f32(d[half][h], xs[t][b].d), vcvtq_f32_s32(isum[t][half][h]));
+                        acc[t][h] = vfmaq_f32(acc[t][h], vmulq_n_f32(d[half][h], xd), vcvtq_f32_s32(isum[t][half][h]));
                     }
                 }
             }

@@ -894,23 +894,22 @@ fn mxfp4_as_levels_keeps_every_weight() {
 /// NVFP4 rows as integer levels (`nvfp4_as_levels`, what `TESSERA_MLX_INT8=1` runs MLX
 /// nvfp4 checkpoints as): every weight keeps its exact value in `NVFP4x8`, the largest
 /// and the smallest E4M3 scales included, and its kernels are right
-/// (`check_converted_rows8`: one token, five through matmul, on one and two threads).
+/// (`check_converted_rows8`: one token, five through matmul, on one and two threads). A
+/// NaN or negative scale is refused (the f32 path keeps it).
 #[test]
 fn nvfp4_as_levels_keeps_every_weight() {
     let mut rng = Rng(15);
     for (rows, cols) in [(8, 32), (16, 96), (24, 576)] {
         let mut data = Vec::new();
         for _ in 0..rows * cols / 32 {
-            // Scales of either sign between 2^-3 and 2^1 (no NaN code); then the codes.
-            (0..2).for_each(|_| {
-                let b = rng.byte();
-                data.push((b & 0x80) | (0x20 + b % 0x20));
-            });
+            // Scales between 2^-3 and 2^1; then the codes.
+            (0..2).for_each(|_| data.push(0x20 + rng.byte() % 0x20));
             (0..16).for_each(|_| data.push(rng.byte()));
         }
         // E4M3's largest (448) and smallest subnormal (2^-9) scales.
         (data[0], data[19]) = (0x7E, 0x01);
-        let packed = tessera_kernels::nvfp4_as_levels(rows, cols, &data);
+        assert!(tessera_kernels::nvfp4_fits_levels(&data));
+        let packed = tessera_kernels::nvfp4_as_levels(rows, cols, &data).expect("no NaN scale");
         let src_row = WeightFormat::Nvfp4.row_bytes(cols).unwrap();
         let source_row = |row: usize| {
             let mut w = vec![0.0; cols];
@@ -918,6 +917,10 @@ fn nvfp4_as_levels_keeps_every_weight() {
             w
         };
         check_converted_rows8(&mut rng, WeightFormat::Nvfp4x8, WeightRows::new(WeightFormat::Nvfp4x8, rows, cols, &packed).unwrap(), &source_row, 0.0);
+        for bad in [0x7F, 0x80, 0xB8] {
+            data[18 * (rows * cols / 32 - 1) + 1] = bad;
+            assert!(!tessera_kernels::nvfp4_fits_levels(&data) && tessera_kernels::nvfp4_as_levels(rows, cols, &data).is_none());
+        }
     }
 }
 

@@ -82,7 +82,7 @@ impl Linear {
     /// - `mlx`: MLX affine 4-bit as `Q4_1x8` (the same weights: scale and bias per 32
     ///   as f16), 8-bit as `MLX-A8x8` (the same: codes less 128, scale and bias as f16),
     ///   mxfp4 as `MXFP4x8` (the same: integer levels, the scale halved into an f16),
-    ///   nvfp4 as `NVFP4x8` (the same, with its two scales per 32);
+    ///   nvfp4 as `NVFP4x8` (the same bytes, interleaved: levels and E4M3 scales);
     /// - `fp8`: FP8 E4M3 requantized as `Q8_0x8` (each weight within 0.4 % of its
     ///   block's largest).
     ///
@@ -107,8 +107,7 @@ impl Linear {
         let fits = match self.format {
             WeightFormat::A4 { .. } | WeightFormat::A8 { .. } => tessera_kernels::affine_fits_f16(self.format, data),
             WeightFormat::Mxfp4 => tessera_kernels::mxfp4_fits_levels(data),
-            // Every E4M3 scale over 2 is an f16 normal.
-            WeightFormat::Nvfp4 => true,
+            WeightFormat::Nvfp4 => tessera_kernels::nvfp4_fits_levels(data),
             _ => tessera_kernels::fp8_fits_q8_0(data),
         };
         fits.then_some(to)
@@ -134,7 +133,7 @@ impl Linear {
                         tessera_kernels::repack_interleaved_into(WeightFormat::Q8_0, self.rows, self.cols, &q8_0, out);
                     }
                     WeightFormat::Mxfp4 => out.copy_from_slice(&tessera_kernels::mxfp4_as_levels(self.rows, self.cols, src).expect("exponents checked")),
-                    WeightFormat::Nvfp4 => out.copy_from_slice(&tessera_kernels::nvfp4_as_levels(self.rows, self.cols, src)),
+                    WeightFormat::Nvfp4 => out.copy_from_slice(&tessera_kernels::nvfp4_as_levels(self.rows, self.cols, src).expect("scales checked")),
                     WeightFormat::A8 { group } => out.copy_from_slice(&tessera_kernels::a8_as_rows8(group as usize, self.rows, self.cols, src).expect("scales and biases fit f16")),
                     _ => tessera_kernels::repack_interleaved_into(self.format, self.rows, self.cols, src, out),
                 }
