@@ -241,6 +241,15 @@ fn print_table(model: &str, r: &BenchReport) {
         100.0 * by_round.max,
         r.decode_rounds.iter().map(|d| format!("{:.2}", d.adjacent_best_gb_s)).collect::<Vec<_>>().join(", ")
     );
+    if let (Some(bytes), Some(m)) = (r.decode.bytes_per_step, r.roofline_fraction_by_round_measured()) {
+        println!(
+            "roofline, every byte: a decode step reads {} as measured (the weights, the KV cache at its context, embedding rows), so the same rounds move {:.1} % [{:.1}–{:.1}] of the adjacent bandwidth",
+            mib(bytes as usize),
+            100.0 * m.median,
+            100.0 * m.min,
+            100.0 * m.max
+        );
+    }
     let (int8, f32) = r.macs_per_token;
     let [p8, p32] = r.mac_peak_best_gmac_s();
     println!(
@@ -336,6 +345,8 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
             "fraction": r.roofline_fraction(),
             "tok_per_sec_at_best_bandwidth": r.roofline_tok_per_sec(),
             "fraction_by_round": stat_json(&r.roofline_fraction_by_round()),
+            "decode_bytes_per_step_measured": r.decode.bytes_per_step,
+            "fraction_by_round_measured_bytes": r.roofline_fraction_by_round_measured().map(|m| stat_json(&m)),
             "bandwidth_spread": r.bandwidth_spread(),
             "rounds": r.decode_rounds.iter().map(|d| json!({ "tok_per_sec": d.tok_per_sec, "adjacent_best_gb_s": d.adjacent_best_gb_s })).collect::<Vec<_>>(),
         },

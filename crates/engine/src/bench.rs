@@ -271,6 +271,14 @@ impl BenchReport {
         let f: Vec<f64> = self.decode_rounds.iter().map(|d| self.bytes_per_token as f64 * d.tok_per_sec / 1e9 / d.adjacent_best_gb_s).collect();
         Stat::of(&f)
     }
+    /// [`Self::roofline_fraction_by_round`] counting every byte a decode step reads, as
+    /// measured ([`DecodeResult::bytes_per_step`]: the weights, and the KV cache, which
+    /// grows with the context) rather than the weights alone. `None` without a count.
+    pub fn roofline_fraction_by_round_measured(&self) -> Option<Stat> {
+        let bytes = self.decode.bytes_per_step?;
+        let f: Vec<f64> = self.decode_rounds.iter().map(|d| bytes * d.tok_per_sec / 1e9 / d.adjacent_best_gb_s).collect();
+        Some(Stat::of(&f))
+    }
     /// How far this run's read-bandwidth probes moved: the best pass of any probe over the
     /// lowest median of the before and after probes. 1.0 on a steady host; see
     /// [`NOISY_SPREAD`].
@@ -758,6 +766,10 @@ mod tests {
         let bw3 = 3.0 * r.bandwidth_best_gb_s() * 1e9 / b3;
         assert_eq!(r.ceiling_tok_per_sec(&r.batched[1]), Some(bw3.min(1.0 / r.compute_s_per_token())));
         assert_eq!(r.batch_ratio_ceiling(&r.batched[1]), Some(bw3.min(1.0 / r.compute_s_per_token()) / r.roofline_tok_per_sec()));
+        // The measured bytes of a batch-1 step against the weights' bytes per token.
+        let measured = r.roofline_fraction_by_round_measured().unwrap();
+        let scale = (fixed(1.0) + 4.0 * expert) / r.bytes_per_token as f64;
+        assert!(scale > 1.0 && (measured.median - by_round.median * scale).abs() < 1e-9);
     }
 
     #[test]
