@@ -268,16 +268,18 @@ impl BenchReport {
     /// Batch-1 decode against the bandwidth measured around it, round by round
     /// (achieved ÷ best adjacent pass): median, min and max over rounds.
     pub fn roofline_fraction_by_round(&self) -> Stat {
-        let f: Vec<f64> = self.decode_rounds.iter().map(|d| self.bytes_per_token as f64 * d.tok_per_sec / 1e9 / d.adjacent_best_gb_s).collect();
-        Stat::of(&f)
+        self.fraction_by_round(self.bytes_per_token as f64)
     }
     /// [`Self::roofline_fraction_by_round`] counting every byte a decode step reads, as
     /// measured ([`DecodeResult::bytes_per_step`]: the weights, and the KV cache, which
     /// grows with the context) rather than the weights alone. `None` without a count.
     pub fn roofline_fraction_by_round_measured(&self) -> Option<Stat> {
-        let bytes = self.decode.bytes_per_step?;
+        Some(self.fraction_by_round(self.decode.bytes_per_step?))
+    }
+    /// Each round's batch-1 decode moving `bytes` per token, against its adjacent best.
+    fn fraction_by_round(&self, bytes: f64) -> Stat {
         let f: Vec<f64> = self.decode_rounds.iter().map(|d| bytes * d.tok_per_sec / 1e9 / d.adjacent_best_gb_s).collect();
-        Some(Stat::of(&f))
+        Stat::of(&f)
     }
     /// How far this run's read-bandwidth probes moved: the best pass of any probe over the
     /// lowest median of the before and after probes. 1.0 on a steady host; see
@@ -313,12 +315,15 @@ impl BenchReport {
     pub fn batch_ratio(&self, r: &DecodeResult) -> f64 {
         r.tok_per_sec.median / self.decode.tok_per_sec.median
     }
-    /// The fastest `d` could run: its bytes per step at the best measured bandwidth,
-    /// or its multiply-adds at the best measured compute ceilings, whichever is slower
-    /// (tok/s, all sequences together). `None` without a byte count.
+    /// The fastest `d`'s bytes per step allow at the best measured bandwidth (tok/s,
+    /// all sequences together). `None` without a byte count.
+    pub fn bandwidth_ceiling_tok_per_sec(&self, d: &DecodeResult) -> Option<f64> {
+        Some(d.batch as f64 * self.bandwidth_best_gb_s() * 1e9 / d.bytes_per_step?)
+    }
+    /// The fastest `d` could run: [`Self::bandwidth_ceiling_tok_per_sec`] or its
+    /// multiply-adds at the best measured compute ceilings, whichever is slower.
     pub fn ceiling_tok_per_sec(&self, d: &DecodeResult) -> Option<f64> {
-        let bandwidth = d.batch as f64 * self.bandwidth_best_gb_s() * 1e9 / d.bytes_per_step?;
-        Some(bandwidth.min(1.0 / self.compute_s_per_token()))
+        Some(self.bandwidth_ceiling_tok_per_sec(d)?.min(1.0 / self.compute_s_per_token()))
     }
     /// How many times batch-1 decode *at its bandwidth roofline* `d` can be at most
     /// ([`Self::ceiling_tok_per_sec`] ÷ [`Self::roofline_tok_per_sec`]): a batched

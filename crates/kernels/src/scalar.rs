@@ -775,7 +775,7 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
     }
     for (blk, xb) in group.chunks_exact(bb).zip(x) {
         for (r, a) in acc.iter_mut().enumerate() {
-            let d = f16_at(blk, 2 * r);
+            let d = rows8_d(format, blk, r, 0);
             let mut isum = 0i32;
             let mut off = 0.0;
             for i in 0..32 {
