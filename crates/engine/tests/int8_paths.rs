@@ -102,23 +102,32 @@ fn expected(name: &str, prefix: &str) -> (Vec<u32>, Vec<u32>, Vec<f32>, Vec<f32>
     (ids("prompt_ids"), greedy, f32s(&format!("{prefix}prompt_logits")), f32s(&format!("{prefix}decode_logits")))
 }
 
+/// One fixture on an integer path: `var` set, its `from` matrices become `to`; the
+/// expected logits are `{prefix}prompt_logits` and `{prefix}decode_logits`.
+struct Case {
+    name: &'static str,
+    var: &'static str,
+    from: fn(WeightFormat) -> bool,
+    to: WeightFormat,
+    prefix: &'static str,
+}
+
 #[test]
 fn f32_activation_formats_on_the_integer_kernels_match_mlx_lm_closely() {
-    // (fixture, variable, source format, integer layout, expected-logits prefix)
-    let cases: [(&str, &str, fn(WeightFormat) -> bool, WeightFormat, &str); 5] = [
+    let cases: [Case; 5] = [
         // MLX affine 4-bit (group 64), a qwen3_moe.
-        ("qwen3_moe_mlx_q4g64", "TESSERA_MLX_INT8", |f| matches!(f, WeightFormat::A4 { .. }), WeightFormat::Q4_1x8, ""),
+        Case { name: "qwen3_moe_mlx_q4g64", var: "TESSERA_MLX_INT8", from: |f| matches!(f, WeightFormat::A4 { .. }), to: WeightFormat::Q4_1x8, prefix: "" },
         // MLX affine 8-bit (group 32), the same weights with the codes less 128.
-        ("qwen3_moe_mlx_q8g32", "TESSERA_MLX_INT8", |f| matches!(f, WeightFormat::A8 { .. }), WeightFormat::A8x8, ""),
+        Case { name: "qwen3_moe_mlx_q8g32", var: "TESSERA_MLX_INT8", from: |f| matches!(f, WeightFormat::A8 { .. }), to: WeightFormat::A8x8, prefix: "" },
         // MLX mxfp4 (the same qwen3_moe), as exact integer levels.
-        ("qwen3_moe_mlx_mxfp4", "TESSERA_MLX_INT8", |f| f == WeightFormat::Mxfp4, WeightFormat::Mxfp4x8, ""),
+        Case { name: "qwen3_moe_mlx_mxfp4", var: "TESSERA_MLX_INT8", from: |f| f == WeightFormat::Mxfp4, to: WeightFormat::Mxfp4x8, prefix: "" },
         // MLX nvfp4 (the same qwen3_moe), as exact integer levels with two scales per 32.
-        ("qwen3_moe_mlx_nvfp4", "TESSERA_MLX_INT8", |f| f == WeightFormat::Nvfp4, WeightFormat::Nvfp4x8, ""),
+        Case { name: "qwen3_moe_mlx_nvfp4", var: "TESSERA_MLX_INT8", from: |f| f == WeightFormat::Nvfp4, to: WeightFormat::Nvfp4x8, prefix: "" },
         // DeepSeek-V3-style FP8 with 128×128 block scales (MLA, MoE), against mlx-lm on
         // the f32 dequantization of the same codes.
-        ("fp8/deepseek_v3_fp8", "TESSERA_FP8_Q8", |f| f == WeightFormat::Fp8, WeightFormat::Q8_0x8, "f32_dequant_"),
+        Case { name: "fp8/deepseek_v3_fp8", var: "TESSERA_FP8_Q8", from: |f| f == WeightFormat::Fp8, to: WeightFormat::Q8_0x8, prefix: "f32_dequant_" },
     ];
-    for (name, var, from, to, prefix) in cases {
+    for Case { name, var, from, to, prefix } in cases {
         let mut model = load_converted(&fixture(name), var, from, to);
         let (prompt, greedy, want_prompt, want_decode) = expected(name, prefix);
         compare(name, &mut model, &prompt, &greedy, &want_prompt, &want_decode);
