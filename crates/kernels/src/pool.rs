@@ -101,6 +101,8 @@ struct Shared {
     panicked: AtomicBool,
     shutdown: AtomicBool,
     sleepers: AtomicUsize,
+    /// Workers that have entered their loop; `new` waits for all of them.
+    started: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
 }
@@ -147,6 +149,7 @@ impl ThreadPool {
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
+            started: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         });
@@ -159,6 +162,18 @@ impl ThreadPool {
                     .expect("spawning a compute thread at start-up")
             })
             .collect();
+        // A thread's start-up allocates (std stores its name for the stack-overflow
+        // handler). Waiting here keeps that out of the first regions: a worker the OS
+        // schedules late would otherwise start, and allocate, in the middle of decode.
+        let mut spins = 0u32;
+        while shared.started.load(Ordering::Acquire) != n_threads - 1 {
+            spins = spins.wrapping_add(1);
+            if spins < SPIN_ITERS_MAX {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
         let shares = (0..n_threads).map(|_| Padded(Share::new(0..0))).collect();
         ThreadPool { shared, workers, n_threads, shares, in_region: AtomicBool::new(false) }
     }
@@ -280,6 +295,7 @@ impl ThreadPool {
 }
 
 fn worker_loop(s: &Shared, tid: usize, n_threads: usize) {
+    s.started.fetch_add(1, Ordering::Release);
     let mut seen = 0u64;
     loop {
         let mut spins = 0u32;
