@@ -626,6 +626,18 @@ impl Inner {
         Ok(true)
     }
 
+    /// A send to `peer` failed. A rank that aborts exits right after sending its ABORT, and
+    /// if it exits with our data unread its kernel resets the connection: our send then
+    /// fails before we have read the ABORT queued on the same stream. Read what `peer` sent
+    /// first, so the cluster's diagnosis (which `fail` prefers) is that ABORT, not "lost
+    /// rank `peer`". The read never blocks; its own EOF error adds nothing.
+    fn after_send_failure(&self, prog: &mut Progress, peer: usize, err: CommError) -> CommError {
+        if matches!(err, CommError::PeerLost { .. }) {
+            let _ = self.pump(prog, peer);
+        }
+        err
+    }
+
     /// After a failure mid-send: finish a half-written segment within the abort budget so the
     /// stream stays framed (an ABORT can follow it), or mark the stream broken.
     fn settle_outs(&self, prog: &mut Progress, outs: &mut [Out]) {
@@ -736,7 +748,7 @@ impl Inner {
             let mut n_write = 0;
             let mut blocked_out = None;
             for o in outs.iter_mut() {
-                if !o.done && !self.try_send(o)? {
+                if !o.done && !self.try_send(o).map_err(|e| self.after_send_failure(prog, o.peer, e))? {
                     blocked_out.get_or_insert(o.peer);
                     if n_write < write_peers.len() {
                         write_peers[n_write] = o.peer;
