@@ -165,15 +165,7 @@ impl ThreadPool {
         // A thread's start-up allocates (std stores its name for the stack-overflow
         // handler). Waiting here keeps that out of the first regions: a worker the OS
         // schedules late would otherwise start, and allocate, in the middle of decode.
-        let mut spins = 0u32;
-        while shared.started.load(Ordering::Acquire) != n_threads - 1 {
-            spins = spins.wrapping_add(1);
-            if spins < SPIN_ITERS_MAX {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        spin_then_yield_until(|| shared.started.load(Ordering::Acquire) == n_threads - 1);
         let shares = (0..n_threads).map(|_| Padded(Share::new(0..0))).collect();
         ThreadPool { shared, workers, n_threads, shares, in_region: AtomicBool::new(false) }
     }
@@ -219,15 +211,7 @@ impl ThreadPool {
         }
         let own = catch_unwind(AssertUnwindSafe(|| job(0, self.n_threads)));
         s.open_epoch.store(CLOSED, Ordering::SeqCst);
-        let mut spins = 0u32;
-        while s.left.load(Ordering::SeqCst) != s.joined.load(Ordering::SeqCst) {
-            spins = spins.wrapping_add(1);
-            if spins < SPIN_ITERS_MAX {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        spin_then_yield_until(|| s.left.load(Ordering::SeqCst) == s.joined.load(Ordering::SeqCst));
         unsafe { *s.job.0.get() = None };
         if let Err(payload) = own {
             std::panic::resume_unwind(payload);
@@ -291,6 +275,21 @@ impl ThreadPool {
     /// amortise the atomic counter.
     pub fn grain(&self, n: usize, chunks_per_thread: usize, min: usize) -> usize {
         n.div_ceil(self.n_threads * chunks_per_thread.max(1)).max(min).max(1)
+    }
+}
+
+/// Waits for `done` on this thread: spins `SPIN_ITERS_MAX` times (the event is usually
+/// microseconds away), then yields the core between checks.
+#[inline]
+fn spin_then_yield_until(done: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins = spins.wrapping_add(1);
+        if spins < SPIN_ITERS_MAX {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
     }
 }
 
