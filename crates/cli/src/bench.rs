@@ -1,7 +1,7 @@
 //! `tessera bench`: parses flags, runs `tessera_engine::bench::run`, prints the table and
 //! writes the JSON report. The measuring is in the engine.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 use std::io::IsTerminal;
@@ -63,7 +63,8 @@ pub struct BenchArgs {
     #[arg(long)]
     secret_file: Option<PathBuf>,
     /// Also profile batch-1 decode per module (router, attention, experts, norms, LM
-    /// head, collectives): measured time, bandwidth-ideal time, overhead ratio.
+    /// head, collectives, pipeline transfers): measured time, bandwidth-ideal time,
+    /// overhead ratio. Under placement flags the table is rank 0's.
     #[arg(long)]
     profile: bool,
     /// Sequences per step in the --profile run (batched decode's per-module table).
@@ -96,12 +97,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         prefill_chunk: a.prefill_chunk,
         kv_cache: a.kv_cache,
     };
-    let sequences = a.batch.iter().copied().max().unwrap_or(1).max(1);
+    let sequences = a.batch.iter().copied().max().unwrap_or(1).max(if a.profile { a.profile_batch } else { 1 });
     let crate::Loaded { model, cluster } = crate::load_for(&a.model, &rt)?;
     let ranks = cluster.as_ref().map_or(1, |(c, _)| c.world_size());
-    if a.profile && ranks > 1 {
-        bail!("--profile times one process's modules: run it without placement flags");
-    }
     let date = utc_now();
     let tty = std::io::stderr().is_terminal();
     let mut progress = |what: &str| {
@@ -109,9 +107,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
             eprint!("\r\x1b[2K[bench] {what}");
         }
     };
-    let report = match crate::engine_for(&model, cluster, &rt, cfg.context_needed(), sequences)? {
+    let (report, profile) = match crate::engine_for(&model, cluster, &rt, cfg.context_needed(), sequences)? {
         crate::Engine::Follow(rank) => return Ok(rank.follow()?),
-        crate::Engine::Drive(mut gen) => tessera_engine::bench::run_on(gen.stepper(), &model, ranks, &cfg, &mut progress)?,
+        crate::Engine::Drive(mut gen) => {
+            let report = tessera_engine::bench::run_on(gen.stepper(), &model, ranks, &cfg, &mut progress)?;
+            let profile = if a.profile {
+                progress("profiling");
+                Some(tessera_engine::bench::profile_on(gen.stepper(), &model, &cfg, cfg.tg.max(1), a.profile_batch)?)
+            } else {
+                None
+            };
+            (report, profile)
+        }
     };
     if tty {
         eprint!("\r\x1b[2K");
@@ -132,9 +139,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "note: {fp8} FP8 matrices compute with f32 activations (compute-bound); TESSERA_FP8_Q8=1 requantizes them to Q8_0 for the integer kernels (1.6–1.9× decode on the benchmark MoE here; each weight within 0.4 % of its block's largest, as llama.cpp's FP8 → Q8_0 conversions)"
         );
     }
-    if a.profile {
-        let p = tessera_engine::bench::profile_decode(&model, &cfg, cfg.tg.max(1), a.profile_batch)?;
-        print_profile(&p, report.bandwidth_best_gb_s(), a.profile_batch);
+    if let Some(p) = &profile {
+        print_profile(p, report.bandwidth_best_gb_s(), a.profile_batch, ranks);
     }
     if let (Some(b), Some(e)) = (&load_before, &load_after) {
         println!("load average (1/5/15 min) before {b}, after {e}");
@@ -388,10 +394,11 @@ fn utc_now() -> String {
 
 /// The per-module table: measured time per token, the time its bytes would take at the
 /// measured bandwidth, and the ratio (what the seed's author had to build by hand).
-fn print_profile(p: &tessera_model::Profile, gb_s: f64, batch: usize) {
+fn print_profile(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usize) {
     let steps = p.steps.max(1) as f64;
     let total: f64 = p.nanos.iter().map(|&n| n as f64).sum::<f64>() / steps / 1e6;
-    println!("\nper-module profile of batch-{batch} decode ({} steps of {batch} token(s); bandwidth-ideal at {gb_s:.2} GB/s)\n", p.steps);
+    let whose = if ranks > 1 { format!(" on rank 0 of {ranks} (its share of the weights; collectives and pipeline rows include waits for the other ranks)") } else { String::new() };
+    println!("\nper-module profile of batch-{batch} decode{whose} ({} steps of {batch} token(s); bandwidth-ideal at {gb_s:.2} GB/s)\n", p.steps);
     println!("| module | calls/step | ms/step | share | MB/step | ideal ms | overhead × |");
     println!("|---|---|---|---|---|---|---|");
     for kind in tessera_model::ProfileKind::ALL {

@@ -238,8 +238,9 @@ fn quantized_checkpoints_every_placement() {
 }
 
 /// `tessera bench` takes placement flags (its `--pp` is the prompt lengths, so pipeline
-/// stages are `--pipeline`): rank 0 measures and prints; per-module profiles stay
-/// single-process.
+/// stages are `--pipeline`): rank 0 measures and prints. With `--profile`, rank 0's
+/// per-module table has the row of what its placement adds: collectives under TP and EP,
+/// pipeline transfers under PP (and the LM head only where rank 0 holds part of it).
 #[test]
 fn bench_runs_under_every_kind_of_placement() {
     let model = fixture("qwen3_moe");
@@ -252,7 +253,28 @@ fn bench_runs_under_every_kind_of_placement() {
             assert!(out.contains(needle), "bench {flags:?} output lacks {needle:?}:\n{out}");
         }
     }
-    fails(2, &["bench", "--model", m, "--tp", "2", "--profile", "--threads", "1"], &["--profile times one process"]);
+    // `launch` prefixes each rank's lines with "[rank N] ".
+    let row = |out: &str, module: &str| out.lines().map(|l| l.trim_start_matches("[rank 0] ")).find(|l| l.starts_with(&format!("| {module} |"))).map(str::to_string);
+    for (flags, present, absent) in [
+        (&["--tp", "2"][..], &["collectives", "LM head", "routed experts"][..], &["pipeline transfers (waits for other stages included)"][..]),
+        (&["--pipeline", "2"], &["pipeline transfers (waits for other stages included)"], &["collectives", "LM head"]),
+        (&["--ep", "2"], &["collectives", "LM head", "routed experts"], &["pipeline transfers (waits for other stages included)"]),
+    ] {
+        let mut args: Vec<String> =
+            ["bench", "--model", m, "--pp", "4", "--tg", "6", "--batch", "1", "--repeat", "1", "--threads", "1", "--profile", "--profile-batch", "3"].iter().map(|s| s.to_string()).collect();
+        args.extend(flags.iter().map(|s| s.to_string()));
+        let out = ok(&tessera(2, &args), &format!("bench --profile {flags:?}"));
+        assert!(out.contains("per-module profile of batch-3 decode on rank 0 of 2"), "bench --profile {flags:?}:\n{out}");
+        for module in present {
+            let line = row(&out, module).unwrap_or_else(|| panic!("bench --profile {flags:?}: no {module:?} row:\n{out}"));
+            // calls per step, then ms per step: a row that is there took time.
+            let ms: f64 = line.split('|').nth(3).unwrap().trim().parse().unwrap();
+            assert!(ms > 0.0, "bench --profile {flags:?}: {line}");
+        }
+        for module in absent {
+            assert!(row(&out, module).is_none(), "bench --profile {flags:?} has a {module:?} row:\n{out}");
+        }
+    }
 }
 
 /// A 9,700-token prompt in 2,048-token chunks (the prefill that hung mlx-lm under TP)

@@ -34,7 +34,7 @@ use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 use tessera_kernels::{Isa, MacKind, ThreadPool, PROBE_MACS_PER_ROUND};
-use tessera_model::{huge_pages_wanted, DenseTransformer, KvDtype, WeightBuffer, LogitsFor, SeqChunk, StepError, StepLimits};
+use tessera_model::{huge_pages_wanted, DenseTransformer, KvDtype, WeightBuffer, LogitsFor, SeqChunk, StepError};
 
 /// Bound on `--repeat`.
 pub const REPEAT_MAX: usize = 1000;
@@ -654,33 +654,44 @@ fn sum_f32(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + blocks.remainder().iter().sum::<f32>()
 }
 
-/// Batch-1 decode with the per-module profiler on: where a token's time goes
-/// (`tessera bench --profile`). Runs after, and apart from, the timed measurements.
-pub fn profile_decode(model: &DenseTransformer, cfg: &BenchConfig, steps: usize, batch: usize) -> Result<tessera_model::Profile, EngineError> {
-    if batch == 0 || batch > BATCH_MAX {
-        return Err(EngineError::Config(format!("profile batch {batch} outside 1..={BATCH_MAX}")));
+/// Decode of `batch` sequences with the per-module profiler on: where a step's time goes
+/// (`tessera bench --profile`). Each sequence first takes `decode_prompt` random tokens,
+/// then `steps` steps give each one token. It runs through the stepper of the timed
+/// measurements, after them: under a cluster the profile is rank 0's (its modules, its
+/// collectives, its waits for the pipeline).
+pub fn profile_on(stepper: &mut dyn Stepper, model: &DenseTransformer, cfg: &BenchConfig, steps: usize, batch: usize) -> Result<tessera_model::Profile, EngineError> {
+    let context = cfg.decode_prompt.max(1) + steps;
+    if batch == 0 || batch > BATCH_MAX || batch > stepper.sequences_max() || batch > stepper.tokens_per_step_max() {
+        return Err(EngineError::Config(format!(
+            "profile batch {batch} outside 1..={} (the engine holds {} sequences and {} tokens per step)",
+            BATCH_MAX.min(stepper.sequences_max()).min(stepper.tokens_per_step_max()),
+            stepper.sequences_max(),
+            stepper.tokens_per_step_max()
+        )));
+    }
+    if context > stepper.capacity() {
+        return Err(EngineError::Config(format!("profiling needs {context} tokens of context; the engine holds {}", stepper.capacity())));
     }
     let vocab = model.cfg.vocab;
-    let context_max = cfg.decode_prompt + steps + 1;
-    let limits = StepLimits { tokens_per_step_max: cfg.prefill_chunk.max(batch), context_max, sequences_per_step_max: batch };
-    let pool = ThreadPool::new(cfg.threads);
-    let mut ws = model.new_workspace(limits, pool.n_threads());
-    let mut caches: Vec<_> = (0..batch).map(|_| model.new_cache(limits, cfg.kv_cache)).collect();
+    let chunk_max = cfg.prefill_chunk.min(stepper.tokens_per_step_max()).max(1);
     let mut logits = vec![0.0; batch * vocab];
     let mut rng = TokenRng(cfg.seed ^ 0x9e37);
-    for cache in caches.iter_mut() {
+    for seq in 0..batch {
+        stepper.reset(seq)?;
         let prompt = rng.ids(cfg.decode_prompt.max(1), vocab);
-        for chunk in prompt.chunks(limits.tokens_per_step_max) {
-            model.forward(&pool, &mut ws, cache, chunk, LogitsFor::Last, &mut logits[..vocab])?;
+        for chunk in prompt.chunks(chunk_max) {
+            stepper.step(&[SeqChunk { cache: seq, tokens: chunk, logits: LogitsFor::Last }], &mut logits[..vocab])?;
         }
     }
     let ids = rng.ids(steps * batch, vocab);
-    ws.start_profile();
+    let mut chunks: Vec<SeqChunk> = Vec::with_capacity(batch);
+    stepper.start_profile();
     for step in ids.chunks(batch) {
-        let chunks: Vec<SeqChunk> = step.iter().enumerate().map(|(i, t)| SeqChunk { cache: i, tokens: std::slice::from_ref(t), logits: LogitsFor::Last }).collect();
-        model.forward_batch(&pool, &mut ws, &mut caches, &chunks, &mut logits)?;
+        chunks.clear();
+        chunks.extend(step.iter().enumerate().map(|(i, t)| SeqChunk { cache: i, tokens: std::slice::from_ref(t), logits: LogitsFor::Last }));
+        stepper.step(&chunks, &mut logits)?;
     }
-    Ok(ws.take_profile().expect("profiling was started"))
+    Ok(stepper.take_profile().expect("profiling was started"))
 }
 
 #[cfg(test)]

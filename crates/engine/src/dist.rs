@@ -16,7 +16,7 @@ use tessera_kernels::ThreadPool;
 use tessera_model::config::{FfnKind, ModelConfig};
 use tessera_model::shard::split;
 use tessera_model::transformer::{StageIo, StageOutput};
-use tessera_model::{CollGroup, Collectives, DenseTransformer, ExpertSplit, KvCache, LogitsFor, SeqChunk, ShardSpec, Workspace};
+use tessera_model::{CollGroup, Collectives, DenseTransformer, ExpertSplit, KvCache, LogitsFor, Profile, ProfileKind, SeqChunk, ShardSpec, Workspace};
 
 use crate::generate::{recycle, EngineConfig, EngineError, Stepper};
 
@@ -449,13 +449,16 @@ impl<'m> Rank<'m> {
         let mut tag = [0u8; TAG_BYTES_MAX];
         let result = (|| {
             if self.stage > 0 {
+                let t0 = self.ws.clock();
                 let link = &self.pairs[&(self.rank - g, self.rank)];
                 link.recv(&mut self.hidden_in[..n * h], 0, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
+                self.ws.charge(ProfileKind::Pipeline, t0, 0);
             }
             let input = (self.stage > 0).then_some(&self.hidden_in[..n * h]);
             let output = if last { StageOutput::Logits(&mut self.logits[..rows * v]) } else { StageOutput::Hidden(&mut self.hidden_out[..n * h]) };
             self.coll.step.set(step);
             self.model.forward_stage(&self.pool, &mut self.ws, &mut self.caches, &chunks, StageIo { input, output }, &self.coll)?;
+            let t0 = self.ws.clock();
             if !last {
                 let link = &self.pairs[&(self.rank, self.rank + g)];
                 link.send(&self.hidden_out[..n * h], 1, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
@@ -463,6 +466,9 @@ impl<'m> Rank<'m> {
             let last_lead = (self.placement.pp - 1) * g;
             if self.placement.pp > 1 && self.rank == last_lead {
                 self.pairs[&(0, last_lead)].send(&self.logits[..rows * v], 0, step_tag(&mut tag, "logits", step)).map_err(dist_err)?;
+            }
+            if self.placement.pp > 1 {
+                self.ws.charge(ProfileKind::Pipeline, t0, 0);
             }
             Ok::<_, EngineError>(())
         })();
@@ -586,6 +592,12 @@ impl Stepper for DistLeader<'_> {
         r.in_flight.push_back(InFlight { step, rows });
         Ok(())
     }
+    fn start_profile(&mut self) {
+        self.r().ws.start_profile();
+    }
+    fn take_profile(&mut self) -> Option<Profile> {
+        self.r().ws.take_profile()
+    }
     fn collect(&mut self, logits: &mut [f32]) -> Result<usize, EngineError> {
         let r = self.r();
         let f = r.in_flight.pop_front().ok_or_else(|| EngineError::Config("collect without a submitted step".into()))?;
@@ -594,9 +606,12 @@ impl Stepper for DistLeader<'_> {
             return Err(tessera_model::StepError::LogitsBuffer { got: logits.len(), need: n }.into());
         }
         if r.placement.pp > 1 {
+            // The leader waits here for the later stages: charged as pipeline time.
+            let t0 = r.ws.clock();
             let mut tag = [0u8; TAG_BYTES_MAX];
             let last_lead = (r.placement.pp - 1) * r.placement.stage_size();
             r.pairs[&(0, last_lead)].recv(&mut logits[..n], 1, step_tag(&mut tag, "logits", f.step)).map_err(dist_err)?;
+            r.ws.charge(ProfileKind::Pipeline, t0, 0);
         } else {
             logits[..n].copy_from_slice(&r.logits[..n]);
         }

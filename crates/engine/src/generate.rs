@@ -4,7 +4,7 @@
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::time::Instant;
 use tessera_kernels::ThreadPool;
-use tessera_model::{DenseTransformer, KvCache, KvDtype, LogitsFor, SeqChunk, StepError, StepLimits, Workspace};
+use tessera_model::{DenseTransformer, KvCache, KvDtype, LogitsFor, Profile, SeqChunk, StepError, StepLimits, Workspace};
 
 /// Most sequences one engine keeps in progress (each holds a KV cache of `context_max`).
 pub const SEQUENCES_MAX: usize = 256;
@@ -130,6 +130,11 @@ pub trait Stepper {
     fn bytes_read(&self) -> Option<u64> {
         None
     }
+    /// Starts a per-module [`Profile`] of the following steps, as this process (rank 0
+    /// under a cluster) runs them: its modules, its collectives, its waits.
+    fn start_profile(&mut self);
+    /// Stops profiling; what was collected since [`Stepper::start_profile`].
+    fn take_profile(&mut self) -> Option<Profile>;
     /// Submit then collect.
     fn step(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<usize, EngineError> {
         self.submit(chunks)?;
@@ -200,6 +205,12 @@ impl Stepper for LocalStepper<'_> {
     }
     fn bytes_read(&self) -> Option<u64> {
         Some(self.ws.bytes_read())
+    }
+    fn start_profile(&mut self) {
+        self.ws.start_profile();
+    }
+    fn take_profile(&mut self) -> Option<Profile> {
+        self.ws.take_profile()
     }
     fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
         let n = self.caches.len();

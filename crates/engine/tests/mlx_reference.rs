@@ -359,18 +359,23 @@ fn batched_sequences_match_running_alone() {
 /// MoE it sees the router and only the chosen experts.
 #[test]
 fn decode_profile_accounts_for_the_bytes_read() {
-    use tessera_engine::bench::{profile_decode, BenchConfig};
+    use tessera_engine::bench::{profile_on, BenchConfig};
+    use tessera_engine::{EngineConfig, LocalStepper};
     use tessera_model::ProfileKind as K;
-    let model = load_model(&fixtures().join("qwen3")).unwrap();
     let cfg = BenchConfig { decode_prompt: 4, prefill_chunk: 8, ..BenchConfig::new(2) };
-    let p = profile_decode(&model, &cfg, 5, 1).unwrap();
+    let profile_decode = |model: &tessera_model::DenseTransformer, steps: usize| {
+        let engine = EngineConfig { threads: 2, context_max: 16, prefill_chunk: 8, ..EngineConfig::for_model(model) };
+        profile_on(&mut LocalStepper::new(model, &engine), model, &cfg, steps, 1).unwrap()
+    };
+    let model = load_model(&fixtures().join("qwen3")).unwrap();
+    let p = profile_decode(&model, 5);
     assert_eq!(p.steps, 5);
     let per_token = |k: K| p.bytes[k as usize] / p.steps;
     let weights = per_token(K::AttnProj) + per_token(K::DenseMlp) + per_token(K::LmHead) + per_token(K::Embed);
     assert_eq!(weights as usize, model.bytes_per_token(), "profiled weight bytes vs bytes_per_token");
     assert!(p.nanos.iter().sum::<u64>() > 0);
     let moe = load_model(&fixtures().join("qwen3_moe")).unwrap();
-    let p = profile_decode(&moe, &cfg, 5, 1).unwrap();
+    let p = profile_decode(&moe, 5);
     assert_eq!(p.calls[K::Router as usize], 5 * 2, "two MoE layers, five tokens");
     let m = moe.cfg.moe.as_ref().unwrap();
     let expert_bytes = (3 * m.expert_width * moe.cfg.hidden * 4) as u64;

@@ -1755,12 +1755,14 @@ impl DenseTransformer {
                         t += 1;
                     }
                 }
-                if tp > 1 {
-                    coll.all_reduce_sum(CollGroup::Tp, &mut ws.x[..n * h], 0, "embed").map_err(fail)?;
-                }
             }
         }
         ws.charge(ProfileKind::Embed, t_embed, n * self.embed.as_ref().map_or(0, |e| e.bytes() / e.rows.max(1)));
+        if io.input.is_none() && tp > 1 {
+            let t0 = ws.clock();
+            coll.all_reduce_sum(CollGroup::Tp, &mut ws.x[..n * h], 0, "embed").map_err(fail)?;
+            ws.charge(ProfileKind::Collectives, t0, 0);
+        }
         if let Some(p) = ws.profile.as_mut() {
             p.steps += 1;
         }
@@ -1854,13 +1856,17 @@ impl DenseTransformer {
             ws.logits_part.resize(part_len, 0.0);
             ws.logits_gather.resize(part_len * tp, 0.0);
         }
+        let t0 = ws.clock();
         linear_fwd(pool, self.isa, ckpt, head, &ws.xn[..logit_rows * h], logit_rows, &mut ws.logits_local[..logit_rows * mine], &mut ws.mm);
+        ws.charge(ProfileKind::LmHead, t0, head.bytes());
         for r in 0..logit_rows {
             ws.logits_part[r * vmax..r * vmax + mine].copy_from_slice(&ws.logits_local[r * mine..(r + 1) * mine]);
             ws.logits_part[r * vmax + mine..(r + 1) * vmax].fill(0.0);
         }
+        let t0 = ws.clock();
         coll.all_gather(CollGroup::Tp, &ws.logits_part[..part_len], &mut ws.logits_gather[..part_len * tp], usize::MAX, "logits")
             .map_err(fail)?;
+        ws.charge(ProfileKind::Collectives, t0, 0);
         for k in 0..tp {
             let vr = split(c.vocab, k, tp);
             for r in 0..logit_rows {
@@ -2487,10 +2493,11 @@ pub enum ProfileKind {
     DenseMlp,
     LmHead,
     Collectives,
+    Pipeline,
 }
 
 impl ProfileKind {
-    pub const ALL: [ProfileKind; 10] = [
+    pub const ALL: [ProfileKind; 11] = [
         ProfileKind::Embed,
         ProfileKind::Norms,
         ProfileKind::AttnProj,
@@ -2501,6 +2508,7 @@ impl ProfileKind {
         ProfileKind::DenseMlp,
         ProfileKind::LmHead,
         ProfileKind::Collectives,
+        ProfileKind::Pipeline,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -2514,6 +2522,7 @@ impl ProfileKind {
             ProfileKind::DenseMlp => "dense MLP",
             ProfileKind::LmHead => "LM head",
             ProfileKind::Collectives => "collectives",
+            ProfileKind::Pipeline => "pipeline transfers (waits for other stages included)",
         }
     }
 }
@@ -2521,9 +2530,9 @@ impl ProfileKind {
 /// Accumulated time, bytes read and calls per [`ProfileKind`].
 #[derive(Clone, Debug, Default)]
 pub struct Profile {
-    pub nanos: [u64; 10],
-    pub bytes: [u64; 10],
-    pub calls: [u64; 10],
+    pub nanos: [u64; ProfileKind::ALL.len()],
+    pub bytes: [u64; ProfileKind::ALL.len()],
+    pub calls: [u64; ProfileKind::ALL.len()],
     pub steps: u64,
 }
 
@@ -2551,12 +2560,16 @@ impl Workspace {
     pub fn take_profile(&mut self) -> Option<Profile> {
         self.profile.take()
     }
+    /// The start of a timed piece of work: `Some(now)` while profiling, else `None` (no
+    /// clock read). Public for work outside the model's step that belongs in its profile
+    /// (the rank runtime's pipeline transfers).
     #[inline]
-    fn clock(&self) -> Option<std::time::Instant> {
+    pub fn clock(&self) -> Option<std::time::Instant> {
         self.profile.as_ref().map(|_| std::time::Instant::now())
     }
+    /// Charges the time since `since` (from [`Workspace::clock`]) and `bytes` read to `kind`.
     #[inline]
-    fn charge(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize) {
+    pub fn charge(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize) {
         self.bytes_read += bytes as u64;
         if let (Some(p), Some(t)) = (self.profile.as_mut(), since) {
             p.add(kind, t, bytes);
