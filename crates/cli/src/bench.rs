@@ -146,7 +146,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("load average (1/5/15 min) before {b}, after {e}");
     }
     if let Some(path) = &a.json {
-        let v = to_json(&report, &a.model.display().to_string(), &date, load_before, load_after);
+        let mut v = to_json(&report, &a.model.display().to_string(), &date, load_before, load_after);
+        if let Some(p) = &profile {
+            v["profile"] = profile_json(p, report.bandwidth_best_gb_s(), a.profile_batch, ranks);
+        }
         let text = serde_json::to_string_pretty(&v).expect("serialising a JSON value");
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
@@ -394,28 +397,56 @@ fn utc_now() -> String {
 
 /// The per-module table: measured time per token, the time its bytes would take at the
 /// measured bandwidth, and the ratio (what the seed's author had to build by hand).
-fn print_profile(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usize) {
+/// One module's line of the per-module table, per step.
+struct ProfileRow {
+    module: &'static str,
+    calls: f64,
+    ms: f64,
+    mb: f64,
+    /// Time its bytes take at the measured bandwidth.
+    ideal_ms: f64,
+}
+
+/// The modules a profile saw (calls > 0), per step, in table order; and the total ms.
+fn profile_rows(p: &tessera_model::Profile, gb_s: f64) -> (Vec<ProfileRow>, f64) {
     let steps = p.steps.max(1) as f64;
-    let total: f64 = p.nanos.iter().map(|&n| n as f64).sum::<f64>() / steps / 1e6;
+    let rows: Vec<ProfileRow> = tessera_model::ProfileKind::ALL
+        .iter()
+        .map(|&kind| (kind, kind as usize))
+        .filter(|&(_, i)| p.calls[i] > 0)
+        .map(|(kind, i)| {
+            let mb = p.bytes[i] as f64 / steps / 1e6;
+            ProfileRow { module: kind.name(), calls: p.calls[i] as f64 / steps, ms: p.nanos[i] as f64 / steps / 1e6, mb, ideal_ms: mb / gb_s.max(1e-9) }
+        })
+        .collect();
+    let total = rows.iter().map(|r| r.ms).sum();
+    (rows, total)
+}
+
+fn print_profile(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usize) {
+    let (rows, total) = profile_rows(p, gb_s);
     let whose = if ranks > 1 { format!(" on rank 0 of {ranks} (its share of the weights; collectives and pipeline rows include waits for the other ranks)") } else { String::new() };
     println!("\nper-module profile of batch-{batch} decode{whose} ({} steps of {batch} token(s); bandwidth-ideal at {gb_s:.2} GB/s)\n", p.steps);
     println!("| module | calls/step | ms/step | share | MB/step | ideal ms | overhead × |");
     println!("|---|---|---|---|---|---|---|");
-    for kind in tessera_model::ProfileKind::ALL {
-        let i = kind as usize;
-        if p.calls[i] == 0 {
-            continue;
-        }
-        let ms = p.nanos[i] as f64 / steps / 1e6;
-        let mb = p.bytes[i] as f64 / steps / 1e6;
-        let ideal = mb / 1e3 / gb_s.max(1e-9) * 1e3;
-        let over = if ideal > 0.0 { format!("{:.1}", ms / ideal) } else { "–".into() };
-        println!(
-            "| {} | {:.0} | {ms:.3} | {:.1} % | {mb:.2} | {ideal:.3} | {over} |",
-            kind.name(),
-            p.calls[i] as f64 / steps,
-            100.0 * ms / total.max(1e-12)
-        );
+    for r in &rows {
+        let over = if r.ideal_ms > 0.0 { format!("{:.1}", r.ms / r.ideal_ms) } else { "–".into() };
+        println!("| {} | {:.0} | {:.3} | {:.1} % | {:.2} | {:.3} | {over} |", r.module, r.calls, r.ms, 100.0 * r.ms / total.max(1e-12), r.mb, r.ideal_ms);
     }
     println!("| total | | {total:.3} | 100 % | | | |");
+}
+
+fn profile_json(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usize) -> Value {
+    let (rows, total) = profile_rows(p, gb_s);
+    json!({
+        "batch": batch,
+        "steps": p.steps,
+        "rank": 0,
+        "ranks": ranks,
+        "bandwidth_gb_s": gb_s,
+        "ms_per_step": total,
+        "modules": rows.iter().map(|r| json!({
+            "module": r.module, "calls_per_step": r.calls, "ms_per_step": r.ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms,
+        })).collect::<Vec<_>>(),
+    })
 }

@@ -260,10 +260,24 @@ fn bench_runs_under_every_kind_of_placement() {
         (&["--pipeline", "2"], &["pipeline transfers (waits for other stages included)"], &["collectives", "LM head"]),
         (&["--ep", "2"], &["collectives", "LM head", "routed experts"], &["pipeline transfers (waits for other stages included)"]),
     ] {
+        let json = scratch(&format!("bench-profile{}", flags.join(""))).join("bench.json");
         let mut args: Vec<String> =
-            ["bench", "--model", m, "--pp", "4", "--tg", "6", "--batch", "1", "--repeat", "1", "--threads", "1", "--profile", "--profile-batch", "3"].iter().map(|s| s.to_string()).collect();
+            ["bench", "--model", m, "--pp", "4", "--tg", "6", "--batch", "1", "--repeat", "1", "--threads", "1", "--profile", "--profile-batch", "3", "--json", json.to_str().unwrap()]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
         args.extend(flags.iter().map(|s| s.to_string()));
         let out = ok(&tessera(2, &args), &format!("bench --profile {flags:?}"));
+        // The JSON holds the same table.
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let p = &v["profile"];
+        assert_eq!((p["batch"].as_u64(), p["ranks"].as_u64(), p["steps"].as_u64()), (Some(3), Some(2), Some(6)), "{p}");
+        for m in p["modules"].as_array().unwrap() {
+            let name = m["module"].as_str().unwrap();
+            let line = row(&out, name).unwrap_or_else(|| panic!("JSON module {name:?} is not in the table:\n{out}"));
+            let ms: f64 = line.split('|').nth(3).unwrap().trim().parse().unwrap();
+            assert!((ms - m["ms_per_step"].as_f64().unwrap()).abs() < 1e-3, "{name}: table {ms} vs JSON {m}");
+        }
         assert!(out.contains("per-module profile of batch-3 decode on rank 0 of 2"), "bench --profile {flags:?}:\n{out}");
         for module in present {
             let line = row(&out, module).unwrap_or_else(|| panic!("bench --profile {flags:?}: no {module:?} row:\n{out}"));
