@@ -73,6 +73,11 @@ pub struct BenchArgs {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    let batch_max = tessera_engine::bench::BATCH_MAX;
+    if a.profile && !(1..=batch_max).contains(&a.profile_batch) {
+        // Before loading anything: profile_on would refuse it only after the timed runs.
+        anyhow::bail!("--profile-batch {} outside 1..={batch_max}", a.profile_batch);
+    }
     let load_before = loadavg();
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let cfg = BenchConfig {
