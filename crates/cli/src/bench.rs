@@ -62,9 +62,9 @@ pub struct BenchArgs {
     /// File holding the cluster secret (else TESSERA_CLUSTER_SECRET).
     #[arg(long)]
     secret_file: Option<PathBuf>,
-    /// Also profile batch-1 decode per module (router, attention, experts, norms, LM
-    /// head, collectives, pipeline transfers): measured time, bandwidth-ideal time,
-    /// overhead ratio. Under placement flags the table is rank 0's.
+    /// Also profile decode per module (router, attention, experts, norms, LM head,
+    /// collectives, pipeline transfers; batch 1, or --profile-batch): measured time,
+    /// bandwidth-ideal time, overhead ratio. Under placement flags the table is rank 0's.
     #[arg(long)]
     profile: bool,
     /// Sequences per step in the --profile run (batched decode's per-module table).
@@ -73,7 +73,8 @@ pub struct BenchArgs {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    let batch_max = tessera_engine::bench::BATCH_MAX;
+    // The profiled sequences are the engine's own slots.
+    let batch_max = tessera_engine::bench::BATCH_MAX.min(tessera_engine::generate::SEQUENCES_MAX);
     if a.profile && !(1..=batch_max).contains(&a.profile_batch) {
         // Before loading anything: profile_on would refuse it only after the timed runs.
         anyhow::bail!("--profile-batch {} outside 1..={batch_max}", a.profile_batch);
@@ -400,8 +401,6 @@ fn utc_now() -> String {
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
-/// The per-module table: measured time per token, the time its bytes would take at the
-/// measured bandwidth, and the ratio (what the seed's author had to build by hand).
 /// One module's line of the per-module table, per step.
 struct ProfileRow {
     module: &'static str,
@@ -428,6 +427,8 @@ fn profile_rows(p: &tessera_model::Profile, gb_s: f64) -> (Vec<ProfileRow>, f64)
     (rows, total)
 }
 
+/// The per-module table: measured time per step, the time its bytes would take at the
+/// measured bandwidth, and the ratio (what the seed's author had to build by hand).
 fn print_profile(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usize) {
     let (rows, total) = profile_rows(p, gb_s);
     let whose = if ranks > 1 { format!(" on rank 0 of {ranks} (its share of the weights; collectives and pipeline rows include waits for the other ranks)") } else { String::new() };

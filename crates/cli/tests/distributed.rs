@@ -290,7 +290,7 @@ fn bench_runs_under_every_kind_of_placement() {
         }
     }
     // Refused before the model loads (else only after the timed runs).
-    fails(1, &["bench", "--model", "no/such/model", "--profile", "--profile-batch", "0"], &["--profile-batch 0 outside 1..=1024"]);
+    fails(1, &["bench", "--model", "no/such/model", "--profile", "--profile-batch", "0"], &["--profile-batch 0 outside 1..=256"]);
 }
 
 /// A 9,700-token prompt in 2,048-token chunks (the prefill that hung mlx-lm under TP)

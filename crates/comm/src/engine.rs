@@ -33,6 +33,9 @@ const POLL_SLICE_MS: u64 = 10;
 const CONTROL_SEND_MS: u64 = 200;
 /// Largest control payload (a status reply or abort diagnosis, JSON).
 const CONTROL_BYTES_MAX: usize = 64 << 10;
+/// After a failed send, rounds of reading (each up to a full queue, then dropped) in
+/// search of the peer's ABORT: a socket holds a few MB, far below 64 queues' worth.
+const DRAIN_ROUNDS_MAX: usize = 64;
 
 pub(crate) const LINK_OPEN: u8 = 0;
 /// The peer sent GOODBYE: it closed its communicator; reading on drains what it sent before.
@@ -115,6 +118,17 @@ impl Progress {
     }
     fn take_buf(&mut self, seg: usize) -> Vec<u8> {
         self.pool.pop().unwrap_or_else(|| vec![0u8; seg])
+    }
+    /// Drops every data segment queued from `peer` (after a failure: no op will take them).
+    fn discard_queued(&mut self, peer: usize) {
+        let mut groups = std::mem::take(&mut self.queues[peer]);
+        for (_, q) in groups.iter_mut() {
+            for f in q.drain(..) {
+                self.recycle(f.buf);
+            }
+        }
+        self.queues[peer] = groups;
+        self.queued[peer] = 0;
     }
 }
 
@@ -630,12 +644,24 @@ impl Inner {
     /// if it exits with our data unread its kernel resets the connection: our send then
     /// fails before we have read the ABORT queued on the same stream. Read what `peer` sent
     /// first, so the cluster's diagnosis (which `fail` prefers) is that ABORT, not "lost
-    /// rank `peer`". The read never blocks; its own EOF error adds nothing.
+    /// rank `peer`". The reads never block; their own EOF error adds nothing. The op has
+    /// failed, so data segments still queued are dropped: a full queue would stop the
+    /// read short of the ABORT. A GOODBYE found on the way makes it an exit, not a loss.
     fn after_send_failure(&self, prog: &mut Progress, peer: usize, err: CommError) -> CommError {
-        if matches!(err, CommError::PeerLost { .. }) {
-            let _ = self.pump(prog, peer);
+        if !matches!(err, CommError::PeerLost { .. }) {
+            return err;
         }
-        err
+        let link = self.link(peer);
+        for _ in 0..DRAIN_ROUNDS_MAX {
+            prog.discard_queued(peer);
+            if self.pump(prog, peer).is_err() || !link.rx_paused.load(Relaxed) {
+                break;
+            }
+        }
+        match link.state.load(Acquire) {
+            LINK_GOODBYE | LINK_CLOSED => CommError::PeerExited { rank: self.rank, peer, op: None },
+            _ => err,
+        }
     }
 
     /// After a failure mid-send: finish a half-written segment within the abort budget so the

@@ -1896,6 +1896,7 @@ mod x86 {
             }
             let lanes = G * KJ;
             let flat = |l: usize| if l < lanes { acc[l / G][l % G] } else { _mm256_setzero_ps() };
+            const { assert!(G * KJ <= 12, "attend_group: lane sums for at most 12 (head, key) pairs") };
             let mut sums = [0.0f32; 12];
             let mut l = 0;
             while l < lanes {

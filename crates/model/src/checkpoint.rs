@@ -288,6 +288,26 @@ impl Checkpoint {
         f.file.read_exact_at(buf, offset as u64).map_err(|source| LoadError::Io { path: f.path.clone(), source })
     }
 
+    /// The stored tensor whose name is closest to `name` (at most `edits_max` character
+    /// edits away), for "missing tensor" errors: a renamed or corrupted entry. Names that
+    /// differ only in their numbers are another layer's or expert's tensor, not a near
+    /// miss, and are skipped. Runs only on that error path; names whose lengths differ by
+    /// more than `edits_max` are skipped without comparing.
+    pub fn closest_name(&self, name: &str, edits_max: usize) -> Option<&TensorInfo> {
+        let want: Vec<char> = name.chars().collect();
+        fn shape_of(n: &str) -> Vec<&str> {
+            n.split(|c: char| c.is_ascii_digit()).filter(|p| !p.is_empty()).collect()
+        }
+        let want_shape = shape_of(name);
+        self.tensors
+            .iter()
+            .filter(|t| t.name.chars().count().abs_diff(want.len()) <= edits_max)
+            .filter(|t| shape_of(&t.name) != want_shape)
+            .filter_map(|t| edit_distance_within(&want, &t.name, edits_max).map(|d| (d, t)))
+            .min_by_key(|&(d, _)| d)
+            .map(|(_, t)| t)
+    }
+
     /// The file a tensor lives in, for error messages.
     pub fn file_of(&self, t: &TensorInfo) -> &Path {
         &self.files[t.file].path
@@ -416,4 +436,23 @@ fn find_inconsistent_tensor(bytes: &[u8]) -> Option<(String, String)> {
         }
     }
     None
+}
+
+/// Levenshtein distance between `a` and `b` if it is at most `max`; rows stop early once
+/// every entry exceeds `max`.
+fn edit_distance_within(a: &[char], b: &str, max: usize) -> Option<usize> {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    let mut cur = vec![0; b.len() + 1];
+    for (i, &ca) in a.iter().enumerate() {
+        cur[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != cb)).min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        if cur.iter().all(|&d| d > max) {
+            return None;
+        }
+        std::mem::swap(&mut prev, &mut cur);
+    }
+    Some(prev[b.len()]).filter(|&d| d <= max)
 }

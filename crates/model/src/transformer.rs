@@ -817,10 +817,14 @@ impl<'a> Loader<'a> {
     }
 
     fn require(&self, hf: &str) -> Result<&'a TensorInfo> {
-        self.find(hf).ok_or_else(|| LoadError::MissingTensor {
-            path: self.c.path.clone(),
-            tensor: stored_name(self.c.kind, hf),
-            hint: format!(" (required by the {} config)", self.arch),
+        self.find(hf).ok_or_else(|| {
+            let tensor = stored_name(self.c.kind, hf);
+            // A near miss is usually a renamed or damaged entry: say where it is.
+            let near = match self.c.closest_name(&tensor, 3) {
+                Some(t) => format!("; {} holds `{}`, a near match: a renamed or corrupted entry?", self.c.file_of(t).display(), t.name),
+                None => String::new(),
+            };
+            LoadError::MissingTensor { path: self.c.path.clone(), tensor, hint: format!(" (required by the {} config{near})", self.arch) }
         })
     }
 

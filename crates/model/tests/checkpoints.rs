@@ -289,6 +289,18 @@ fn malformed_hf_checkpoints_are_clear_errors() {
         },
         &["model.layers.1.mlp.down_proj.weight", "missing"],
     );
+    // Another layer's tensor is no near miss; a damaged name is, and the error says where.
+    let dir = scratch("hf-missing-tensor-hint");
+    let mut tensors = tiny_llama_tensors(7);
+    tensors.retain(|(n, _, _)| n != "model.layers.1.mlp.down_proj.weight");
+    write_hf_dir(&dir, &hf_config(), &tensors);
+    let err = load_model(&dir).map(|_| ()).unwrap_err().to_string();
+    assert!(!err.contains("near match"), "{err}");
+    for (n, _, _) in tensors.iter_mut().filter(|(n, _, _)| n == "model.layers.0.mlp.down_proj.weight") {
+        *n = "model.layers.0.mlp.down_prj.weight".into();
+    }
+    write_hf_dir(&dir, &hf_config(), &tensors);
+    expect_error(&dir, &["model.layers.0.mlp.down_proj.weight", "is missing", "model.safetensors holds `model.layers.0.mlp.down_prj.weight`, a near match"]);
     hf_case(
         "config-disagrees",
         |d, c, t| {
