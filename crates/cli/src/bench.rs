@@ -145,16 +145,30 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "note: {fp8} FP8 matrices compute with f32 activations (compute-bound); TESSERA_FP8_Q8=1 requantizes them to Q8_0 for the integer kernels (1.6–1.9× decode on the benchmark MoE here; each weight within 0.4 % of its block's largest, as llama.cpp's FP8 → Q8_0 conversions)"
         );
     }
-    if let Some(p) = &profile {
-        print_profile(p, report.bandwidth_best_gb_s(), a.profile_batch, ranks);
+    if let Some(ps) = &profile {
+        print_profile(&ps[0], report.bandwidth_best_gb_s(), a.profile_batch, ranks);
+        if ps.len() > 1 {
+            print_rank_summary(ps, report.bandwidth_best_gb_s());
+        }
     }
     if let (Some(b), Some(e)) = (&load_before, &load_after) {
         println!("load average (1/5/15 min) before {b}, after {e}");
     }
     if let Some(path) = &a.json {
         let mut v = to_json(&report, &a.model.display().to_string(), &date, load_before, load_after);
-        if let Some(p) = &profile {
-            v["profile"] = profile_json(p, report.bandwidth_best_gb_s(), a.profile_batch, ranks);
+        if let Some(ps) = &profile {
+            let gb_s = report.bandwidth_best_gb_s();
+            v["profile"] = profile_json(&ps[0], gb_s, a.profile_batch, ranks);
+            v["profile_per_rank"] = ps
+                .iter()
+                .enumerate()
+                .map(|(rank, p)| {
+                    let r = RankSummary::of(p, gb_s);
+                    json!({ "rank": rank, "steps": p.steps, "compute_ms_per_step": r.compute_ms, "collectives_ms_per_step": r.collectives_ms,
+                            "pipeline_ms_per_step": r.pipeline_ms, "ms_per_step": r.total_ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms })
+                })
+                .collect::<Vec<_>>()
+                .into();
         }
         let text = serde_json::to_string_pretty(&v).expect("serialising a JSON value");
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
@@ -423,7 +437,8 @@ fn profile_rows(p: &tessera_model::Profile, gb_s: f64) -> (Vec<ProfileRow>, f64)
             ProfileRow { module: kind.name(), calls: p.calls[i] as f64 / steps, ms: p.nanos[i] as f64 / steps / 1e6, mb, ideal_ms: mb / gb_s.max(1e-9) }
         })
         .collect();
-    let total = rows.iter().map(|r| r.ms).sum();
+    // fold from +0.0: an empty float sum is −0.0.
+    let total = rows.iter().fold(0.0, |a, r| a + r.ms);
     (rows, total)
 }
 
@@ -440,6 +455,46 @@ fn print_profile(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usi
         println!("| {} | {:.0} | {:.3} | {:.1} % | {:.2} | {:.3} | {over} |", r.module, r.calls, r.ms, 100.0 * r.ms / total.max(1e-12), r.mb, r.ideal_ms);
     }
     println!("| total | | {total:.3} | 100 % | | | |");
+}
+
+/// One rank's step split into its own work and its waits on the others.
+struct RankSummary {
+    compute_ms: f64,
+    collectives_ms: f64,
+    pipeline_ms: f64,
+    total_ms: f64,
+    mb: f64,
+    ideal_ms: f64,
+}
+
+impl RankSummary {
+    fn of(p: &tessera_model::Profile, gb_s: f64) -> RankSummary {
+        use tessera_model::ProfileKind;
+        let (rows, total_ms) = profile_rows(p, gb_s);
+        let ms_of = |kind: ProfileKind| rows.iter().find(|r| r.module == kind.name()).map_or(0.0, |r| r.ms);
+        let (collectives_ms, pipeline_ms) = (ms_of(ProfileKind::Collectives), ms_of(ProfileKind::Pipeline));
+        RankSummary {
+            compute_ms: total_ms - collectives_ms - pipeline_ms,
+            collectives_ms,
+            pipeline_ms,
+            total_ms,
+            mb: rows.iter().fold(0.0, |a, r| a + r.mb),
+            ideal_ms: rows.iter().fold(0.0, |a, r| a + r.ideal_ms),
+        }
+    }
+}
+
+/// Every rank's step in one line each: a slow rank shows as more compute than its
+/// peers, who show the difference as waiting in collectives or transfers.
+fn print_rank_summary(ps: &[tessera_model::Profile], gb_s: f64) {
+    println!("\nper rank (ms per step; collectives and pipeline transfers include waiting for the other ranks)\n");
+    println!("| rank | compute | collectives | pipeline transfers | total | MB/step | compute ÷ bandwidth-ideal |");
+    println!("|---|---|---|---|---|---|---|");
+    for (rank, p) in ps.iter().enumerate() {
+        let r = RankSummary::of(p, gb_s);
+        let over = if r.ideal_ms > 0.0 { format!("{:.1}", r.compute_ms / r.ideal_ms) } else { "–".into() };
+        println!("| {rank} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {over} |", r.compute_ms, r.collectives_ms, r.pipeline_ms, r.total_ms, r.mb);
+    }
 }
 
 fn profile_json(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usize) -> Value {

@@ -288,6 +288,18 @@ fn bench_runs_under_every_kind_of_placement() {
         for module in absent {
             assert!(row(&out, module).is_none(), "bench --profile {flags:?} has a {module:?} row:\n{out}");
         }
+        // Every rank's own profile came back: each did the steps and waited in its
+        // placement's kind of exchange (rank 1 included: its numbers are not rank 0's).
+        let per_rank = v.get("profile_per_rank").and_then(|v| v.as_array()).unwrap_or_else(|| panic!("no profile_per_rank: {v}"));
+        assert_eq!(per_rank.len(), 2, "{v}");
+        let waits = if flags[0] == "--pipeline" { "pipeline_ms_per_step" } else { "collectives_ms_per_step" };
+        for (rank, r) in per_rank.iter().enumerate() {
+            assert_eq!(r["rank"].as_u64(), Some(rank as u64));
+            assert_eq!(r["steps"].as_u64(), Some(6), "rank {rank}: {r}");
+            assert!(r[waits].as_f64().unwrap() > 0.0 && r["compute_ms_per_step"].as_f64().unwrap() > 0.0, "rank {rank}: {r}");
+        }
+        assert_ne!(per_rank[0]["compute_ms_per_step"], per_rank[1]["compute_ms_per_step"], "rank 1's row repeats rank 0's");
+        assert!(out.contains("| rank | compute | collectives | pipeline transfers |"), "no per-rank table:\n{out}");
     }
     // Refused before the model loads (else only after the timed runs).
     fails(1, &["bench", "--model", "no/such/model", "--profile", "--profile-batch", "0"], &["--profile-batch 0 outside 1..=256"]);

@@ -657,9 +657,9 @@ fn sum_f32(x: &[f32]) -> f32 {
 /// Decode of `batch` sequences with the per-module profiler on: where a step's time goes
 /// (`tessera bench --profile`). Each sequence first takes `decode_prompt` random tokens,
 /// then `steps` steps give each one token. It runs through the stepper of the timed
-/// measurements, after them: under a cluster the profile is rank 0's (its modules, its
-/// collectives, its waits for the pipeline).
-pub fn profile_on(stepper: &mut dyn Stepper, model: &DenseTransformer, cfg: &BenchConfig, steps: usize, batch: usize) -> Result<tessera_model::Profile, EngineError> {
+/// measurements, after them: under a cluster every rank profiles its own share (its
+/// modules, its collectives, its waits for the pipeline); the result is by rank.
+pub fn profile_on(stepper: &mut dyn Stepper, model: &DenseTransformer, cfg: &BenchConfig, steps: usize, batch: usize) -> Result<Vec<tessera_model::Profile>, EngineError> {
     let context = cfg.decode_prompt.max(1) + steps;
     if batch == 0 || batch > BATCH_MAX || batch > stepper.sequences_max() || batch > stepper.tokens_per_step_max() {
         return Err(EngineError::Config(format!(
@@ -685,13 +685,13 @@ pub fn profile_on(stepper: &mut dyn Stepper, model: &DenseTransformer, cfg: &Ben
     }
     let ids = rng.ids(steps * batch, vocab);
     let mut chunks: Vec<SeqChunk> = Vec::with_capacity(batch);
-    stepper.start_profile();
+    stepper.start_profile()?;
     for step in ids.chunks(batch) {
         chunks.clear();
         chunks.extend(step.iter().enumerate().map(|(i, t)| SeqChunk { cache: i, tokens: std::slice::from_ref(t), logits: LogitsFor::Last }));
         stepper.step(&chunks, &mut logits)?;
     }
-    Ok(stepper.take_profile().expect("profiling was started"))
+    stepper.take_profiles()
 }
 
 #[cfg(test)]

@@ -168,6 +168,10 @@ const PLAN_MAGIC: u32 = 0x7E55_E8A2;
 const OP_STEP: u32 = 1;
 const OP_RESET: u32 = 2;
 const OP_STOP: u32 = 3;
+/// Every rank starts profiling its steps.
+const OP_PROFILE_START: u32 = 4;
+/// Every rank stops profiling and all ranks' profiles are gathered (rank 0 keeps them).
+const OP_PROFILE_GATHER: u32 = 5;
 /// The wire header sent before a plan: magic, words, digest, step.
 const WIRE_HEAD: usize = 4;
 
@@ -197,8 +201,8 @@ struct InFlight {
 /// One rank's runtime: its shard, its caches, its place in the pipeline.
 pub struct Rank<'m> {
     model: &'m DenseTransformer,
-    /// Held for the groups' sake: dropping it closes the mesh.
-    _comm: Communicator,
+    /// The world: profiles are gathered over it; dropping it closes the mesh.
+    comm: Communicator,
     coll: CommCollectives,
     placement: Placement,
     rank: usize,
@@ -223,6 +227,8 @@ pub struct Rank<'m> {
     step_no: u32,
     /// Leader only: steps submitted and not yet collected, oldest first.
     in_flight: VecDeque<InFlight>,
+    /// Leader only: every rank's profile, by rank, after `OP_PROFILE_GATHER`.
+    profiles: Vec<Profile>,
     cfg: EngineConfig,
 }
 
@@ -296,7 +302,8 @@ impl<'m> Rank<'m> {
             placement,
             rank,
             stage,
-            _comm: comm,
+            profiles: Vec::new(),
+            comm,
             model,
             cfg,
         })
@@ -489,6 +496,17 @@ impl<'m> Rank<'m> {
                 Ok(None)
             }
             OP_STOP => Ok(None),
+            OP_PROFILE_START => {
+                self.ws.start_profile();
+                Ok(None)
+            }
+            OP_PROFILE_GATHER => {
+                let mine = self.ws.take_profile().unwrap_or_default().to_bytes();
+                let mut all = vec![0u8; Profile::WIRE_BYTES * self.placement.world];
+                self.comm.all_gather(&mine, &mut all, "profiles").map_err(dist_err)?;
+                self.profiles = all.chunks_exact(Profile::WIRE_BYTES).map(|b| Profile::from_bytes(b).expect("sized chunks")).collect();
+                Ok(None)
+            }
             other => Err(dist_err(format!("rank {}: unknown plan op {other}", self.rank))),
         }
     }
@@ -592,11 +610,17 @@ impl Stepper for DistLeader<'_> {
         r.in_flight.push_back(InFlight { step, rows });
         Ok(())
     }
-    fn start_profile(&mut self) {
-        self.r().ws.start_profile();
+    fn start_profile(&mut self) -> Result<(), EngineError> {
+        self.r().lead(OP_PROFILE_START, &[])?;
+        Ok(())
     }
-    fn take_profile(&mut self) -> Option<Profile> {
-        self.r().ws.take_profile()
+    fn take_profiles(&mut self) -> Result<Vec<Profile>, EngineError> {
+        let r = self.r();
+        if !r.in_flight.is_empty() {
+            return Err(EngineError::Config(format!("{} steps in flight: collect them before taking the profiles", r.in_flight.len())));
+        }
+        r.lead(OP_PROFILE_GATHER, &[])?;
+        Ok(std::mem::take(&mut r.profiles))
     }
     fn collect(&mut self, logits: &mut [f32]) -> Result<usize, EngineError> {
         let r = self.r();

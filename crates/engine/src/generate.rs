@@ -130,11 +130,12 @@ pub trait Stepper {
     fn bytes_read(&self) -> Option<u64> {
         None
     }
-    /// Starts a per-module [`Profile`] of the following steps, as this process (rank 0
-    /// under a cluster) runs them: its modules, its collectives, its waits.
-    fn start_profile(&mut self);
-    /// Stops profiling; what was collected since [`Stepper::start_profile`].
-    fn take_profile(&mut self) -> Option<Profile>;
+    /// Starts a per-module [`Profile`] of the following steps on every rank: each rank's
+    /// modules, its collectives, its waits.
+    fn start_profile(&mut self) -> Result<(), EngineError>;
+    /// Stops profiling; what each rank collected since [`Stepper::start_profile`], by
+    /// rank (one entry in a single process). No step may be in flight.
+    fn take_profiles(&mut self) -> Result<Vec<Profile>, EngineError>;
     /// Submit then collect.
     fn step(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<usize, EngineError> {
         self.submit(chunks)?;
@@ -206,11 +207,12 @@ impl Stepper for LocalStepper<'_> {
     fn bytes_read(&self) -> Option<u64> {
         Some(self.ws.bytes_read())
     }
-    fn start_profile(&mut self) {
+    fn start_profile(&mut self) -> Result<(), EngineError> {
         self.ws.start_profile();
+        Ok(())
     }
-    fn take_profile(&mut self) -> Option<Profile> {
-        self.ws.take_profile()
+    fn take_profiles(&mut self) -> Result<Vec<Profile>, EngineError> {
+        Ok(vec![self.ws.take_profile().unwrap_or_default()])
     }
     fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
         let n = self.caches.len();

@@ -365,7 +365,9 @@ fn decode_profile_accounts_for_the_bytes_read() {
     let cfg = BenchConfig { decode_prompt: 4, prefill_chunk: 8, ..BenchConfig::new(2) };
     let profile_decode = |model: &tessera_model::DenseTransformer, steps: usize| {
         let engine = EngineConfig { threads: 2, context_max: 16, prefill_chunk: 8, ..EngineConfig::for_model(model) };
-        profile_on(&mut LocalStepper::new(model, &engine), model, &cfg, steps, 1).unwrap()
+        let mut profiles = profile_on(&mut LocalStepper::new(model, &engine), model, &cfg, steps, 1).unwrap();
+        assert_eq!(profiles.len(), 1, "one process, one profile");
+        profiles.remove(0)
     };
     let model = load_model(&fixtures().join("qwen3")).unwrap();
     let p = profile_decode(&model, 5);

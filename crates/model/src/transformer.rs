@@ -2541,12 +2541,40 @@ pub struct Profile {
 }
 
 impl Profile {
+    /// Size of [`Profile::to_bytes`]: three counters per kind, then the step count.
+    pub const WIRE_BYTES: usize = (3 * ProfileKind::ALL.len() + 1) * 8;
+
     #[inline]
     fn add(&mut self, kind: ProfileKind, since: std::time::Instant, bytes: usize) {
         let i = kind as usize;
         self.nanos[i] += since.elapsed().as_nanos() as u64;
         self.bytes[i] += bytes as u64;
         self.calls[i] += 1;
+    }
+
+    /// Little-endian u64s: nanos, bytes and calls per kind, then steps (to gather the
+    /// ranks' profiles on rank 0).
+    pub fn to_bytes(&self) -> [u8; Profile::WIRE_BYTES] {
+        let mut out = [0u8; Profile::WIRE_BYTES];
+        let words = self.nanos.iter().chain(&self.bytes).chain(&self.calls).chain(std::iter::once(&self.steps));
+        for (chunk, w) in out.chunks_exact_mut(8).zip(words) {
+            chunk.copy_from_slice(&w.to_le_bytes());
+        }
+        out
+    }
+
+    /// The inverse of [`Profile::to_bytes`]; `None` for a slice of the wrong length.
+    pub fn from_bytes(b: &[u8]) -> Option<Profile> {
+        if b.len() != Profile::WIRE_BYTES {
+            return None;
+        }
+        let mut words = b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
+        let mut p = Profile::default();
+        for arr in [&mut p.nanos, &mut p.bytes, &mut p.calls] {
+            arr.iter_mut().for_each(|x| *x = words.next().expect("sized above"));
+        }
+        p.steps = words.next().expect("sized above");
+        Some(p)
     }
 }
 
