@@ -164,8 +164,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .enumerate()
                 .map(|(rank, p)| {
                     let r = RankSummary::of(p, gb_s);
+                    let modules: Vec<&str> = profile_rows(p, gb_s).0.iter().map(|m| m.module).collect();
                     json!({ "rank": rank, "steps": p.steps, "compute_ms_per_step": r.compute_ms, "collectives_ms_per_step": r.collectives_ms,
-                            "pipeline_ms_per_step": r.pipeline_ms, "ms_per_step": r.total_ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms })
+                            "pipeline_ms_per_step": r.pipeline_ms, "ms_per_step": r.total_ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms,
+                            "modules": modules })
                 })
                 .collect::<Vec<_>>()
                 .into();

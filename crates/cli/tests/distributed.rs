@@ -299,6 +299,11 @@ fn bench_runs_under_every_kind_of_placement() {
             assert!(r[waits].as_f64().unwrap() > 0.0 && r["compute_ms_per_step"].as_f64().unwrap() > 0.0, "rank {rank}: {r}");
         }
         assert_ne!(per_rank[0]["compute_ms_per_step"], per_rank[1]["compute_ms_per_step"], "rank 1's row repeats rank 0's");
+        // The LM head runs where logits are read: rank 0, and every rank of a split head.
+        let has_head = |r: &serde_json::Value| r["modules"].as_array().unwrap().iter().any(|m| m == "LM head");
+        let want_head_on_1 = flags[0] == "--tp";
+        assert!(flags[0] == "--pipeline" || has_head(&per_rank[0]), "rank 0 ran no LM head: {}", per_rank[0]["modules"]);
+        assert_eq!(has_head(&per_rank[1]), want_head_on_1 || flags[0] == "--pipeline", "rank 1's LM head under {flags:?}: {}", per_rank[1]["modules"]);
         assert!(out.contains("| rank | compute | collectives | pipeline transfers |"), "no per-rank table:\n{out}");
     }
     // Refused before the model loads (else only after the timed runs).

@@ -462,7 +462,16 @@ impl<'m> Rank<'m> {
                 self.ws.charge(ProfileKind::Pipeline, t0, 0);
             }
             let input = (self.stage > 0).then_some(&self.hidden_in[..n * h]);
-            let output = if last { StageOutput::Logits(&mut self.logits[..rows * v]) } else { StageOutput::Hidden(&mut self.hidden_out[..n * h]) };
+            let last_lead = (self.placement.pp - 1) * g;
+            // Only the last stage's lead passes logits on (to the leader, or it is the
+            // leader); the others compute them only where the head is split over them.
+            let output = if !last {
+                StageOutput::Hidden(&mut self.hidden_out[..n * h])
+            } else if self.rank == last_lead || self.placement.tp > 1 {
+                StageOutput::Logits(&mut self.logits[..rows * v])
+            } else {
+                StageOutput::Discard
+            };
             self.coll.step.set(step);
             self.model.forward_stage(&self.pool, &mut self.ws, &mut self.caches, &chunks, StageIo { input, output }, &self.coll)?;
             let t0 = self.ws.clock();
@@ -470,7 +479,6 @@ impl<'m> Rank<'m> {
                 let link = &self.pairs[&(self.rank, self.rank + g)];
                 link.send(&self.hidden_out[..n * h], 1, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
             }
-            let last_lead = (self.placement.pp - 1) * g;
             if self.placement.pp > 1 && self.rank == last_lead {
                 self.pairs[&(0, last_lead)].send(&self.logits[..rows * v], 0, step_tag(&mut tag, "logits", step)).map_err(dist_err)?;
             }

@@ -1714,6 +1714,7 @@ impl DenseTransformer {
                 return Err(StepError::LogitsBuffer { got: l.len(), need: logit_rows * c.vocab })
             }
             StageOutput::Hidden(o) if !self.spec.last_stage() && o.len() == n * h => {}
+            StageOutput::Discard if self.spec.last_stage() && self.spec.tp_size == 1 => {}
             _ => return Err(StepError::StageOutput { last_stage: self.spec.last_stage(), need: n * h }),
         }
         assert!(ws.threads >= pool.n_threads(), "workspace sized for fewer threads than the pool has");
@@ -1826,6 +1827,7 @@ impl DenseTransformer {
                 out.copy_from_slice(&ws.x[..n * h]);
                 return Ok(());
             }
+            StageOutput::Discard => return Ok(()),
             StageOutput::Logits(l) => l,
         };
         // Final norm of the rows that give logits, gathered contiguously into `xn`.
@@ -1894,6 +1896,10 @@ pub enum StageOutput<'a> {
     Logits(&'a mut [f32]),
     /// Other stages: hidden states `[n, hidden]` for the next stage.
     Hidden(&'a mut [f32]),
+    /// Last stage, on a rank whose logits nobody reads (an expert-parallel rank other
+    /// than the stage's lead): the final norm and the head are skipped. Not with a
+    /// tensor-parallel head, whose all-gather every rank joins.
+    Discard,
 }
 
 fn attn_linears(a: &Attn) -> Vec<&Linear> {
