@@ -164,10 +164,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .enumerate()
                 .map(|(rank, p)| {
                     let r = RankSummary::of(p, gb_s);
-                    let modules: Vec<&str> = profile_rows(p, gb_s).0.iter().map(|m| m.module).collect();
                     json!({ "rank": rank, "steps": p.steps, "compute_ms_per_step": r.compute_ms, "collectives_ms_per_step": r.collectives_ms,
                             "pipeline_ms_per_step": r.pipeline_ms, "ms_per_step": r.total_ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms,
-                            "modules": modules })
+                            "modules": r.modules })
                 })
                 .collect::<Vec<_>>()
                 .into();
@@ -419,7 +418,7 @@ fn utc_now() -> String {
 
 /// One module's line of the per-module table, per step.
 struct ProfileRow {
-    module: &'static str,
+    kind: tessera_model::ProfileKind,
     calls: f64,
     ms: f64,
     mb: f64,
@@ -436,7 +435,7 @@ fn profile_rows(p: &tessera_model::Profile, gb_s: f64) -> (Vec<ProfileRow>, f64)
         .filter(|&(_, i)| p.calls[i] > 0)
         .map(|(kind, i)| {
             let mb = p.bytes[i] as f64 / steps / 1e6;
-            ProfileRow { module: kind.name(), calls: p.calls[i] as f64 / steps, ms: p.nanos[i] as f64 / steps / 1e6, mb, ideal_ms: mb / gb_s.max(1e-9) }
+            ProfileRow { kind, calls: p.calls[i] as f64 / steps, ms: p.nanos[i] as f64 / steps / 1e6, mb, ideal_ms: mb / gb_s.max(1e-9) }
         })
         .collect();
     // fold from +0.0: an empty float sum is −0.0.
@@ -454,7 +453,7 @@ fn print_profile(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usi
     println!("|---|---|---|---|---|---|---|");
     for r in &rows {
         let over = if r.ideal_ms > 0.0 { format!("{:.1}", r.ms / r.ideal_ms) } else { "–".into() };
-        println!("| {} | {:.0} | {:.3} | {:.1} % | {:.2} | {:.3} | {over} |", r.module, r.calls, r.ms, 100.0 * r.ms / total.max(1e-12), r.mb, r.ideal_ms);
+        println!("| {} | {:.0} | {:.3} | {:.1} % | {:.2} | {:.3} | {over} |", r.kind.name(), r.calls, r.ms, 100.0 * r.ms / total.max(1e-12), r.mb, r.ideal_ms);
     }
     println!("| total | | {total:.3} | 100 % | | | |");
 }
@@ -467,13 +466,15 @@ struct RankSummary {
     total_ms: f64,
     mb: f64,
     ideal_ms: f64,
+    /// The modules it ran, in table order.
+    modules: Vec<&'static str>,
 }
 
 impl RankSummary {
     fn of(p: &tessera_model::Profile, gb_s: f64) -> RankSummary {
         use tessera_model::ProfileKind;
         let (rows, total_ms) = profile_rows(p, gb_s);
-        let ms_of = |kind: ProfileKind| rows.iter().find(|r| r.module == kind.name()).map_or(0.0, |r| r.ms);
+        let ms_of = |kind: ProfileKind| rows.iter().find(|r| r.kind == kind).map_or(0.0, |r| r.ms);
         let (collectives_ms, pipeline_ms) = (ms_of(ProfileKind::Collectives), ms_of(ProfileKind::Pipeline));
         RankSummary {
             compute_ms: total_ms - collectives_ms - pipeline_ms,
@@ -482,6 +483,7 @@ impl RankSummary {
             total_ms,
             mb: rows.iter().fold(0.0, |a, r| a + r.mb),
             ideal_ms: rows.iter().fold(0.0, |a, r| a + r.ideal_ms),
+            modules: rows.iter().map(|r| r.kind.name()).collect(),
         }
     }
 }
@@ -509,7 +511,7 @@ fn profile_json(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usiz
         "bandwidth_gb_s": gb_s,
         "ms_per_step": total,
         "modules": rows.iter().map(|r| json!({
-            "module": r.module, "calls_per_step": r.calls, "ms_per_step": r.ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms,
+            "module": r.kind.name(), "calls_per_step": r.calls, "ms_per_step": r.ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms,
         })).collect::<Vec<_>>(),
     })
 }
