@@ -818,6 +818,14 @@ fn fp8_as_q8_0_rounds_each_weight_to_its_nearest_step() {
     assert!(tessera_kernels::fp8_as_q8_0(rows, cols, &data).is_none());
 }
 
+/// Row `row` of `data` (rows of `format`, `cols` wide) as the scalar reference reads it.
+fn scalar_row(format: WeightFormat, cols: usize, data: &[u8], row: usize) -> Vec<f32> {
+    let row_bytes = format.row_bytes(cols).unwrap();
+    let mut w = vec![0.0; cols];
+    scalar::dequantize_row(format, &data[row * row_bytes..(row + 1) * row_bytes], &mut w);
+    w
+}
+
 /// For a layout made at load from another format (`dst`, of format `f`): every row's
 /// weights equal `source_row(row)` (within `weight_tol` relative; 0: exactly); the SIMD
 /// and scalar 8-row dots equal the exact sum over those weights and the q8 activations;
@@ -879,12 +887,7 @@ fn mxfp4_as_levels_keeps_every_weight() {
         }
         assert!(tessera_kernels::mxfp4_fits_levels(&data));
         let packed = tessera_kernels::mxfp4_as_levels(rows, cols, &data).expect("exponents in range");
-        let src_row = WeightFormat::Mxfp4.row_bytes(cols).unwrap();
-        let source_row = |row: usize| {
-            let mut w = vec![0.0; cols];
-            scalar::dequantize_row(WeightFormat::Mxfp4, &data[row * src_row..(row + 1) * src_row], &mut w);
-            w
-        };
+        let source_row = |row: usize| scalar_row(WeightFormat::Mxfp4, cols, &data, row);
         check_converted_rows8(&mut rng, WeightFormat::Mxfp4x8, WeightRows::new(WeightFormat::Mxfp4x8, rows, cols, &packed).unwrap(), &source_row, 0.0);
         data[0] = 150;
         assert!(!tessera_kernels::mxfp4_fits_levels(&data) && tessera_kernels::mxfp4_as_levels(rows, cols, &data).is_none());
@@ -910,12 +913,7 @@ fn nvfp4_as_levels_keeps_every_weight() {
         (data[0], data[19]) = (0x7E, 0x01);
         assert!(tessera_kernels::nvfp4_fits_levels(&data));
         let packed = tessera_kernels::nvfp4_as_levels(rows, cols, &data).expect("no NaN scale");
-        let src_row = WeightFormat::Nvfp4.row_bytes(cols).unwrap();
-        let source_row = |row: usize| {
-            let mut w = vec![0.0; cols];
-            scalar::dequantize_row(WeightFormat::Nvfp4, &data[row * src_row..(row + 1) * src_row], &mut w);
-            w
-        };
+        let source_row = |row: usize| scalar_row(WeightFormat::Nvfp4, cols, &data, row);
         check_converted_rows8(&mut rng, WeightFormat::Nvfp4x8, WeightRows::new(WeightFormat::Nvfp4x8, rows, cols, &packed).unwrap(), &source_row, 0.0);
         for bad in [0x7F, 0x80, 0xB8] {
             data[18 * (rows * cols / 32 - 1) + 1] = bad;
@@ -943,12 +941,7 @@ fn mlx_8bit_as_rows8_keeps_every_weight() {
         }
         assert!(tessera_kernels::affine_fits_f16(a8, &data));
         let packed = tessera_kernels::a8_as_rows8(group as usize, rows, cols, &data).expect("f16 scales fit");
-        let src_row = a8.row_bytes(cols).unwrap();
-        let source_row = |row: usize| {
-            let mut w = vec![0.0; cols];
-            scalar::dequantize_row(a8, &data[row * src_row..(row + 1) * src_row], &mut w);
-            w
-        };
+        let source_row = |row: usize| scalar_row(a8, cols, &data, row);
         check_converted_rows8(&mut rng, WeightFormat::A8x8, WeightRows::new(WeightFormat::A8x8, rows, cols, &packed).unwrap(), &source_row, 1e-6);
         data[0..4].copy_from_slice(&1e6f32.to_le_bytes());
         assert!(!tessera_kernels::affine_fits_f16(a8, &data) && tessera_kernels::a8_as_rows8(group as usize, rows, cols, &data).is_none());
