@@ -12,18 +12,6 @@ use tessera_model::{load_model, KvDtype, LogitsFor, StepLimits};
 
 const CASES: usize = 400;
 
-/// SplitMix64.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
 fn fixtures() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
@@ -56,15 +44,15 @@ fn corrupted_never_panic(targets: &[Target], model_path: &Path, seed: u64) {
     for case in 0..CASES {
         let mut files: Vec<Vec<u8>> = targets.iter().map(|t| t.original.clone()).collect();
         let mut edits = Vec::new(); // (file, offset, was, now)
-        for _ in 0..1 + rng.next() % 3 {
-            let file = rng.next() as usize % targets.len();
-            let at = rng.next() as usize % targets[file].header_bytes;
+        for _ in 0..1 + rng.next_u64() % 3 {
+            let file = rng.next_u64() as usize % targets.len();
+            let at = rng.next_u64() as usize % targets[file].header_bytes;
             let bytes = &mut files[file];
-            let value = match rng.next() % 4 {
+            let value = match rng.next_u64() % 4 {
                 0 => 0x00,
                 1 => 0xFF,
-                2 => bytes[at] ^ (1 << (rng.next() % 8)),
-                _ => rng.next() as u8,
+                2 => bytes[at] ^ (1 << (rng.next_u64() % 8)),
+                _ => rng.next_u64() as u8,
             };
             edits.push((file, at, bytes[at], value));
             bytes[at] = value;
