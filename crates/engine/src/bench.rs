@@ -458,10 +458,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
     let pages = PageUse { weights_arena_bytes, weights_huge_bytes, probe_bytes: bw_mem.len(), probe_huge_bytes: bw_mem.huge_page_bytes() };
 
     progress("warm-up");
-    stepper.reset(0)?;
-    for chunk in d_prompt.chunks(chunk_max) {
-        step1(stepper, chunk, &mut logits)?;
-    }
+    prefill(stepper, 0, &d_prompt, chunk_max, &mut logits)?;
     step1(stepper, &d_tokens[..1], &mut logits)?;
     read_bandwidth(&pool, bw_buf, 1);
 
@@ -497,10 +494,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
         }
 
         progress(&format!("round {}/{r}: decode {} tokens", round + 1, cfg.tg));
-        stepper.reset(0)?;
-        for chunk in d_prompt.chunks(chunk_max) {
-            step1(stepper, chunk, &mut logits)?;
-        }
+        prefill(stepper, 0, &d_prompt, chunk_max, &mut logits)?;
         let near_before = read_bandwidth(&pool, bw_buf, ADJACENT_PASSES);
         let bytes_before = stepper.bytes_read();
         let start = Instant::now();
@@ -516,10 +510,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
         for (j, &b) in cfg.batch.iter().enumerate() {
             progress(&format!("round {}/{r}: batch {b} × {} steps", round + 1, cfg.tg));
             for (i, p) in b_prompts[..b].iter().enumerate() {
-                stepper.reset(i)?;
-                for chunk in p.chunks(chunk_max) {
-                    stepper.step(&[SeqChunk { cache: i, tokens: chunk, logits: LogitsFor::Last }], &mut b_logits[..vocab])?;
-                }
+                prefill(stepper, i, p, chunk_max, &mut b_logits[..vocab])?;
             }
             let logits_b = &mut b_logits[..b * vocab];
             let bytes_before = stepper.bytes_read();
@@ -654,6 +645,16 @@ fn sum_f32(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + blocks.remainder().iter().sum::<f32>()
 }
 
+/// Starts sequence slot `seq` afresh with `prompt`, in steps of at most `chunk_max`
+/// tokens; `logits` takes each step's last row.
+fn prefill(stepper: &mut dyn Stepper, seq: usize, prompt: &[u32], chunk_max: usize, logits: &mut [f32]) -> Result<(), EngineError> {
+    stepper.reset(seq)?;
+    for chunk in prompt.chunks(chunk_max) {
+        stepper.step(&[SeqChunk { cache: seq, tokens: chunk, logits: LogitsFor::Last }], logits)?;
+    }
+    Ok(())
+}
+
 /// Decode of `batch` sequences with the per-module profiler on: where a step's time goes
 /// (`tessera bench --profile`). Each sequence first takes `decode_prompt` random tokens,
 /// then `steps` steps give each one token. It runs through the stepper of the timed
@@ -677,11 +678,8 @@ pub fn profile_on(stepper: &mut dyn Stepper, model: &DenseTransformer, cfg: &Ben
     let mut logits = vec![0.0; batch * vocab];
     let mut rng = TokenRng(cfg.seed ^ 0x9e37);
     for seq in 0..batch {
-        stepper.reset(seq)?;
         let prompt = rng.ids(cfg.decode_prompt.max(1), vocab);
-        for chunk in prompt.chunks(chunk_max) {
-            stepper.step(&[SeqChunk { cache: seq, tokens: chunk, logits: LogitsFor::Last }], &mut logits[..vocab])?;
-        }
+        prefill(stepper, seq, &prompt, chunk_max, &mut logits[..vocab])?;
     }
     let ids = rng.ids(steps * batch, vocab);
     let mut chunks: Vec<SeqChunk> = Vec::with_capacity(batch);
