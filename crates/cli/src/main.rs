@@ -317,6 +317,7 @@ pub(crate) fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
     Ok(Loaded { model, cluster: Some((comm, placement)) })
 }
 
+#[allow(clippy::large_enum_variant)] // one per process
 pub(crate) enum Engine<'m> {
     /// This process drives generation (alone, or as the cluster's leader).
     Drive(Generator<'m>),

@@ -263,8 +263,8 @@ impl<'m> Rank<'m> {
         let mut pairs = BTreeMap::new();
         let mut pair = |a: usize, b: usize, comm: &Communicator| -> Result<(), EngineError> {
             let key = (a.min(b), a.max(b));
-            if !pairs.contains_key(&key) {
-                pairs.insert(key, comm.group(&[key.0, key.1]).map_err(dist_err)?);
+            if let std::collections::btree_map::Entry::Vacant(slot) = pairs.entry(key) {
+                slot.insert(comm.group(&[key.0, key.1]).map_err(dist_err)?);
             }
             Ok(())
         };

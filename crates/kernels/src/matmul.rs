@@ -175,6 +175,7 @@ pub struct RowsJob<'a> {
 /// sparse MoE layer's experts (each on the tokens routed to it) in one region instead
 /// of one per expert: at batch-1 decode with top-8 that is 2 regions per layer, not
 /// 16. `x` is `n_rows × cols`, quantized once; `job(i)` describes job `i < jobs`.
+#[allow(clippy::too_many_arguments)] // a kernel entry point: pool, ISA, input, jobs, outputs, scratch
 pub fn matmul_jobs<'w>(
     pool: &ThreadPool,
     isa: Isa,

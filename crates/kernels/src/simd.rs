@@ -1794,7 +1794,7 @@ mod x86 {
         let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
         let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
         let mut y = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1] {
             y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
         }
         let y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0)));

@@ -152,8 +152,8 @@ fn dequantize_known_blocks() {
     let mut q8 = f16::from_f32(2.0).to_le_bytes().to_vec();
     q8.extend((0..32i32).map(|j| (j - 16) as i8 as u8));
     scalar::dequantize_row(WeightFormat::Q8_0, &q8, &mut out);
-    for j in 0..32 {
-        assert_eq!(out[j], 2.0 * (j as f32 - 16.0));
+    for (j, o) in out.iter().enumerate() {
+        assert_eq!(*o, 2.0 * (j as f32 - 16.0));
     }
     // Float formats.
     let vals = [1.5f32, -2.25, 0.0, 3.0e-3];
@@ -238,8 +238,8 @@ fn mxfp4_and_affine_known_blocks() {
     a8.extend((-3.0f32).to_le_bytes());
     a8.extend(0..32u8);
     scalar::dequantize_row(WeightFormat::A8 { group: 32 }, &a8, &mut out);
-    for j in 0..32 {
-        assert_eq!(out[j], 0.5 * j as f32 - 3.0);
+    for (j, o) in out.iter().enumerate() {
+        assert_eq!(*o, 0.5 * j as f32 - 3.0);
     }
 }
 

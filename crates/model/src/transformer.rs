@@ -179,6 +179,8 @@ struct Moe {
     shared: Option<Mlp>,
 }
 
+// One per layer, built at load: the size difference costs nothing on the hot path.
+#[allow(clippy::large_enum_variant)]
 enum Ffn {
     Dense(Mlp),
     Moe(Moe),
