@@ -1022,7 +1022,7 @@ mod x86 {
                 unsafe fn k4<const FIVE: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
                     let (sup_bytes, sub_bytes) = if FIVE { (1440, 160) } else { (1184, 128) };
                     let supers = x.len() / 8;
-                    assert!(x.len() % 8 == 0 && group.len() >= supers * sup_bytes);
+                    assert!(x.len().is_multiple_of(8) && group.len() >= supers * sup_bytes);
                     let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for sb in 0..supers {
                         let p = group.as_ptr().add(sb * sup_bytes);
@@ -1051,7 +1051,7 @@ mod x86 {
                 #[target_feature(enable = $features)]
                 unsafe fn k6(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
                     let supers = x.len() / 8;
-                    assert!(x.len() % 8 == 0 && group.len() >= supers * 1680);
+                    assert!(x.len().is_multiple_of(8) && group.len() >= supers * 1680);
                     let mut acc = _mm256_setzero_ps();
                     for sb in 0..supers {
                         let p = group.as_ptr().add(sb * 1680);
@@ -1078,7 +1078,7 @@ mod x86 {
                     let mut acc = _mm256_setzero_ps();
                     if XS {
                         let supers = x.len() / 8;
-                        assert!(x.len() % 8 == 0 && group.len() >= supers * 1104);
+                        assert!(x.len().is_multiple_of(8) && group.len() >= supers * 1104);
                         for sb in 0..supers {
                             let p = group.as_ptr().add(sb * 1104);
                             let mut acc_s = _mm256_setzero_ps();
@@ -1116,7 +1116,7 @@ mod x86 {
                 unsafe fn k23<const THREE: bool>(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
                     let (sup_bytes, head, sub_bytes) = if THREE { (912, 144, 96) } else { (672, 160, 64) };
                     let supers = x.len() / 8;
-                    assert!(x.len() % 8 == 0 && group.len() >= supers * sup_bytes);
+                    assert!(x.len().is_multiple_of(8) && group.len() >= supers * sup_bytes);
                     let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for sb in 0..supers {
                         let p = group.as_ptr().add(sb * sup_bytes);
@@ -1329,7 +1329,7 @@ mod x86 {
                     let (sup_bytes, sub_bytes) = if FIVE { (1440, 160) } else { (1184, 128) };
                     let blocks = xs[0].len();
                     let supers = blocks / 8;
-                    assert!(blocks % 8 == 0 && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
+                    assert!(blocks.is_multiple_of(8) && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
                     let mut acc = [_mm256_setzero_ps(); 4];
                     let mut acc_m = [_mm256_setzero_ps(); 4];
                     let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
@@ -1364,7 +1364,7 @@ mod x86 {
                 unsafe fn k6(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
                     let blocks = xs[0].len();
                     let supers = blocks / 8;
-                    assert!(blocks % 8 == 0 && group.len() >= supers * 1680 && xs.iter().all(|x| x.len() == blocks));
+                    assert!(blocks.is_multiple_of(8) && group.len() >= supers * 1680 && xs.iter().all(|x| x.len() == blocks));
                     let mut acc = [_mm256_setzero_ps(); 4];
                     let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
                     for sb in 0..supers {
@@ -1397,7 +1397,7 @@ mod x86 {
                     let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
                     if XS {
                         let supers = blocks / 8;
-                        assert!(blocks % 8 == 0 && group.len() >= supers * 1104);
+                        assert!(blocks.is_multiple_of(8) && group.len() >= supers * 1104);
                         for sb in 0..supers {
                             let p = group.as_ptr().add(sb * 1104);
                             let mut acc_s = [_mm256_setzero_ps(); 4];
@@ -1436,7 +1436,7 @@ mod x86 {
                     let (sup_bytes, head, sub_bytes) = if THREE { (912, 144, 96) } else { (672, 160, 64) };
                     let blocks = xs[0].len();
                     let supers = blocks / 8;
-                    assert!(blocks % 8 == 0 && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
+                    assert!(blocks.is_multiple_of(8) && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
                     let (mut acc, mut acc_m) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
                     let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
                     for sb in 0..supers {
@@ -2574,9 +2574,6 @@ mod arm {
         }
     }
 
-    /// MLX affine (A4/A8) and MXFP4 rows with f32 activations, dequantized in registers
-    /// (the formats mlx-community checkpoints ship in).
-    #[target_feature(enable = "neon")]
     /// FP8 block `c` of a row as 8 vectors of 4 f32. As on x86: E4M3 bits placed into an
     /// f16 are the value × 2^-8 (subnormals included); FCVTL widens them; the scale takes
     /// back 2^8. A block with a NaN code (S.1111.111) goes through the scalar decoder.
@@ -2666,7 +2663,7 @@ mod arm {
     pub unsafe fn dot_float_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
         let (g, bb) = (format.block_elems(), format.block_bytes());
         let n = xs[0].len();
-        let whole = n % g == 0 && row.len() >= n / g * bb && xs.iter().all(|x| x.len() == n);
+        let whole = n.is_multiple_of(g) && row.len() >= n / g * bb && xs.iter().all(|x| x.len() == n);
         match kind32(format) {
             Some(KIND_MXFP4) if whole => dot32_x4_t::<KIND_MXFP4>(format, row, xs),
             Some(KIND_A4) if whole => dot32_x4_t::<KIND_A4>(format, row, xs),
@@ -2695,7 +2692,7 @@ mod arm {
 
     unsafe fn dot_block(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
         let (g, bb) = (format.block_elems(), format.block_bytes());
-        assert!(x.len() % g == 0 && row.len() >= x.len() / g * bb, "{format}: row is not whole blocks");
+        assert!(x.len().is_multiple_of(g) && row.len() >= x.len() / g * bb, "{format}: row is not whole blocks");
         // Eight accumulators: Apple cores run four 128-bit FMAs per cycle at ~4 cycles of
         // latency, so fewer chains leave the FMA units waiting.
         let mut acc = [vdupq_n_f32(0.0); 8];
@@ -2841,7 +2838,7 @@ mod arm {
             }
             WeightFormat::Q4K | WeightFormat::Q5K => {
                 let five = format == WeightFormat::Q5K;
-                assert!(x.len() % 8 == 0 && row.len() >= x.len() / 8 * bb);
+                assert!(x.len().is_multiple_of(8) && row.len() >= x.len() / 8 * bb);
                 let one = vdupq_n_u8(1);
                 for (sb, xs) in x.chunks_exact(8).enumerate() {
                     let b = row.as_ptr().add(sb * bb);
@@ -2865,7 +2862,7 @@ mod arm {
                 }
             }
             WeightFormat::Q6K => {
-                assert!(x.len() % 8 == 0 && row.len() >= x.len() / 8 * 210);
+                assert!(x.len().is_multiple_of(8) && row.len() >= x.len() / 8 * 210);
                 let three = vdupq_n_u8(3);
                 for (sb, xs) in x.chunks_exact(8).enumerate() {
                     let b = row.as_ptr().add(sb * 210);
@@ -2890,7 +2887,7 @@ mod arm {
                 // As Q6_K: per q8 block two 16-element groups, SDOT on signed values
                 // (Q3_K's 3-bit value less 4; Q2_K's 0..3, its min term from `half_sums`).
                 let q3 = format == WeightFormat::Q3K;
-                assert!(x.len() % 8 == 0 && row.len() >= x.len() / 8 * bb);
+                assert!(x.len().is_multiple_of(8) && row.len() >= x.len() / 8 * bb);
                 let (three, one) = (vdupq_n_u8(3), vdupq_n_u8(1));
                 for (sb, xs) in x.chunks_exact(8).enumerate() {
                     let b = row.as_ptr().add(sb * bb);
@@ -2932,7 +2929,7 @@ mod arm {
                     dot32([vqtbl1q_s8(levels, vandq_u8(c, low)), vqtbl1q_s8(levels, vshrq_n_u8::<4>(c))], xb.qs.as_ptr())
                 };
                 if format == WeightFormat::Iq4Xs {
-                    assert!(x.len() % 8 == 0 && row.len() >= x.len() / 8 * 136);
+                    assert!(x.len().is_multiple_of(8) && row.len() >= x.len() / 8 * 136);
                     for (sb, xs) in x.chunks_exact(8).enumerate() {
                         let b = row.as_ptr().add(sb * 136);
                         let (d, blk) = (f16(b), std::slice::from_raw_parts(b, 136));
@@ -3116,7 +3113,7 @@ mod arm {
         let sup_bytes = 8 * format.block_bytes();
         let blocks = xs[0].len();
         let supers = blocks / 8;
-        assert!(blocks % 8 == 0 && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
+        assert!(blocks.is_multiple_of(8) && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
         let levels = vld1q_s8(scalar::IQ4_LEVELS.as_ptr());
         let (low, three, m32, one) = (vdupq_n_u8(0x0F), vdupq_n_u8(3), vdupq_n_s8(32), vdupq_n_u8(1));
         let zero = [[vdupq_n_f32(0.0); 2]; T];
