@@ -262,11 +262,21 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n
         // Four float rows (one stream), two tokens per pass.
         (_, 4) => each_token::<2, 4>(0..n_tokens, rows, 4 * u, y, |t| isa.dot_f32_rows4_x2(f, unit(4), [x_of(t), x_of(t + 1)]), |t| isa.dot_f32_rows4(f, unit(4), x_of(t))),
         (_, 8) => {
-            // Eight tokens per pass, then four, then one.
+            // Eight tokens per pass, then four, then the last two or three together where
+            // the layout has a kernel for that (each block unpacked once), else one by one.
             let t8 = n_tokens / 8 * 8;
+            let t4 = t8 + (n_tokens - t8) / 4 * 4;
             let q8 = |t: usize| std::array::from_fn(|k| xq_of(t + k));
             each_token::<8, 8>(0..t8, rows, 8 * u, y, |t| isa.dot_q8_rows8_x8(f, unit(8), q8(t)), |_| unreachable!("whole passes of 8"));
-            each_token::<4, 8>(t8..n_tokens, rows, 8 * u, y, |t| isa.dot_q8_rows8_x4(f, unit(8), q4(t)), |t| isa.dot_q8_rows8(f, unit(8), xq_of(t)));
+            each_token::<4, 8>(t8..t4, rows, 8 * u, y, |t| isa.dot_q8_rows8_x4(f, unit(8), q4(t)), |_| unreachable!("whole passes of 4"));
+            let few = match n_tokens - t4 {
+                2 => isa.dot_q8_rows8_few::<2>(f, unit(8), [xq_of(t4), xq_of(t4 + 1)]).map(|v| each_token::<2, 8>(t4..n_tokens, rows, 8 * u, y, |_| v, |_| unreachable!("one pass of 2"))),
+                3 => isa.dot_q8_rows8_few::<3>(f, unit(8), [xq_of(t4), xq_of(t4 + 1), xq_of(t4 + 2)]).map(|v| each_token::<3, 8>(t4..n_tokens, rows, 8 * u, y, |_| v, |_| unreachable!("one pass of 3"))),
+                _ => None,
+            };
+            if few.is_none() {
+                each_token::<4, 8>(t4..n_tokens, rows, 8 * u, y, |_| unreachable!("fewer than 4 left"), |t| isa.dot_q8_rows8(f, unit(8), xq_of(t)));
+            }
         }
         _ if f.int8_activations() => each_token::<4, 1>(0..n_tokens, rows, u, y, |t| isa.dot_q8_x4(f, w.row(u), q4(t)).map(|v| [v]), |t| [isa.dot_q8(f, w.row(u), xq_of(t))]),
         _ => each_token::<4, 1>(0..n_tokens, rows, u, y, |t| isa.dot_f32_x4(f, w.row(u), f4(t)).map(|v| [v]), |t| [isa.dot_f32(f, w.row(u), x_of(t))]),

@@ -191,19 +191,26 @@ impl Isa {
     /// [`Isa::dot_q8_rows8_x4`] passes. The same results either way, bit for bit.
     #[inline]
     pub fn dot_q8_rows8_x8(self, format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 8]) -> [[f32; 8]; 8] {
-        let eight = match self {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: see dot_q8_rows8.
-            Isa::Avx512Vnni => unsafe { x86::dot_q8_rows8_x8_vnni(format, group, xs) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: see dot_f32.
-            Isa::Avx2 => unsafe { x86::dot_q8_rows8_x8(format, group, xs) },
-            _ => None,
-        };
-        eight.unwrap_or_else(|| {
+        self.dot_q8_rows8_few(format, group, xs).unwrap_or_else(|| {
             let (a, b) = (self.dot_q8_rows8_x4(format, group, [xs[0], xs[1], xs[2], xs[3]]), self.dot_q8_rows8_x4(format, group, [xs[4], xs[5], xs[6], xs[7]]));
             std::array::from_fn(|t| if t < 4 { a[t] } else { b[t - 4] })
         })
+    }
+
+    /// [`Isa::dot_q8_rows8`] for `T` tokens in one pass over the group, each block's
+    /// nibbles unpacked once for all of them: the 4- and 5-bit layouts on x86 (the same
+    /// results, bit for bit, as those tokens in a four-token pass); `None` elsewhere.
+    #[inline]
+    pub fn dot_q8_rows8_few<const T: usize>(self, format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> Option<[[f32; 8]; T]> {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_q8_rows8.
+            Isa::Avx512Vnni => unsafe { x86::dot_q8_rows8_xn_vnni(format, group, xs) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 => unsafe { x86::dot_q8_rows8_xn(format, group, xs) },
+            _ => None,
+        }
     }
 
     /// Two consecutive 8-row groups (`pair` = both groups' bytes, 16 rows) against four
@@ -1247,18 +1254,19 @@ mod x86 {
                 std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
             }
 
-            /// Eight tokens at once for the 4- and 5-bit block formats (nibble unpacking
-            /// shared by eight: 1.08–1.18× two four-token passes, alternating in one
-            /// process on this project's Zen 3; the 32-token GEMM bench 5–8 %); `None`
-            /// for the other layouts, which take [`Isa::dot_q8_rows8_x4`] twice (Q5_Kx8
-            /// and Q8_0x8 ran slower at eight: their accumulators spill).
+            /// `T` tokens at once for the 4- and 5-bit block formats, `None` for the other
+            /// layouts. Eight: nibble unpacking shared by eight, 1.08–1.18× two four-token
+            /// passes, alternating in one process on this project's Zen 3; the 32-token
+            /// GEMM bench 5–8 % (the other layouts take [`Isa::dot_q8_rows8_x4`] twice:
+            /// Q5_Kx8 and Q8_0x8 ran slower at eight, their accumulators spill). Two or
+            /// three: the tokens a batch leaves over after its passes of four.
             #[target_feature(enable = $features)]
-            pub unsafe fn $eight(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 8]) -> Option<[[f32; 8]; 8]> {
+            pub unsafe fn $eight<const T: usize>(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> Option<[[f32; 8]; T]> {
                 Some(match format {
-                    WeightFormat::Q4_0x8 => $u4_many::<false, false, 8>(group, xs),
-                    WeightFormat::Q4_1x8 => $u4_many::<true, false, 8>(group, xs),
-                    WeightFormat::Q5_0x8 => $u4_many::<false, true, 8>(group, xs),
-                    WeightFormat::Q5_1x8 => $u4_many::<true, true, 8>(group, xs),
+                    WeightFormat::Q4_0x8 => $u4_many::<false, false, T>(group, xs),
+                    WeightFormat::Q4_1x8 => $u4_many::<true, false, T>(group, xs),
+                    WeightFormat::Q5_0x8 => $u4_many::<false, true, T>(group, xs),
+                    WeightFormat::Q5_1x8 => $u4_many::<true, true, T>(group, xs),
                     _ => return None,
                 })
             }
@@ -1650,8 +1658,8 @@ mod x86 {
         ([f(_mm256_and_si256(a, low)), f(_mm256_and_si256(b, low))], [f(_mm256_srli_epi32(a, 4)), f(_mm256_srli_epi32(b, 4))])
     }
 
-    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_x8, avx2_u4_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
-    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_x8_vnni, vnni_u4_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
+    rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_xn, avx2_u4_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
+    rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_xn_vnni, vnni_u4_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
 
     /// Two 8-row groups against four tokens on 512-bit registers: each chunk's two
     /// 32-byte halves (group g, group g + 1) share the broadcast activations, so one

@@ -441,8 +441,9 @@ fn interleaved_rows_are_the_source_rows() {
             assert_eq!(packed.len(), data.len() + extra);
             let src = WeightRows::new(format, rows, cols, &data).unwrap();
             let dst = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
-            // 13 tokens: matmul takes a pass of eight, one of four and one alone.
-            const TOKENS: usize = 13;
+            // Up to 15 tokens: matmul takes a pass of eight, one of four, then one, two
+            // or three tokens (13, 14, 15).
+            const TOKENS: usize = 15;
             let x = random_vec(&mut rng, TOKENS * cols);
             let mut xq = vec![BlockQ8::default(); cols / 32];
             quantize_row_scalar(&x[..cols], &mut xq);
@@ -454,6 +455,14 @@ fn interleaved_rows_are_the_source_rows() {
                 let four = [0, 4].map(|t0| isa.dot_q8_rows8_x4(packed_format, dst.group8(g), std::array::from_fn(|k| xs8[t0 + k])));
                 for t in 0..8 {
                     assert_eq!(eight[t].map(f32::to_bits), four[t / 4][t % 4].map(f32::to_bits), "{packed_format} {rows}x{cols} group {g}: token {t} of eight");
+                }
+                // Two or three tokens in one pass are those tokens of a four-token pass.
+                let two = isa.dot_q8_rows8_few::<2>(packed_format, dst.group8(g), [xs8[0], xs8[1]]);
+                let three = isa.dot_q8_rows8_few::<3>(packed_format, dst.group8(g), [xs8[0], xs8[1], xs8[2]]);
+                assert_eq!(two.is_some(), three.is_some(), "{packed_format}: a kernel for two tokens but not three, or the reverse");
+                for (t, v) in two.iter().flatten().chain(three.iter().flatten()).enumerate() {
+                    let t = if t < 2 { t } else { t - 2 };
+                    assert_eq!(v.map(f32::to_bits), four[0][t].map(f32::to_bits), "{packed_format} {rows}x{cols} group {g}: token {t} of a short pass");
                 }
                 let mut w8 = vec![0.0; 8 * cols];
                 scalar::dequantize_rows8(packed_format, dst.group8(g), &mut w8);
@@ -469,14 +478,14 @@ fn interleaved_rows_are_the_source_rows() {
                     assert!((simd[r] - want).abs() <= 1e-5 * mag, "{packed_format} simd row {r}: {} vs {want}", simd[r]);
                 }
             }
-            for threads in [1, 2] {
+            for (threads, tokens) in [(1, 13), (2, 14), (1, 15), (2, 15)] {
                 let pool = ThreadPool::new(threads);
-                let mut scratch = MatmulScratch::new(TOKENS, cols);
-                let (mut y0, mut y1) = (vec![0.0; TOKENS * rows], vec![0.0; TOKENS * rows]);
-                matmul(&pool, isa, src, &x, TOKENS, &mut y0, &mut scratch);
-                matmul(&pool, isa, dst, &x, TOKENS, &mut y1, &mut scratch);
-                for (a, b) in y0.iter().zip(&y1) {
-                    assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{packed_format} matmul: {a} vs {b}");
+                let mut scratch = MatmulScratch::new(tokens, cols);
+                let (mut y0, mut y1) = (vec![0.0; tokens * rows], vec![0.0; tokens * rows]);
+                matmul(&pool, isa, src, &x[..tokens * cols], tokens, &mut y0, &mut scratch);
+                matmul(&pool, isa, dst, &x[..tokens * cols], tokens, &mut y1, &mut scratch);
+                for (i, (a, b)) in y0.iter().zip(&y1).enumerate() {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{packed_format} matmul, {tokens} tokens, token {}: {a} vs {b}", i / rows);
                 }
             }
         }
