@@ -202,6 +202,8 @@ impl Isa {
     /// results, bit for bit, as those tokens in a four-token pass); `None` elsewhere.
     #[inline]
     pub fn dot_q8_rows8_few<const T: usize>(self, format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> Option<[[f32; 8]; T]> {
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (format, group, xs);
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_q8_rows8.
