@@ -267,20 +267,31 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n
             let t8 = n_tokens / 8 * 8;
             let t4 = t8 + (n_tokens - t8) / 4 * 4;
             let q8 = |t: usize| std::array::from_fn(|k| xq_of(t + k));
-            each_token::<8, 8>(0..t8, rows, 8 * u, y, |t| isa.dot_q8_rows8_x8(f, unit(8), q8(t)), |_| unreachable!("whole passes of 8"));
-            each_token::<4, 8>(t8..t4, rows, 8 * u, y, |t| isa.dot_q8_rows8_x4(f, unit(8), q4(t)), |_| unreachable!("whole passes of 4"));
-            let few = match n_tokens - t4 {
-                2 => isa.dot_q8_rows8_few::<2>(f, unit(8), [xq_of(t4), xq_of(t4 + 1)]).map(|v| each_token::<2, 8>(t4..n_tokens, rows, 8 * u, y, |_| v, |_| unreachable!("one pass of 2"))),
-                3 => isa.dot_q8_rows8_few::<3>(f, unit(8), [xq_of(t4), xq_of(t4 + 1), xq_of(t4 + 2)]).map(|v| each_token::<3, 8>(t4..n_tokens, rows, 8 * u, y, |_| v, |_| unreachable!("one pass of 3"))),
-                _ => None,
+            let (group, r0) = (unit(8), 8 * u);
+            each_token::<8, 8>(0..t8, rows, r0, y, |t| isa.dot_q8_rows8_x8(f, group, q8(t)), |_| unreachable!("whole passes of 8"));
+            each_token::<4, 8>(t8..t4, rows, r0, y, |t| isa.dot_q8_rows8_x4(f, group, q4(t)), |_| unreachable!("whole passes of 4"));
+            let together = match n_tokens - t4 {
+                2 => few_pass::<2>(isa, f, group, &xq_of, t4, rows, r0, y),
+                3 => few_pass::<3>(isa, f, group, &xq_of, t4, rows, r0, y),
+                _ => false,
             };
-            if few.is_none() {
-                each_token::<4, 8>(t4..n_tokens, rows, 8 * u, y, |_| unreachable!("fewer than 4 left"), |t| isa.dot_q8_rows8(f, unit(8), xq_of(t)));
+            if !together {
+                each_token::<1, 8>(t4..n_tokens, rows, r0, y, |t| [isa.dot_q8_rows8(f, group, xq_of(t))], |_| unreachable!("passes of one"));
             }
         }
         _ if f.int8_activations() => each_token::<4, 1>(0..n_tokens, rows, u, y, |t| isa.dot_q8_x4(f, w.row(u), q4(t)).map(|v| [v]), |t| [isa.dot_q8(f, w.row(u), xq_of(t))]),
         _ => each_token::<4, 1>(0..n_tokens, rows, u, y, |t| isa.dot_f32_x4(f, w.row(u), f4(t)).map(|v| [v]), |t| [isa.dot_f32(f, w.row(u), x_of(t))]),
     }
+}
+
+/// Tokens `t0 .. t0 + T` against one 8-row group in one pass ([`Isa::dot_q8_rows8_few`]),
+/// results to `y`; false (nothing written) where the layout has no such kernel.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn few_pass<'x, const T: usize>(isa: Isa, f: WeightFormat, group: &[u8], xq_of: &dyn Fn(usize) -> &'x [BlockQ8], t0: usize, rows: usize, r0: usize, y: SharedMut<f32>) -> bool {
+    let Some(v) = isa.dot_q8_rows8_few::<T>(f, group, std::array::from_fn(|k| xq_of(t0 + k))) else { return false };
+    each_token::<T, 8>(t0..t0 + T, rows, r0, y, |_| v, |_| unreachable!("one pass of {T}"));
+    true
 }
 
 /// Rows `r0 .. r0 + R` for tokens `tokens`: `P` tokens per pass through `many` (the

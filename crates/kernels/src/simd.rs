@@ -875,9 +875,7 @@ mod x86 {
     /// Asks for `lines` cache lines `PREFETCH_BYTES` past `p` (a hint: any address is safe).
     #[inline(always)]
     unsafe fn prefetch_ahead(p: *const u8, lines: usize) {
-        for line in 0..lines {
-            _mm_prefetch(p.wrapping_add(PREFETCH_BYTES + 64 * line) as *const i8, _MM_HINT_T0);
-        }
+        prefetch_row(p.wrapping_add(PREFETCH_BYTES), 64 * lines);
     }
 
     /// The interleaved kernels (`Q4_0x8`, `Q4_1x8`, `Q8_0x8`; one token, and four tokens
@@ -897,7 +895,7 @@ mod x86 {
     /// The integer sums are exact either way, so the two ISAs' results are equal bit for
     /// bit (`vnni_kernels_equal_avx2_bit_for_bit`).
     macro_rules! rows8_kernels {
-        ($features:literal, $one:ident, $four:ident, $eight:ident, $u4_many:ident, $nv_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+        ($features:literal, $one:ident, $four:ident, $many:ident, $u4_many:ident, $nv_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
             /// The integer sums of one 32-column block of 8 interleaved IQ4 rows (indices at
             /// `qp` in Q4_0x8's order) against `T` tokens: each chunk's indices become int8
             /// levels of `table` (IQ4's, or MXFP4's doubled values) by PSHUFB (once for all tokens), then signed products as in Q8_0x8
@@ -1263,7 +1261,7 @@ mod x86 {
             /// Q5_Kx8 and Q8_0x8 ran slower at eight, their accumulators spill). Two or
             /// three: the tokens a batch leaves over after its passes of four.
             #[target_feature(enable = $features)]
-            pub unsafe fn $eight<const T: usize>(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> Option<[[f32; 8]; T]> {
+            pub unsafe fn $many<const T: usize>(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> Option<[[f32; 8]; T]> {
                 Some(match format {
                     WeightFormat::Q4_0x8 => $u4_many::<false, false, T>(group, xs),
                     WeightFormat::Q4_1x8 => $u4_many::<true, false, T>(group, xs),
@@ -1836,8 +1834,8 @@ mod x86 {
     }
 
     /// Prefetch the cache lines of `bytes` from `p` (a hint: any address is safe).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
+    /// Plain SSE: inlined into every kernel, whatever its features.
+    #[inline(always)]
     unsafe fn prefetch_row(p: *const u8, bytes: usize) {
         // A plain loop: `step_by`'s iterator cost more than the prefetches (2–4 lines).
         let mut line = 0;
