@@ -63,8 +63,9 @@ pub struct BenchArgs {
     #[arg(long)]
     secret_file: Option<PathBuf>,
     /// Also profile decode per module (router, attention, experts, norms, LM head,
-    /// collectives, pipeline transfers; batch 1, or --profile-batch): measured time,
-    /// bandwidth-ideal time, overhead ratio. Under placement flags the table is rank 0's.
+    /// collectives, pipeline transfers; batch 1, or --profile-batch): measured time, ideal
+    /// time (bytes at the measured bandwidth or multiply-adds at the measured ceilings,
+    /// whichever is longer), overhead ratio. Under placement flags the table is rank 0's.
     #[arg(long)]
     profile: bool,
     /// Sequences per step in the --profile run (batched decode's per-module table).
@@ -146,9 +147,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     }
     if let Some(ps) = &profile {
-        print_profile(&ps[0], report.bandwidth_best_gb_s(), a.profile_batch, ranks);
+        print_profile(&ps[0], Limits::of(&report), a.profile_batch, ranks);
         if ps.len() > 1 {
-            print_rank_summary(ps, report.bandwidth_best_gb_s());
+            print_rank_summary(ps, Limits::of(&report));
         }
     }
     if let (Some(b), Some(e)) = (&load_before, &load_after) {
@@ -157,13 +158,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(path) = &a.json {
         let mut v = to_json(&report, &a.model.display().to_string(), &date, load_before, load_after);
         if let Some(ps) = &profile {
-            let gb_s = report.bandwidth_best_gb_s();
-            v["profile"] = profile_json(&ps[0], gb_s, a.profile_batch, ranks);
+            let lim = Limits::of(&report);
+            v["profile"] = profile_json(&ps[0], lim, a.profile_batch, ranks);
             v["profile_per_rank"] = ps
                 .iter()
                 .enumerate()
                 .map(|(rank, p)| {
-                    let r = RankSummary::of(p, gb_s);
+                    let r = RankSummary::of(p, lim);
                     json!({ "rank": rank, "steps": p.steps, "compute_ms_per_step": r.compute_ms, "collectives_ms_per_step": r.collectives_ms,
                             "pipeline_ms_per_step": r.pipeline_ms, "ms_per_step": r.total_ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms,
                             "modules": r.modules })
@@ -422,12 +423,32 @@ struct ProfileRow {
     calls: f64,
     ms: f64,
     mb: f64,
+    /// Multiply-adds of its matrix products (int8 and f32 together), in G.
+    gmac: f64,
     /// Time its bytes take at the measured bandwidth.
+    bandwidth_ms: f64,
+    /// Time its multiply-adds take at the measured int8 and f32 ceilings.
+    compute_ms: f64,
+    /// The larger of the two: the time this module cannot beat on this machine.
     ideal_ms: f64,
 }
 
+/// The measured limits a profile is held against: read bandwidth and the [int8, f32]
+/// multiply-add ceilings (GMAC/s, the kernels' multiply step alone).
+#[derive(Clone, Copy)]
+struct Limits {
+    gb_s: f64,
+    gmac_s: [f64; 2],
+}
+
+impl Limits {
+    fn of(report: &tessera_engine::bench::BenchReport) -> Limits {
+        Limits { gb_s: report.bandwidth_best_gb_s(), gmac_s: report.mac_peak_best_gmac_s() }
+    }
+}
+
 /// The modules a profile saw (calls > 0), per step, in table order; and the total ms.
-fn profile_rows(p: &tessera_model::Profile, gb_s: f64) -> (Vec<ProfileRow>, f64) {
+fn profile_rows(p: &tessera_model::Profile, lim: Limits) -> (Vec<ProfileRow>, f64) {
     let steps = p.steps.max(1) as f64;
     let rows: Vec<ProfileRow> = tessera_model::ProfileKind::ALL
         .iter()
@@ -435,7 +456,10 @@ fn profile_rows(p: &tessera_model::Profile, gb_s: f64) -> (Vec<ProfileRow>, f64)
         .filter(|&(_, i)| p.calls[i] > 0)
         .map(|(kind, i)| {
             let mb = p.bytes[i] as f64 / steps / 1e6;
-            ProfileRow { kind, calls: p.calls[i] as f64 / steps, ms: p.nanos[i] as f64 / steps / 1e6, mb, ideal_ms: mb / gb_s.max(1e-9) }
+            let [int8, f32] = p.macs[i].map(|m| m as f64 / steps / 1e9);
+            let bandwidth_ms = mb / lim.gb_s.max(1e-9);
+            let compute_ms = 1e3 * (int8 / lim.gmac_s[0].max(1e-9) + f32 / lim.gmac_s[1].max(1e-9));
+            ProfileRow { kind, calls: p.calls[i] as f64 / steps, ms: p.nanos[i] as f64 / steps / 1e6, mb, gmac: int8 + f32, bandwidth_ms, compute_ms, ideal_ms: bandwidth_ms.max(compute_ms) }
         })
         .collect();
     // fold from +0.0: an empty float sum is −0.0.
@@ -443,19 +467,40 @@ fn profile_rows(p: &tessera_model::Profile, gb_s: f64) -> (Vec<ProfileRow>, f64)
     (rows, total)
 }
 
-/// The per-module table: measured time per step, the time its bytes would take at the
-/// measured bandwidth, and the ratio (what the seed's author had to build by hand).
-fn print_profile(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usize) {
-    let (rows, total) = profile_rows(p, gb_s);
+/// The per-module table: measured time per step, the time it cannot beat here (its bytes
+/// at the measured bandwidth, or its multiply-adds at the measured ceilings, whichever is
+/// longer), and the ratio (what the seed's author had to build by hand).
+fn print_profile(p: &tessera_model::Profile, lim: Limits, batch: usize, ranks: usize) {
+    let (rows, total) = profile_rows(p, lim);
     let whose = if ranks > 1 { format!(" on rank 0 of {ranks} (its share of the weights; collectives and pipeline rows include waits for the other ranks)") } else { String::new() };
-    println!("\nper-module profile of batch-{batch} decode{whose} ({} steps of {batch} token(s); bandwidth-ideal at {gb_s:.2} GB/s)\n", p.steps);
-    println!("| module | calls/step | ms/step | share | MB/step | ideal ms | overhead × |");
-    println!("|---|---|---|---|---|---|---|");
+    let [p8, p32] = lim.gmac_s;
+    println!(
+        "\nper-module profile of batch-{batch} decode{whose} ({} steps of {batch} token(s); ideal = the longer of the bytes at {:.2} GB/s and the multiply-adds at {p8:.1} int8 / {p32:.1} f32 GMAC/s)\n",
+        p.steps, lim.gb_s
+    );
+    println!("| module | calls/step | ms/step | share | MB/step | GMAC/step | ideal ms | bound by | overhead × |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let over = if r.ideal_ms > 0.0 { format!("{:.1}", r.ms / r.ideal_ms) } else { "–".into() };
-        println!("| {} | {:.0} | {:.3} | {:.1} % | {:.2} | {:.3} | {over} |", r.kind.name(), r.calls, r.ms, 100.0 * r.ms / total.max(1e-12), r.mb, r.ideal_ms);
+        let bound = if r.ideal_ms <= 0.0 {
+            "–"
+        } else if r.compute_ms > r.bandwidth_ms {
+            "compute"
+        } else {
+            "bandwidth"
+        };
+        println!(
+            "| {} | {:.0} | {:.3} | {:.1} % | {:.2} | {:.3} | {:.3} | {bound} | {over} |",
+            r.kind.name(),
+            r.calls,
+            r.ms,
+            100.0 * r.ms / total.max(1e-12),
+            r.mb,
+            r.gmac,
+            r.ideal_ms
+        );
     }
-    println!("| total | | {total:.3} | 100 % | | | |");
+    println!("| total | | {total:.3} | 100 % | | | | | |");
 }
 
 /// One rank's step split into its own work and its waits on the others.
@@ -471,9 +516,9 @@ struct RankSummary {
 }
 
 impl RankSummary {
-    fn of(p: &tessera_model::Profile, gb_s: f64) -> RankSummary {
+    fn of(p: &tessera_model::Profile, lim: Limits) -> RankSummary {
         use tessera_model::ProfileKind;
-        let (rows, total_ms) = profile_rows(p, gb_s);
+        let (rows, total_ms) = profile_rows(p, lim);
         let ms_of = |kind: ProfileKind| rows.iter().find(|r| r.kind == kind).map_or(0.0, |r| r.ms);
         let (collectives_ms, pipeline_ms) = (ms_of(ProfileKind::Collectives), ms_of(ProfileKind::Pipeline));
         RankSummary {
@@ -490,28 +535,31 @@ impl RankSummary {
 
 /// Every rank's step in one line each: a slow rank shows as more compute than its
 /// peers, who show the difference as waiting in collectives or transfers.
-fn print_rank_summary(ps: &[tessera_model::Profile], gb_s: f64) {
+fn print_rank_summary(ps: &[tessera_model::Profile], lim: Limits) {
     println!("\nper rank (ms per step; collectives and pipeline transfers include waiting for the other ranks)\n");
-    println!("| rank | compute | collectives | pipeline transfers | total | MB/step | compute ÷ bandwidth-ideal |");
+    println!("| rank | compute | collectives | pipeline transfers | total | MB/step | compute ÷ ideal |");
     println!("|---|---|---|---|---|---|---|");
     for (rank, p) in ps.iter().enumerate() {
-        let r = RankSummary::of(p, gb_s);
+        let r = RankSummary::of(p, lim);
         let over = if r.ideal_ms > 0.0 { format!("{:.1}", r.compute_ms / r.ideal_ms) } else { "–".into() };
         println!("| {rank} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {over} |", r.compute_ms, r.collectives_ms, r.pipeline_ms, r.total_ms, r.mb);
     }
 }
 
-fn profile_json(p: &tessera_model::Profile, gb_s: f64, batch: usize, ranks: usize) -> Value {
-    let (rows, total) = profile_rows(p, gb_s);
+fn profile_json(p: &tessera_model::Profile, lim: Limits, batch: usize, ranks: usize) -> Value {
+    let (rows, total) = profile_rows(p, lim);
     json!({
         "batch": batch,
         "steps": p.steps,
         "rank": 0,
         "ranks": ranks,
-        "bandwidth_gb_s": gb_s,
+        "bandwidth_gb_s": lim.gb_s,
+        "int8_gmac_s": lim.gmac_s[0],
+        "f32_gmac_s": lim.gmac_s[1],
         "ms_per_step": total,
         "modules": rows.iter().map(|r| json!({
-            "module": r.kind.name(), "calls_per_step": r.calls, "ms_per_step": r.ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms,
+            "module": r.kind.name(), "calls_per_step": r.calls, "ms_per_step": r.ms, "mb_per_step": r.mb, "gmac_per_step": r.gmac,
+            "bandwidth_ideal_ms_per_step": r.bandwidth_ms, "compute_ideal_ms_per_step": r.compute_ms, "ideal_ms_per_step": r.ideal_ms,
         })).collect::<Vec<_>>(),
     })
 }

@@ -363,12 +363,17 @@ fn decode_profile_accounts_for_the_bytes_read() {
     use tessera_engine::{EngineConfig, LocalStepper};
     use tessera_model::ProfileKind as K;
     let cfg = BenchConfig { decode_prompt: 4, prefill_chunk: 8, ..BenchConfig::new(2) };
-    let profile_decode = |model: &tessera_model::DenseTransformer, steps: usize| {
-        let engine = EngineConfig { threads: 2, context_max: 16, prefill_chunk: 8, ..EngineConfig::for_model(model) };
-        let mut profiles = profile_on(&mut LocalStepper::new(model, &engine), model, &cfg, steps, 1).unwrap();
+    let profile_batch = |model: &tessera_model::DenseTransformer, steps: usize, batch: usize| {
+        let engine = EngineConfig { threads: 2, context_max: 16, prefill_chunk: 8, sequences_max: batch, ..EngineConfig::for_model(model) };
+        let mut profiles = profile_on(&mut LocalStepper::new(model, &engine), model, &cfg, steps, batch).unwrap();
         assert_eq!(profiles.len(), 1, "one process, one profile");
         profiles.remove(0)
     };
+    let profile_decode = |model: &tessera_model::DenseTransformer, steps: usize| profile_batch(model, steps, 1);
+    // Every step multiplies each token by every matrix it passes (the experts its router
+    // chose): the multiply-adds the profile charged, summed over its modules, are
+    // `batch` tokens' worth of the model's own count.
+    let macs_per_step = |p: &tessera_model::Profile| p.macs.iter().fold([0u64; 2], |[a, b], m| [a + m[0], b + m[1]]).map(|m| m / p.steps);
     let model = load_model(&fixtures().join("qwen3")).unwrap();
     let p = profile_decode(&model, 5);
     assert_eq!(p.steps, 5);
@@ -376,7 +381,22 @@ fn decode_profile_accounts_for_the_bytes_read() {
     let weights = per_token(K::AttnProj) + per_token(K::DenseMlp) + per_token(K::LmHead) + per_token(K::Embed);
     assert_eq!(weights as usize, model.bytes_per_token(), "profiled weight bytes vs bytes_per_token");
     assert!(p.nanos.iter().sum::<u64>() > 0);
+    let (int8, f32) = model.macs_per_token();
+    assert_eq!(macs_per_step(&p), [int8 as u64, f32 as u64], "profiled multiply-adds vs macs_per_token");
+    // Counted from the config alone: q, k, v, o and the MLP in each layer, and the head.
+    let c = &model.cfg;
+    let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    let per_layer = c.hidden * (2 * q + 2 * kv) + 3 * c.hidden * c.intermediate;
+    assert_eq!(int8 + f32, c.layers * per_layer + c.vocab * c.hidden, "macs_per_token vs the config");
+    let p3 = profile_batch(&model, 4, 3);
+    assert_eq!(macs_per_step(&p3), [3 * int8 as u64, 3 * f32 as u64], "batch 3: three tokens' products per step");
+    assert_eq!(p3.macs[K::Attention as usize], [0, 0], "attention is not counted as matrix products");
+    // Ranks send their profiles to rank 0 as bytes: every counter survives the trip.
+    let back = tessera_model::Profile::from_bytes(&p3.to_bytes()).expect("a whole profile");
+    assert_eq!((back.nanos, back.bytes, back.calls, back.macs, back.steps), (p3.nanos, p3.bytes, p3.calls, p3.macs, p3.steps));
     let moe = load_model(&fixtures().join("qwen3_moe")).unwrap();
+    let (int8, f32) = moe.macs_per_token();
+    assert_eq!(macs_per_step(&profile_batch(&moe, 3, 3)), [3 * int8 as u64, 3 * f32 as u64], "MoE batch 3: each token's chosen experts");
     let p = profile_decode(&moe, 5);
     assert_eq!(p.calls[K::Router as usize], 5 * 2, "two MoE layers, five tokens");
     let m = moe.cfg.moe.as_ref().unwrap();

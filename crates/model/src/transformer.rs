@@ -60,6 +60,23 @@ impl Linear {
     pub fn bytes(&self) -> usize {
         self.rows * self.format.row_bytes(self.cols).expect("checked at load")
     }
+    /// [`Linear::macs`] of several matrices, summed.
+    pub fn macs_of<'l>(tokens: usize, ls: impl IntoIterator<Item = &'l Linear>) -> [u64; 2] {
+        ls.into_iter().fold([0, 0], |[a, b], l| {
+            let [x, y] = l.macs(tokens);
+            [a + x, b + y]
+        })
+    }
+    /// Multiply-adds of this matrix applied to `tokens` rows, as [with 8-bit
+    /// activations, with f32 activations] (the two run at different peak rates).
+    pub fn macs(&self, tokens: usize) -> [u64; 2] {
+        let macs = (tokens * self.rows * self.cols) as u64;
+        if self.format.int8_activations() {
+            [macs, 0]
+        } else {
+            [0, macs]
+        }
+    }
     fn owned_f32(name: String, rows: usize, cols: usize, data: &[f32]) -> Linear {
         assert_eq!(data.len(), rows * cols);
         let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -1505,12 +1522,9 @@ impl DenseTransformer {
             if self.embed.as_ref().is_some_and(|e| std::ptr::eq(e, l)) {
                 return;
             }
-            let macs = (l.rows as f64 * l.cols as f64 * frac) as usize;
-            if l.format.int8_activations() {
-                int8 += macs;
-            } else {
-                f32 += macs;
-            }
+            let [a, b] = l.macs(1);
+            int8 += (a as f64 * frac) as usize;
+            f32 += (b as f64 * frac) as usize;
         });
         (int8, f32)
     }
@@ -1800,7 +1814,7 @@ impl DenseTransformer {
                 Ffn::Dense(m) => {
                     let t0 = ws.clock();
                     run.mlp(m, ws);
-                    ws.charge(ProfileKind::DenseMlp, t0, m.gate.bytes() + m.up.bytes() + m.down.bytes());
+                    ws.charge_work(ProfileKind::DenseMlp, t0, m.gate.bytes() + m.up.bytes() + m.down.bytes(), Linear::macs_of(n, [&m.gate, &m.up, &m.down]));
                     if tp > 1 {
                         let t0 = ws.clock();
                         coll.all_reduce_sum(CollGroup::Tp, &mut ws.proj[..n * h], li, "mlp out").map_err(fail)?;
@@ -1850,7 +1864,7 @@ impl DenseTransformer {
         if tp == 1 {
             let t0 = ws.clock();
             linear_fwd(pool, self.isa, ckpt, head, &ws.xn[..logit_rows * h], logit_rows, logits, &mut ws.mm);
-            ws.charge(ProfileKind::LmHead, t0, head.bytes());
+            ws.charge_work(ProfileKind::LmHead, t0, head.bytes(), head.macs(logit_rows));
             return Ok(());
         }
         // Vocabulary-parallel head: each rank computes its slice of every row, padded to
@@ -1866,7 +1880,7 @@ impl DenseTransformer {
         }
         let t0 = ws.clock();
         linear_fwd(pool, self.isa, ckpt, head, &ws.xn[..logit_rows * h], logit_rows, &mut ws.logits_local[..logit_rows * mine], &mut ws.mm);
-        ws.charge(ProfileKind::LmHead, t0, head.bytes());
+        ws.charge_work(ProfileKind::LmHead, t0, head.bytes(), head.macs(logit_rows));
         for r in 0..logit_rows {
             ws.logits_part[r * vmax..r * vmax + mine].copy_from_slice(&ws.logits_local[r * mine..(r + 1) * mine]);
             ws.logits_part[r * vmax + mine..(r + 1) * vmax].fill(0.0);
@@ -2034,7 +2048,7 @@ impl Run<'_> {
             cache.k[li].write_heads(pos0, &ws.k[a * kv_dim..b * kv_dim], kvh, hd, cap);
             cache.v[li].write_heads(pos0, &ws.v[a * kv_dim..b * kv_dim], kvh, hd, cap);
         }
-        ws.charge(ProfileKind::AttnProj, t0, g.q.bytes() + g.k.bytes() + g.v.bytes());
+        ws.charge_work(ProfileKind::AttnProj, t0, g.q.bytes() + g.k.bytes() + g.v.bytes(), Linear::macs_of(n, [&g.q, &g.k, &g.v]));
         let t0 = ws.clock();
         let at = TokenCaches { caches, chunks: self.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
         let shape = HeadShape { q_heads: g.q_heads.clone(), kv_heads: g.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
@@ -2044,7 +2058,7 @@ impl Run<'_> {
         ws.charge(ProfileKind::Attention, t0, kv_read);
         let t0 = ws.clock();
         self.linear(&g.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
-        ws.charge(ProfileKind::AttnProj, t0, g.o.bytes());
+        ws.charge_work(ProfileKind::AttnProj, t0, g.o.bytes(), g.o.macs(n));
     }
 
     /// Multi-head latent attention, absorbed form (spec §2.5), into `ws.proj`.
@@ -2052,9 +2066,9 @@ impl Run<'_> {
         let t0 = ws.clock();
         self.mla_inner(a, m, ws, caches, li);
         // MLA's projections and latent attention are interleaved per head: one entry.
-        let bytes = [&a.q, &a.kv_a, &a.embed_q, &a.unembed_out, &a.o].iter().map(|l| l.bytes()).sum::<usize>()
-            + a.q_a.as_ref().map_or(0, |(l, _)| l.bytes());
-        ws.charge(ProfileKind::AttnProj, t0, bytes);
+        let linears = [&a.q, &a.kv_a, &a.embed_q, &a.unembed_out, &a.o].into_iter().chain(a.q_a.as_ref().map(|(l, _)| l));
+        let bytes = linears.clone().map(|l| l.bytes()).sum::<usize>();
+        ws.charge_work(ProfileKind::AttnProj, t0, bytes, Linear::macs_of(self.n, linears));
     }
 
     fn mla_inner(&self, a: &Mla, m: &MlaConfig, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
@@ -2234,7 +2248,7 @@ impl Run<'_> {
             starts[i] = starts[i - 1];
         }
         starts[0] = 0;
-        ws.charge(ProfileKind::Router, t0, m.router.bytes());
+        ws.charge_work(ProfileKind::Router, t0, m.router.bytes(), m.router.macs(n));
         let t0 = ws.clock();
         let mut expert_bytes = 0;
         ws.moe_out[..n * h].fill(0.0);
@@ -2263,13 +2277,19 @@ impl Run<'_> {
                 ops::axpy(&mut ws.moe_out[t * h..(t + 1) * h], wt, &ws.proj[j * h..(j + 1) * h]);
             }
         }
-        ws.charge(ProfileKind::Experts, t0, expert_bytes);
+        // Every local expert has one shape: its products times the slots routed here.
+        let local_slots = ws.expert_count[m.experts.end] - ws.expert_count[m.experts.start];
+        let expert_macs = match (m.gate.first(), m.up.first(), m.down.first()) {
+            (Some(g), Some(u), Some(d)) => Linear::macs_of(local_slots, [g, u, d]),
+            _ => [0, 0],
+        };
+        ws.charge_work(ProfileKind::Experts, t0, expert_bytes, expert_macs);
         match &m.shared {
             Some(s) => {
                 let t0 = ws.clock();
                 self.swiglu([&s.gate, &s.up, &s.down], &ws.xn[..n * h], n, &mut ws.gate, &mut ws.up, &mut ws.proj[..n * h], &mut ws.mm);
                 ops::add_assign(&mut ws.proj[..n * h], &ws.moe_out[..n * h]);
-                ws.charge(ProfileKind::SharedExperts, t0, s.gate.bytes() + s.up.bytes() + s.down.bytes());
+                ws.charge_work(ProfileKind::SharedExperts, t0, s.gate.bytes() + s.up.bytes() + s.down.bytes(), Linear::macs_of(n, [&s.gate, &s.up, &s.down]));
             }
             None => ws.proj[..n * h].copy_from_slice(&ws.moe_out[..n * h]),
         }
@@ -2545,26 +2565,32 @@ pub struct Profile {
     pub nanos: [u64; ProfileKind::ALL.len()],
     pub bytes: [u64; ProfileKind::ALL.len()],
     pub calls: [u64; ProfileKind::ALL.len()],
+    /// Multiply-adds of the matrix products, [int8, f32] (see [`Linear::macs`]): at
+    /// batch sizes where a step is compute-bound these, not the bytes, set its ideal time.
+    pub macs: [[u64; 2]; ProfileKind::ALL.len()],
     pub steps: u64,
 }
 
 impl Profile {
-    /// Size of [`Profile::to_bytes`]: three counters per kind, then the step count.
-    pub const WIRE_BYTES: usize = (3 * ProfileKind::ALL.len() + 1) * 8;
+    /// Size of [`Profile::to_bytes`]: five counters per kind, then the step count.
+    pub const WIRE_BYTES: usize = (5 * ProfileKind::ALL.len() + 1) * 8;
 
     #[inline]
-    fn add(&mut self, kind: ProfileKind, since: std::time::Instant, bytes: usize) {
+    fn add(&mut self, kind: ProfileKind, since: std::time::Instant, bytes: usize, macs: [u64; 2]) {
         let i = kind as usize;
         self.nanos[i] += since.elapsed().as_nanos() as u64;
         self.bytes[i] += bytes as u64;
         self.calls[i] += 1;
+        self.macs[i][0] += macs[0];
+        self.macs[i][1] += macs[1];
     }
 
-    /// Little-endian u64s: nanos, bytes and calls per kind, then steps (to gather the
-    /// ranks' profiles on rank 0).
+    /// Little-endian u64s: nanos, bytes, calls, int8 and f32 multiply-adds per kind,
+    /// then steps (to gather the ranks' profiles on rank 0).
     pub fn to_bytes(&self) -> [u8; Profile::WIRE_BYTES] {
         let mut out = [0u8; Profile::WIRE_BYTES];
-        let words = self.nanos.iter().chain(&self.bytes).chain(&self.calls).chain(std::iter::once(&self.steps));
+        let (int8, f32) = (self.macs.map(|m| m[0]), self.macs.map(|m| m[1]));
+        let words = self.nanos.iter().chain(&self.bytes).chain(&self.calls).chain(&int8).chain(&f32).chain(std::iter::once(&self.steps));
         for (chunk, w) in out.chunks_exact_mut(8).zip(words) {
             chunk.copy_from_slice(&w.to_le_bytes());
         }
@@ -2580,6 +2606,9 @@ impl Profile {
         let mut p = Profile::default();
         for arr in [&mut p.nanos, &mut p.bytes, &mut p.calls] {
             arr.iter_mut().for_each(|x| *x = words.next().expect("sized above"));
+        }
+        for k in 0..2 {
+            p.macs.iter_mut().for_each(|m| m[k] = words.next().expect("sized above"));
         }
         p.steps = words.next().expect("sized above");
         Some(p)
@@ -2610,9 +2639,14 @@ impl Workspace {
     /// Charges the time since `since` (from [`Workspace::clock`]) and `bytes` read to `kind`.
     #[inline]
     pub fn charge(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize) {
+        self.charge_work(kind, since, bytes, [0, 0]);
+    }
+    /// [`Workspace::charge`] for matrix products: also their multiply-adds ([`Linear::macs`]).
+    #[inline]
+    pub fn charge_work(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize, macs: [u64; 2]) {
         self.bytes_read += bytes as u64;
         if let (Some(p), Some(t)) = (self.profile.as_mut(), since) {
-            p.add(kind, t, bytes);
+            p.add(kind, t, bytes, macs);
         }
     }
 }
