@@ -54,27 +54,35 @@ impl Share {
         self.0.store(Share::pack(r), Ordering::Relaxed);
     }
 
-    fn take(&self, front: bool) -> Option<usize> {
+    /// Up to `grain` items from the front or the back of what is left.
+    fn take(&self, front: bool, grain: usize) -> Option<std::ops::Range<usize>> {
+        let grain = grain as u64;
         let mut v = self.0.load(Ordering::Relaxed);
         loop {
             let (f, b) = (v >> 32, v & 0xFFFF_FFFF);
             if f >= b {
                 return None;
             }
-            let (next, got) = if front { (((f + 1) << 32) | b, f) } else { ((f << 32) | (b - 1), b - 1) };
+            let (next, got) = if front {
+                let end = (f + grain).min(b);
+                ((end << 32) | b, f..end)
+            } else {
+                let start = b.saturating_sub(grain).max(f);
+                ((f << 32) | start, start..b)
+            };
             match self.0.compare_exchange_weak(v, next, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => return Some(got as usize),
+                Ok(_) => return Some(got.start as usize..got.end as usize),
                 Err(now) => v = now,
             }
         }
     }
 
-    fn take_front(&self) -> Option<usize> {
-        self.take(true)
+    fn take_front(&self, grain: usize) -> Option<std::ops::Range<usize>> {
+        self.take(true, grain)
     }
 
-    fn take_back(&self) -> Option<usize> {
-        self.take(false)
+    fn take_back(&self, grain: usize) -> Option<std::ops::Range<usize>> {
+        self.take(false, grain)
     }
 }
 
@@ -222,7 +230,8 @@ impl ThreadPool {
     }
 
     /// Calls `f(thread_index, range)` for consecutive ranges of at most `grain` items
-    /// covering `0..n`, each exactly once, on whichever threads are running.
+    /// (one range of all of them on a one-thread pool) covering `0..n`, each exactly
+    /// once, on whichever threads are running.
     /// `thread_index < n_threads()` is unique among concurrent calls (for per-thread
     /// scratch).
     ///
@@ -238,9 +247,8 @@ impl ThreadPool {
             }
             return;
         }
-        let chunks = n.div_ceil(grain);
         let threads = self.n_threads;
-        if chunks > u32::MAX as usize {
+        if n > u32::MAX as usize {
             let next = AtomicUsize::new(0);
             self.run(&|tid, _| loop {
                 let start = next.fetch_add(grain, Ordering::Relaxed);
@@ -254,17 +262,19 @@ impl ThreadPool {
         // Held before the shares are rewritten: they belong to the region.
         let _region = self.enter();
         let shares = &self.shares[..];
+        // Shares of items, not of chunks: with 72 items in chunks of 5, chunk shares
+        // would be 8 and 7 chunks, 40 and 32 items, and the first thread's surplus
+        // taken back by a jump to a cold stream.
         for (t, share) in shares.iter().enumerate() {
-            share.reset(split_range(chunks, t, threads));
+            share.reset(split_range(n, t, threads));
         }
-        let run_chunk = |tid: usize, c: usize| f(tid, c * grain..((c + 1) * grain).min(n));
         self.run_entered(&|tid, _| {
-            while let Some(c) = shares[tid].take_front() {
-                run_chunk(tid, c);
+            while let Some(r) = shares[tid].take_front(grain) {
+                f(tid, r);
             }
             for victim in (1..threads).map(|k| (tid + k) % threads) {
-                while let Some(c) = shares[victim].take_back() {
-                    run_chunk(tid, c);
+                while let Some(r) = shares[victim].take_back(grain) {
+                    f(tid, r);
                 }
             }
         });
@@ -411,7 +421,7 @@ mod tests {
                 for grain in [1, 3, 64] {
                     let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
                     pool.parallel_for(n, grain, &|tid, r| {
-                        assert!(tid < threads);
+                        assert!(tid < threads && !r.is_empty() && (r.len() <= grain || threads == 1), "thread {tid}, range {r:?}, grain {grain}");
                         for i in r {
                             hits[i].fetch_add(1, Ordering::Relaxed);
                         }
@@ -420,6 +430,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn shares_hand_out_items_from_both_ends() {
+        let s = Share::new(0..12);
+        assert_eq!(s.take_front(5), Some(0..5));
+        assert_eq!(s.take_back(5), Some(7..12));
+        assert_eq!(s.take_back(5), Some(5..7));
+        assert_eq!((s.take_front(5), s.take_back(5)), (None, None));
+    }
+
+    /// Each thread's own share is its even part of the items, not of the chunks: 72
+    /// items in chunks of 5 used to split 40 / 32.
+    #[test]
+    fn threads_start_on_equal_shares_of_items() {
+        let pool = ThreadPool::new(2);
+        // A worker the OS has not woken before the caller took everything records
+        // nothing: try again (a busy machine), but never pass without a record.
+        for _ in 0..20 {
+            let first = [AtomicUsize::new(usize::MAX), AtomicUsize::new(usize::MAX)];
+            pool.parallel_for(72, 5, &|tid, r| {
+                let _ = first[tid].compare_exchange(usize::MAX, r.start, Ordering::Relaxed, Ordering::Relaxed);
+                // Slow enough that the worker joins before the caller has taken everything.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            });
+            if first[1].load(Ordering::Relaxed) != usize::MAX {
+                assert_eq!(first[0].load(Ordering::Relaxed), 0);
+                assert_eq!(first[1].load(Ordering::Relaxed), 36, "the second thread's share starts halfway");
+                return;
+            }
+        }
+        panic!("the worker joined none of 20 regions");
     }
 
     #[test]
