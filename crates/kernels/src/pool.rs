@@ -280,12 +280,50 @@ impl ThreadPool {
         });
     }
 
+    /// `f(row, a_row, b_row)` for each of `rows` rows of two buffers (`a.1` and `b.1`
+    /// elements per row; a width of 0 passes empty rows), each row on one thread: the
+    /// per-token steps between matrix products (norms, residual adds, RoPE, SwiGLU's
+    /// gate) for a batch. Inline below `parallel_min` rows, where a region costs more
+    /// than it saves.
+    pub fn for_rows<A: Send, B: Send>(&self, rows: usize, parallel_min: usize, a: (&mut [A], usize), b: (&mut [B], usize), f: &RowsFn<'_, A, B>) {
+        let ((a, a_len), (b, b_len)) = (a, b);
+        assert!(a.len() >= rows * a_len && b.len() >= rows * b_len, "for_rows: {rows} rows of {a_len} and {b_len} in buffers of {} and {}", a.len(), b.len());
+        let (pa, pb) = (SharedMut(a.as_mut_ptr()), SharedMut(b.as_mut_ptr()));
+        // SAFETY: rows are disjoint runs inside the buffers (asserted above), and each
+        // row index is handed out once, so no two calls alias.
+        let row = |r: usize| unsafe { (rows_of(&pa, r * a_len, a_len), rows_of(&pb, r * b_len, b_len)) };
+        if rows < parallel_min.max(2) || self.n_threads == 1 {
+            for r in 0..rows {
+                let (ra, rb) = row(r);
+                f(r, ra, rb);
+            }
+            return;
+        }
+        self.parallel_for(rows, rows.div_ceil(2 * self.n_threads), &|_, range| {
+            for r in range {
+                let (ra, rb) = row(r);
+                f(r, ra, rb);
+            }
+        });
+    }
+
     /// A grain that gives each thread about `chunks_per_thread` chunks of `n` items,
     /// never below `min`: small chunks balance load on a busy machine, large ones
     /// amortise the atomic counter.
     pub fn grain(&self, n: usize, chunks_per_thread: usize, min: usize) -> usize {
         n.div_ceil(self.n_threads * chunks_per_thread.max(1)).max(min).max(1)
     }
+}
+
+/// What [`ThreadPool::for_rows`] calls per row: (row index, its part of each buffer).
+pub type RowsFn<'f, A, B> = dyn Fn(usize, &mut [A], &mut [B]) + Sync + 'f;
+
+/// `len` elements from `start` of the buffer behind `p`.
+///
+/// # Safety
+/// The range lies inside the buffer, and no other live slice overlaps it.
+unsafe fn rows_of<'x, T>(p: &SharedMut<T>, start: usize, len: usize) -> &'x mut [T] {
+    std::slice::from_raw_parts_mut(p.0.add(start), len)
 }
 
 /// Waits for `done` on this thread: spins `SPIN_ITERS_MAX` times (the event is usually
@@ -428,6 +466,30 @@ mod tests {
                     });
                     assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "threads {threads} n {n} grain {grain}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn for_rows_hands_each_row_its_own_slices() {
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            for (rows, parallel_min) in [(0, 1), (5, 8), (37, 1)] {
+                let mut a: Vec<usize> = vec![0; rows * 3];
+                let mut b: Vec<u8> = vec![0; rows * 2];
+                pool.for_rows(rows, parallel_min, (&mut a, 3), (&mut b, 2), &|r, ra, rb| {
+                    assert_eq!((ra.len(), rb.len()), (3, 2));
+                    ra.iter_mut().for_each(|v| *v += r + 1);
+                    rb.iter_mut().for_each(|v| *v += 1);
+                });
+                assert!(a.chunks_exact(3).enumerate().all(|(r, row)| row.iter().all(|&v| v == r + 1)), "threads {threads} rows {rows}: {a:?}");
+                assert!(b.iter().all(|&v| v == 1), "threads {threads} rows {rows}");
+                // A width of 0: empty rows, the other buffer still whole.
+                pool.for_rows(rows, parallel_min, (&mut a, 3), (&mut [] as &mut [u8], 0), &|_, ra, rb| {
+                    assert!(rb.is_empty());
+                    ra[0] = 0;
+                });
+                assert!(a.chunks_exact(3).all(|row| row[0] == 0));
             }
         }
     }

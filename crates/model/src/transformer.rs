@@ -450,6 +450,12 @@ impl KvCache {
 /// this size: 256 × (2·7168 + 2·2048) × 4 B ≈ 19 MB.
 pub const EXPERT_SLOTS_FUSED_MAX: usize = 256;
 
+/// Tokens from which the per-token steps between matrix products (norms, residual
+/// adds, RoPE, SwiGLU's gate) run on every thread: a region costs ~1–2 µs, about what
+/// 16 tokens' norms take on one core (576-wide rows; batch-32 decode spent ~8 % of the
+/// main thread's time in them while the worker spun).
+pub const PER_TOKEN_PARALLEL_MIN: usize = 16;
+
 /// Scratch for one step, sized at load.
 pub struct Workspace {
     limits: StepLimits,
@@ -1789,11 +1795,18 @@ impl DenseTransformer {
         }
 
         let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, chunks };
+        // The previous layer's FFN output, not yet added to the residual: the add joins
+        // the next layer's norm in one pass over the tokens.
+        let mut ffn_pending = false;
         for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()) {
             let t0 = ws.clock();
-            for t in 0..n {
-                ops::rms_norm(&ws.x[t * h..(t + 1) * h], &layer.attn_norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
-            }
+            let proj = &ws.proj[..if ffn_pending { n * h } else { 0 }];
+            pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (&mut ws.x[..n * h], h), (&mut ws.xn[..n * h], h), &|t, x, xn| {
+                if !proj.is_empty() {
+                    ops::add_assign(x, &proj[t * h..(t + 1) * h]);
+                }
+                ops::rms_norm(x, &layer.attn_norm, c.rms_eps, xn);
+            });
             ws.charge(ProfileKind::Norms, t0, 0);
             match &layer.attn {
                 Attn::Gqa(g) => run.gqa(g, ws, caches, li),
@@ -1805,10 +1818,11 @@ impl DenseTransformer {
                 ws.charge(ProfileKind::Collectives, t0, 0);
             }
             let t0 = ws.clock();
-            ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
-            for t in 0..n {
-                ops::rms_norm(&ws.x[t * h..(t + 1) * h], &layer.ffn_norm, c.rms_eps, &mut ws.xn[t * h..(t + 1) * h]);
-            }
+            let proj = &ws.proj[..n * h];
+            pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (&mut ws.x[..n * h], h), (&mut ws.xn[..n * h], h), &|t, x, xn| {
+                ops::add_assign(x, &proj[t * h..(t + 1) * h]);
+                ops::rms_norm(x, &layer.ffn_norm, c.rms_eps, xn);
+            });
             ws.charge(ProfileKind::Norms, t0, 0);
             match &layer.ffn {
                 Ffn::Dense(m) => {
@@ -1830,8 +1844,12 @@ impl DenseTransformer {
                     }
                 }
             }
+            ffn_pending = true;
+        }
+        if ffn_pending {
             let t0 = ws.clock();
-            ops::add_assign(&mut ws.x[..n * h], &ws.proj[..n * h]);
+            let proj = &ws.proj[..n * h];
+            pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (&mut ws.x[..n * h], h), (&mut [] as &mut [f32], 0), &|t, x, _| ops::add_assign(x, &proj[t * h..(t + 1) * h]));
             ws.charge(ProfileKind::Norms, t0, 0);
         }
         for ch in chunks {
@@ -2021,25 +2039,27 @@ impl Run<'_> {
         let (wq, wk, wv) = (g.q.weights(self.ckpt), g.k.weights(self.ckpt), g.v.weights(self.ckpt));
         let (q, k, v) = (&mut ws.q[..n * q_dim], &mut ws.k[..n * kv_dim], &mut ws.v[..n * kv_dim]);
         matmul_group(self.pool, self.isa, &[wq, wk, wv], xn, n, &mut [&mut *q, &mut *k, &mut *v], &mut ws.mm);
-        for (l, y) in [(&g.q, q), (&g.k, k), (&g.v, v)] {
-            if let Some(b) = &l.bias {
-                ops::add_bias(y, b);
-            }
+        if let Some(b) = &g.v.bias {
+            ops::add_bias(v, b);
         }
-        if let (Some(qn), Some(kn)) = (&g.q_norm, &g.k_norm) {
-            ops::rms_norm_heads(&mut ws.q[..n * q_dim], qn, c.rms_eps);
-            ops::rms_norm_heads(&mut ws.k[..n * kv_dim], kn, c.rms_eps);
-        }
+        // Per token: q and k biases, q/k norms (when both are present), RoPE.
         let half = c.rope.dim / 2;
-        for t in 0..n {
-            let (cos, sin) = (&ws.cos[t * half..(t + 1) * half], &ws.sin[t * half..(t + 1) * half]);
-            for head in ws.q[t * q_dim..(t + 1) * q_dim].chunks_exact_mut(hd) {
-                ops::rope_head(head, cos, sin, c.rope.interleaved);
+        let (cos, sin) = (&ws.cos, &ws.sin);
+        let qk_norm = g.q_norm.is_some() && g.k_norm.is_some();
+        self.pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (q, q_dim), (k, kv_dim), &|t, q, k| {
+            for (y, l, norm) in [(&mut *q, &g.q, &g.q_norm), (&mut *k, &g.k, &g.k_norm)] {
+                if let Some(b) = &l.bias {
+                    ops::add_assign(y, b);
+                }
+                if let (Some(w), true) = (norm, qk_norm) {
+                    ops::rms_norm_heads(y, w, c.rms_eps);
+                }
+                let (cos, sin) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+                for head in y.chunks_exact_mut(hd) {
+                    ops::rope_head(head, cos, sin, c.rope.interleaved);
+                }
             }
-            for head in ws.k[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
-                ops::rope_head(head, cos, sin, c.rope.interleaved);
-            }
-        }
+        });
         for (ci, ch) in self.chunks.iter().enumerate() {
             let (a, b) = (ws.chunk_start[ci], ws.chunk_start[ci + 1]);
             let cache = &mut caches[ch.cache];
@@ -2163,7 +2183,9 @@ impl Run<'_> {
                 ops::add_bias(y, b);
             }
         }
-        self.isa.silu_mul(&mut gate[..n * w], &up[..n * w]);
+        let up = &up[..n * w];
+        let isa = self.isa;
+        self.pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (&mut gate[..n * w], w), (&mut [] as &mut [f32], 0), &|t, g, _| isa.silu_mul(g, &up[t * w..(t + 1) * w]));
         self.linear(d, &gate[..n * w], n, out, mm);
     }
 
@@ -2201,7 +2223,8 @@ impl Run<'_> {
             RowsJob { w: l.weights(self.ckpt), rows: run(i / 2), out: i % 2 }
         };
         matmul_jobs(self.pool, self.isa, &ws.moe_in[..slots * h], h, 2 * active.len(), &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
-        self.isa.silu_mul(gate, up);
+        let (up, isa) = (&*up, self.isa);
+        self.pool.for_rows(slots, PER_TOKEN_PARALLEL_MIN, (&mut *gate, width), (&mut [] as &mut [f32], 0), &|j, g, _| isa.silu_mul(g, &up[j * width..(j + 1) * width]));
         let down = |i: usize| RowsJob { w: m.down[local(i)].weights(self.ckpt), rows: run(i), out: 0 };
         matmul_jobs(self.pool, self.isa, gate, width, active.len(), &down, &mut [&mut ws.moe_proj[..slots * h]], &mut ws.mm);
         for (j, &(t, wt)) in ws.expert_slots[s0..s1].iter().enumerate() {
