@@ -13,9 +13,15 @@ elsewhere does not always hit the same engine). Every engine sees the same work:
            llama-bench does): tok/s = tg / time.
 
 Engines:
-  tessera    the built binary: `tessera bench --json` (one round: --repeat 1 --batch 1); its JSON
+  tessera    the built binary: `tessera bench --json` (one round: --repeat 1 --batch 1,B); its JSON
              also carries the read bandwidth it measured before and after, hence the roofline
-             column: decode bytes/token × tok/s ÷ best measured GB/s.
+             column: decode bytes/token × tok/s ÷ best measured GB/s; and batch B's aggregate
+             tok/s over its batch 1 (--batch, default 32; 0 skips it).
+
+The report ends with issue 6's targets, each with what this run measured and whether it holds:
+decode ≥ 90 % of the read bandwidth measured in the same run; decode ≥ 1.2× llama.cpp (≥ 2.0×
+for a MoE); prompt ≥ 1.0× llama.cpp; ≥ 10× mlx-lm (where it ran); batch 32 ≥ 8× batch 1, with
+the most this machine allows (`tessera bench`'s `batch B ceiling`).
   llama.cpp  llama-cpp-python (Llama.eval on token ids; logits read through the C API), n_threads =
              n_threads_batch = --threads. Only for GGUF files.
   mlx-lm     on the CPU (mx.set_default_device(mx.cpu)), for Hugging Face / MLX directories
@@ -264,12 +270,19 @@ def wait_quiet(limit_s, threshold=0.10):
 def run_tessera(a, model):
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "bench.json"
+        batches = "1" if a.batch <= 1 else f"1,{a.batch}"
         cmd = [a.tessera, "bench", "--model", model, "--threads", str(a.threads), "--pp", str(a.pp), "--tg", str(a.tg),
-               "--batch", "1", "--repeat", "1", "--decode-prompt", str(a.decode_prompt), "--seed", str(a.seed),
+               "--batch", batches, "--repeat", "1", "--decode-prompt", str(a.decode_prompt), "--seed", str(a.seed),
                "--json", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         j = json.loads(out.read_text())
+    batched = next((b for b in j["batched"] if b["batch"] == a.batch and a.batch > 1), None)
     return {
+        "experts": j.get("experts"),
+        # Batch B's aggregate tok/s over batch 1's, and the most this machine allows
+        # (at 100 % of the batch-1 bandwidth roofline; `batch B ceiling` in tessera bench).
+        "batch_ratio": batched["ratio_to_batch1"] if batched else None,
+        "batch_ratio_ceiling": batched["ratio_ceiling_to_batch1_roofline"] if batched else None,
         "pp_tok_s": j["prompt"][0]["tok_per_sec"]["median"],
         "ttft_ms": j["prompt"][0]["time_to_first_token_ms"]["median"],
         "tg_tok_s": j["decode"]["tok_per_sec"]["median"],
@@ -316,6 +329,34 @@ def ratio(a, b):
     return None if a is None or b in (None, 0) else a / b
 
 
+def targets(a, rows, P):
+    """Issue 6's targets against this run's medians: what was measured, and whether it holds."""
+    ours = rows["tessera"]
+    moe = ours[0].get("experts") is not None
+    bpt, bw = ours[0]["bytes_per_token"], med(ours, "bw_best_gb_s")
+    roof, adjacent = bpt * med(ours, "tg_tok_s") / 1e9 / bw, med(ours, "roofline_adjacent")
+    yes = lambda ok: "yes" if ok else "**no**"
+    P(f"Issue 6 targets in this run (medians over rounds; {'a MoE' if moe else 'a dense model'}):")
+    P("")
+    P("| target | measured | holds |")
+    P("|---|---|---|")
+    P(f"| batch-1 decode ≥ 90 % of the read bandwidth measured in the same run | {roof:.2f} of the best pass "
+      f"({adjacent:.2f} against each round's adjacent passes) | {yes(roof >= 0.9)} |")
+    if rows.get("llama.cpp"):
+        want = 2.0 if moe else 1.2
+        d = ratio(med(ours, "tg_tok_s"), med(rows["llama.cpp"], "tg_tok_s"))
+        p = ratio(med(ours, "pp_tok_s"), med(rows["llama.cpp"], "pp_tok_s"))
+        P(f"| decode ≥ {want}× llama.cpp (same file, same threads) | {fmt(d, 2)}× | {yes(d is not None and d >= want)} |")
+        P(f"| prompt (pp{a.pp}) ≥ 1.0× llama.cpp | {fmt(p, 2)}× | {yes(p is not None and p >= 1.0)} |")
+    if rows.get("mlx-lm"):
+        d = ratio(med(rows["tessera (mlx model)"], "tg_tok_s"), med(rows["mlx-lm"], "tg_tok_s"))
+        P(f"| decode ≥ 10× mlx-lm (same directory) | {fmt(d, 2)}× | {yes(d is not None and d >= 10.0)} |")
+    if a.batch > 1 and med(ours, "batch_ratio") is not None:
+        r, c = med(ours, "batch_ratio"), med(ours, "batch_ratio_ceiling")
+        P(f"| batch {a.batch} ≥ 8× batch 1 (aggregate tok/s) | {r:.2f}× (this machine allows at most {c:.2f}× a "
+          f"batch-1 decode at its bandwidth roofline: `batch {a.batch} ceiling`) | {yes(r >= 8.0)} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])
@@ -326,6 +367,7 @@ def main():
     ap.add_argument("--pp", type=int, default=128)
     ap.add_argument("--tg", type=int, default=64)
     ap.add_argument("--decode-prompt", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=32, help="tessera's batched decode for the batch target (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tessera", default=os.environ.get("TESSERA_BIN", "/work/target/release/tessera"
                                                          if Path("/work/target/release/tessera").exists()
@@ -385,7 +427,8 @@ def main():
     P(f"### `{a.model}`, {a.threads} threads, {a.rounds} interleaved rounds (median [min–max])")
     P("")
     P(f"Command: `{command}`  ")
-    P(f"Tessera binary: `{a.tessera} bench --model M --threads {a.threads} --pp {a.pp} --tg {a.tg} --batch 1 "
+    batches = "1" if a.batch <= 1 else f"1,{a.batch}"
+    P(f"Tessera binary: `{a.tessera} bench --model M --threads {a.threads} --pp {a.pp} --tg {a.tg} --batch {batches} "
       f"--repeat 1 --decode-prompt {a.decode_prompt} --seed {a.seed} --json …`  ")
     cpu = None
     try:
@@ -448,6 +491,8 @@ def main():
         P("llama.cpp not run: the model is not a GGUF file.")
     if not a.mlx_model:
         P("mlx-lm not run: no --mlx-model (mlx-lm cannot read GGUF block formats such as Q4_1).")
+    P("")
+    targets(a, rows, P)
     md = "\n".join(lines)
     print(md)
     if a.out:

@@ -338,6 +338,7 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
         "date": date,
         "model": model,
         "arch": r.arch,
+        "experts": r.experts.map(|(count, per_token)| json!({ "count": count, "per_token": per_token })),
         "vocab": r.vocab,
         "formats": r.formats.iter().map(|f| json!({ "format": f.format, "tensors": f.tensors, "bytes": f.bytes })).collect::<Vec<_>>(),
         "bytes_per_token": r.bytes_per_token,

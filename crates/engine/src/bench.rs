@@ -207,6 +207,8 @@ pub struct BenchReport {
     pub ranks: usize,
     pub isa: &'static str,
     pub arch: &'static str,
+    /// (routed experts, experts per token) of a MoE; `None` for a dense model.
+    pub experts: Option<(usize, usize)>,
     pub vocab: usize,
     /// Weight bytes read per decoded token (`DenseTransformer::bytes_per_token`).
     pub bytes_per_token: usize,
@@ -557,6 +559,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
         ranks,
         isa: model.isa().name(),
         arch: model.cfg.arch.name(),
+        experts: model.cfg.moe.as_ref().map(|m| (m.experts, m.top_k)),
         vocab,
         bytes_per_token: bpt,
         formats,
@@ -759,6 +762,7 @@ mod tests {
         // q 64×64 + k, v 32×64 + o 64×64 = 12288; layer 1 dense 3·64·96 = 18432; layers
         // 0 and 2 a router 8×64 and top-2 of experts 3·64·32 each = 12800; head 256×64.
         assert_eq!(r.macs_per_token, (0, 3 * 12288 + 18432 + 2 * 12800 + 256 * 64));
+        assert_eq!(r.experts, Some((8, 2)), "8 routed experts, top-2, from config.json");
         let peaks = r.mac_peak_best_gmac_s();
         assert!(peaks.iter().all(|&p| p > 0.0) && r.mac_peak_before.iter().all(|m| m.best_gmac_s >= m.median_gmac_s));
         let c = r.compute_fraction(r.decode.tok_per_sec.median);
