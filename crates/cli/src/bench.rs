@@ -146,10 +146,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "note: {fp8} FP8 matrices compute with f32 activations (compute-bound); TESSERA_FP8_Q8=1 requantizes them to Q8_0 for the integer kernels (1.6–1.9× decode on the benchmark MoE here; each weight within 0.4 % of its block's largest, as llama.cpp's FP8 → Q8_0 conversions)"
         );
     }
+    let lim = Limits::of(&report);
     if let Some(ps) = &profile {
-        print_profile(&ps[0], Limits::of(&report), a.profile_batch, ranks);
+        print_profile(&ps[0], lim, a.profile_batch, ranks);
         if ps.len() > 1 {
-            print_rank_summary(ps, Limits::of(&report));
+            print_rank_summary(ps, lim);
         }
     }
     if let (Some(b), Some(e)) = (&load_before, &load_after) {
@@ -158,7 +159,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(path) = &a.json {
         let mut v = to_json(&report, &a.model.display().to_string(), &date, load_before, load_after);
         if let Some(ps) = &profile {
-            let lim = Limits::of(&report);
             v["profile"] = profile_json(&ps[0], lim, a.profile_batch, ranks);
             v["profile_per_rank"] = ps
                 .iter()
@@ -430,8 +430,13 @@ struct ProfileRow {
     bandwidth_ms: f64,
     /// Time its multiply-adds take at the measured int8 and f32 ceilings.
     compute_ms: f64,
-    /// The larger of the two: the time this module cannot beat on this machine.
-    ideal_ms: f64,
+}
+
+impl ProfileRow {
+    /// The longer of its bandwidth and compute times: what it cannot beat on this machine.
+    fn ideal_ms(&self) -> f64 {
+        self.bandwidth_ms.max(self.compute_ms)
+    }
 }
 
 /// The measured limits a profile is held against: read bandwidth and the [int8, f32]
@@ -460,7 +465,7 @@ fn profile_rows(p: &tessera_model::Profile, lim: Limits) -> (Vec<ProfileRow>, f6
             let [int8, f32] = p.macs[i].map(|m| m as f64 / steps / 1e9);
             let bandwidth_ms = mb / lim.gb_s.max(1e-9);
             let compute_ms = 1e3 * (int8 / lim.gmac_s[0].max(1e-9) + f32 / lim.gmac_s[1].max(1e-9));
-            ProfileRow { kind, calls: p.calls[i] as f64 / steps, ms: p.nanos[i] as f64 / steps / 1e6, mb, gmac: int8 + f32, bandwidth_ms, compute_ms, ideal_ms: bandwidth_ms.max(compute_ms) }
+            ProfileRow { kind, calls: p.calls[i] as f64 / steps, ms: p.nanos[i] as f64 / steps / 1e6, mb, gmac: int8 + f32, bandwidth_ms, compute_ms }
         })
         .collect();
     // fold from +0.0: an empty float sum is −0.0.
@@ -482,8 +487,9 @@ fn print_profile(p: &tessera_model::Profile, lim: Limits, batch: usize, ranks: u
     println!("| module | calls/step | ms/step | share | MB/step | GMAC/step | ideal ms | bound by | overhead × |");
     println!("|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
-        let over = if r.ideal_ms > 0.0 { format!("{:.1}", r.ms / r.ideal_ms) } else { "–".into() };
-        let bound = if r.ideal_ms <= 0.0 {
+        let ideal_ms = r.ideal_ms();
+        let over = if ideal_ms > 0.0 { format!("{:.1}", r.ms / ideal_ms) } else { "–".into() };
+        let bound = if ideal_ms <= 0.0 {
             "–"
         } else if r.compute_ms > r.bandwidth_ms {
             "compute"
@@ -498,7 +504,7 @@ fn print_profile(p: &tessera_model::Profile, lim: Limits, batch: usize, ranks: u
             100.0 * r.ms / total.max(1e-12),
             r.mb,
             r.gmac,
-            r.ideal_ms
+            ideal_ms
         );
     }
     println!("| total | | {total:.3} | 100 % | | | | | |");
@@ -528,7 +534,7 @@ impl RankSummary {
             pipeline_ms,
             total_ms,
             mb: rows.iter().fold(0.0, |a, r| a + r.mb),
-            ideal_ms: rows.iter().fold(0.0, |a, r| a + r.ideal_ms),
+            ideal_ms: rows.iter().fold(0.0, |a, r| a + r.ideal_ms()),
             modules: rows.iter().map(|r| r.kind.name()).collect(),
         }
     }
@@ -560,7 +566,7 @@ fn profile_json(p: &tessera_model::Profile, lim: Limits, batch: usize, ranks: us
         "ms_per_step": total,
         "modules": rows.iter().map(|r| json!({
             "module": r.kind.name(), "calls_per_step": r.calls, "ms_per_step": r.ms, "mb_per_step": r.mb, "gmac_per_step": r.gmac,
-            "bandwidth_ideal_ms_per_step": r.bandwidth_ms, "compute_ideal_ms_per_step": r.compute_ms, "ideal_ms_per_step": r.ideal_ms,
+            "bandwidth_ideal_ms_per_step": r.bandwidth_ms, "compute_ideal_ms_per_step": r.compute_ms, "ideal_ms_per_step": r.ideal_ms(),
         })).collect::<Vec<_>>(),
     })
 }

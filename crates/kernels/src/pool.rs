@@ -299,7 +299,7 @@ impl ThreadPool {
             }
             return;
         }
-        self.parallel_for(rows, rows.div_ceil(2 * self.n_threads), &|_, range| {
+        self.parallel_for(rows, self.grain(rows, 2, 1), &|_, range| {
             for r in range {
                 let (ra, rb) = row(r);
                 f(r, ra, rb);

@@ -1800,13 +1800,7 @@ impl DenseTransformer {
         let mut ffn_pending = false;
         for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()) {
             let t0 = ws.clock();
-            let proj = &ws.proj[..if ffn_pending { n * h } else { 0 }];
-            pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (&mut ws.x[..n * h], h), (&mut ws.xn[..n * h], h), &|t, x, xn| {
-                if !proj.is_empty() {
-                    ops::add_assign(x, &proj[t * h..(t + 1) * h]);
-                }
-                ops::rms_norm(x, &layer.attn_norm, c.rms_eps, xn);
-            });
+            residual(pool, n, h, &mut ws.x, ffn_pending.then_some(&ws.proj[..]), Some((&layer.attn_norm, c.rms_eps, &mut ws.xn)));
             ws.charge(ProfileKind::Norms, t0, 0);
             match &layer.attn {
                 Attn::Gqa(g) => run.gqa(g, ws, caches, li),
@@ -1818,11 +1812,7 @@ impl DenseTransformer {
                 ws.charge(ProfileKind::Collectives, t0, 0);
             }
             let t0 = ws.clock();
-            let proj = &ws.proj[..n * h];
-            pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (&mut ws.x[..n * h], h), (&mut ws.xn[..n * h], h), &|t, x, xn| {
-                ops::add_assign(x, &proj[t * h..(t + 1) * h]);
-                ops::rms_norm(x, &layer.ffn_norm, c.rms_eps, xn);
-            });
+            residual(pool, n, h, &mut ws.x, Some(&ws.proj), Some((&layer.ffn_norm, c.rms_eps, &mut ws.xn)));
             ws.charge(ProfileKind::Norms, t0, 0);
             match &layer.ffn {
                 Ffn::Dense(m) => {
@@ -1848,8 +1838,7 @@ impl DenseTransformer {
         }
         if ffn_pending {
             let t0 = ws.clock();
-            let proj = &ws.proj[..n * h];
-            pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (&mut ws.x[..n * h], h), (&mut [] as &mut [f32], 0), &|t, x, _| ops::add_assign(x, &proj[t * h..(t + 1) * h]));
+            residual(pool, n, h, &mut ws.x, Some(&ws.proj), None);
             ws.charge(ProfileKind::Norms, t0, 0);
         }
         for ch in chunks {
@@ -2013,6 +2002,23 @@ fn load_mla(ld: &Loader, cfg: &ModelConfig, m: &MlaConfig, i: usize, heads: Rang
 }
 
 /// The fixed context of one forward step.
+/// Per token of `n` (rows of `h` in `x`): `x += add` where given, then `norm`'s output
+/// (weights, epsilon, destination rows) from the new `x` where given.
+fn residual(pool: &ThreadPool, n: usize, h: usize, x: &mut [f32], add: Option<&[f32]>, norm: Option<(&[f32], f32, &mut [f32])>) {
+    let (w, eps, out, out_len) = match norm {
+        Some((w, eps, out)) => (w, eps, out, h),
+        None => (&[][..], 0.0, &mut [][..], 0),
+    };
+    pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (x, h), (out, out_len), &|t, x, xn| {
+        if let Some(a) = add {
+            ops::add_assign(x, &a[t * h..(t + 1) * h]);
+        }
+        if out_len > 0 {
+            ops::rms_norm(x, w, eps, xn);
+        }
+    });
+}
+
 struct Run<'a> {
     pool: &'a ThreadPool,
     isa: Isa,
@@ -2023,6 +2029,12 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
+    /// SwiGLU's gate on `rows` rows of `width`: `gate = silu(gate) · up`, row by row.
+    fn silu_rows(&self, rows: usize, width: usize, gate: &mut [f32], up: &[f32]) {
+        let isa = self.isa;
+        self.pool.for_rows(rows, PER_TOKEN_PARALLEL_MIN, (gate, width), (&mut [] as &mut [f32], 0), &|r, g, _| isa.silu_mul(g, &up[r * width..(r + 1) * width]));
+    }
+
     fn linear(&self, l: &Linear, x: &[f32], n: usize, y: &mut [f32], mm: &mut MatmulScratch) {
         linear_fwd(self.pool, self.isa, self.ckpt, l, x, n, y, mm);
     }
@@ -2183,9 +2195,7 @@ impl Run<'_> {
                 ops::add_bias(y, b);
             }
         }
-        let up = &up[..n * w];
-        let isa = self.isa;
-        self.pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (&mut gate[..n * w], w), (&mut [] as &mut [f32], 0), &|t, g, _| isa.silu_mul(g, &up[t * w..(t + 1) * w]));
+        self.silu_rows(n, w, gate, up);
         self.linear(d, &gate[..n * w], n, out, mm);
     }
 
@@ -2223,8 +2233,7 @@ impl Run<'_> {
             RowsJob { w: l.weights(self.ckpt), rows: run(i / 2), out: i % 2 }
         };
         matmul_jobs(self.pool, self.isa, &ws.moe_in[..slots * h], h, 2 * active.len(), &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
-        let (up, isa) = (&*up, self.isa);
-        self.pool.for_rows(slots, PER_TOKEN_PARALLEL_MIN, (&mut *gate, width), (&mut [] as &mut [f32], 0), &|j, g, _| isa.silu_mul(g, &up[j * width..(j + 1) * width]));
+        self.silu_rows(slots, width, gate, up);
         let down = |i: usize| RowsJob { w: m.down[local(i)].weights(self.ckpt), rows: run(i), out: 0 };
         matmul_jobs(self.pool, self.isa, gate, width, active.len(), &down, &mut [&mut ws.moe_proj[..slots * h]], &mut ws.mm);
         for (j, &(t, wt)) in ws.expert_slots[s0..s1].iter().enumerate() {
