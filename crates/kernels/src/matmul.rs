@@ -254,11 +254,27 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n
     let f4 = |t: usize| [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)];
     let unit = |r: usize| &w.data[r * u * w.row_stride..r * (u + 1) * w.row_stride];
     match (unit_rows(isa, w, n_tokens), f.rows_per_group()) {
-        // Two 8-row groups in one pass; a tail token takes them one at a time.
-        (16, _) => each_token::<4, 16>(0..n_tokens, rows, 16 * u, y, |t| isa.dot_q8_rows16_x4(f, unit(16), q4(t)), |t| {
-            let (a, b) = (isa.dot_q8_rows8(f, w.group8(2 * u), xq_of(t)), isa.dot_q8_rows8(f, w.group8(2 * u + 1), xq_of(t)));
-            std::array::from_fn(|k| if k < 8 { a[k] } else { b[k - 8] })
-        }),
+        // Two 8-row groups in one pass: eight tokens at a time, then four, then the last
+        // ones together where the layout has a kernel for that, else one at a time.
+        (16, _) => {
+            let (pair, r0) = (unit(16), 16 * u);
+            let one = |t: usize| {
+                let (a, b) = (isa.dot_q8_rows8(f, w.group8(2 * u), xq_of(t)), isa.dot_q8_rows8(f, w.group8(2 * u + 1), xq_of(t)));
+                std::array::from_fn(|k| if k < 8 { a[k] } else { b[k - 8] })
+            };
+            let few = isa.has_rows16_few(f);
+            let t8 = if few { n_tokens / 8 * 8 } else { 0 };
+            each_token::<8, 16>(0..t8, rows, r0, y, |t| isa.dot_q8_rows16_few::<8>(f, pair, std::array::from_fn(|k| xq_of(t + k))).expect("has_rows16_few"), one);
+            let t4 = t8 + (n_tokens - t8) / 4 * 4;
+            each_token::<4, 16>(t8..t4, rows, r0, y, |t| isa.dot_q8_rows16_x4(f, pair, q4(t)), one);
+            let tail = t4..n_tokens;
+            match tail.len() {
+                1 if few => each_token::<1, 16>(tail, rows, r0, y, |t| isa.dot_q8_rows16_few::<1>(f, pair, std::array::from_fn(|k| xq_of(t + k))).expect("has_rows16_few"), one),
+                2 if few => each_token::<2, 16>(tail, rows, r0, y, |t| isa.dot_q8_rows16_few::<2>(f, pair, std::array::from_fn(|k| xq_of(t + k))).expect("has_rows16_few"), one),
+                3 if few => each_token::<3, 16>(tail, rows, r0, y, |t| isa.dot_q8_rows16_few::<3>(f, pair, std::array::from_fn(|k| xq_of(t + k))).expect("has_rows16_few"), one),
+                _ => each_token::<1, 16>(tail, rows, r0, y, |t| [one(t)], one),
+            }
+        }
         // Four float rows (one stream), two tokens per pass.
         (_, 4) => each_token::<2, 4>(0..n_tokens, rows, 4 * u, y, |t| isa.dot_f32_rows4_x2(f, unit(4), [x_of(t), x_of(t + 1)]), |t| isa.dot_f32_rows4(f, unit(4), x_of(t))),
         (_, 8) => {

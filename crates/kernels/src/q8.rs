@@ -18,6 +18,15 @@ pub struct BlockQ8 {
     pub half_sums: [i16; 2],
 }
 
+impl BlockQ8 {
+    /// Σq over the block (exact): the kernels fold an integer offset of the weights
+    /// (Q4_0's −8, Q5_0's −16, VNNI's +128 on Q8_0) into their integer sums with it.
+    #[inline(always)]
+    pub fn q_sum(&self) -> i32 {
+        self.half_sums[0] as i32 + self.half_sums[1] as i32
+    }
+}
+
 /// Scalar quantization of one row; `x.len()` must be a multiple of 32.
 pub fn quantize_row_scalar(x: &[f32], out: &mut [BlockQ8]) {
     assert_eq!(x.len(), out.len() * QK, "q8 quantize: length mismatch");

@@ -234,6 +234,26 @@ impl Isa {
         }
     }
 
+    /// [`Isa::dot_q8_rows16_x4`] for `T` tokens in one pass (each block unpacked once for
+    /// all of them) where the ISA has such a kernel for `format` (AVX-512 VNNI: Q4_0x8 and
+    /// Q4_1x8); `None` elsewhere. Bit-identical to the two groups' 8-row kernels.
+    /// Whether [`Isa::dot_q8_rows16_few`] has a kernel for `format`.
+    pub fn has_rows16_few(self, format: WeightFormat) -> bool {
+        self == Isa::Avx512Vnni && matches!(format, WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8)
+    }
+
+    #[inline]
+    pub fn dot_q8_rows16_few<const T: usize>(self, format: WeightFormat, pair: &[u8], xs: [&[BlockQ8]; T]) -> Option<[[f32; 16]; T]> {
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (format, pair, xs);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_q8_rows8.
+            Isa::Avx512Vnni => unsafe { x86::dot_q8_rows16_xn_zmm(format, pair, xs) },
+            _ => None,
+        }
+    }
+
     /// Whether [`Isa::dot_q8_rows16_x4`] is faster than two [`Isa::dot_q8_rows8_x4`]
     /// (so matmul hands out 16-row units to batches of four tokens or more).
     pub fn pairs_groups(self) -> bool {
@@ -869,6 +889,18 @@ mod x86 {
         }
     }
 
+    /// `k`·Σx_q of block `xb` in every 32-bit lane: its two 16-bit half sums, broadcast
+    /// as one word from memory, by VPMADDWD against `k`. On a Zen 4, AVX2's batched
+    /// Q4_0 ran 7–13 % slower with `k·Σx_q` broadcast from a general register instead,
+    /// and 2–5 % faster this way than with Q4_0's −8·d as an m·x_sum FMA; the 512-bit
+    /// kernels take the broadcast (6–8 % faster than the FMA; 5 % slower this way).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q_sum_times(xb: &BlockQ8, k: i16) -> __m256i {
+        let halves = _mm256_set1_epi32(std::ptr::read_unaligned(xb.half_sums.as_ptr() as *const i32));
+        _mm256_madd_epi16(halves, _mm256_set1_epi16(k))
+    }
+
     /// How far ahead the interleaved kernels prefetch (bytes).
     const PREFETCH_BYTES: usize = 2048;
 
@@ -882,9 +914,9 @@ mod x86 {
     /// sharing each block's unpacked weights) written once over the step that differs
     /// between instruction sets: how u8×i8 byte products are summed. Per 32-byte chunk
     /// (4 columns of 8 rows) a byte dot against one broadcast word of activations makes
-    /// 8 row sums; Q4 nibbles are unsigned (Q4_0's −8 goes into the `m · x_sum` term,
-    /// as Q4_1's min does), Q8 weights take the sign trick (|w| unsigned, the activation
-    /// carrying w's sign). The steps take chunks in pairs (low and high nibbles; even and
+    /// 8 row sums; Q4 nibbles are unsigned (Q4_0's −8 comes off the integer sum as
+    /// 8·Σx_q, Q4_1's min is an `m · x_sum` term), Q8 weights take the sign trick (|w|
+    /// unsigned, the activation carrying w's sign). The steps take chunks in pairs (low and high nibbles; even and
     /// odd chunks) so that each ISA can choose its dependency chains:
     /// - AVX2: PMADDUBSW; Q4 pair sums add in 16-bit lanes (8 per block at most:
     ///   8·2·15·127 < 2^15) and widen once per block; Q8 pair sums (up to 2·127²) widen
@@ -986,11 +1018,13 @@ mod x86 {
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                         let qp = p.add(if MIN { 32 } else { 16 });
                         let [sum] = $sums::<FIVE, 1>(qp, [xb.qs.as_ptr() as *const i32]);
-                        let isum = _mm256_cvtepi32_ps(sum);
-                        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), isum, acc);
-                        // w = d·q + m (Q4_0: m = −8·d, Q5_0: −16·d): the m term is m · x_sum.
-                        let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(if FIVE { -16.0 } else { -8.0 })) };
-                        acc_m = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc_m);
+                        // w = d·q + m. Q4_1 / Q5_1: the m term is m · x_sum. Q4_0 / Q5_0
+                        // (m = −8·d, −16·d): an integer offset, taken from the sum.
+                        let sum = if MIN { sum } else { _mm256_sub_epi32(sum, q_sum_times(xb, if FIVE { 16 } else { 8 })) };
+                        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(sum), acc);
+                        if MIN {
+                            acc_m = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)), _mm256_set1_ps(xb.sum), acc_m);
+                        }
                     }
                     std::mem::transmute::<__m256, [f32; 8]>(_mm256_add_ps(acc, acc_m))
                 }
@@ -1166,7 +1200,8 @@ mod x86 {
 
             /// Q4_0x8, Q4_1x8, Q5_0x8 and Q5_1x8 for `T` tokens: each block's nibbles are
             /// loaded and unpacked once for all of them; per token and block the integer
-            /// sums take d·x_d and the m·x_sum term (Q4_0: m = −8·d, Q5_0: −16·d).
+            /// sums take d·x_d (Q4_0 / Q5_0 less 8·Σx_q / 16·Σx_q first) and Q4_1's /
+            /// Q5_1's m·x_sum term.
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn $u4_many<const MIN: bool, const FIVE: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
@@ -1187,11 +1222,15 @@ mod x86 {
                     let qp = p.add(if MIN { 32 } else { 16 });
                     let sum = $sums::<FIVE, T>(qp, std::array::from_fn(|t| ys[t].add(b * STRIDE + QS)));
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                    let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_mul_ps(d, _mm256_set1_ps(if FIVE { -16.0 } else { -8.0 })) };
+                    let m = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { _mm256_setzero_ps() };
                     for t in 0..T {
                         let xb = &xs[t][b];
-                        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
-                        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
+                        // As the one-token kernel: Q4_0's / Q5_0's offset in the integer sum.
+                        let s = if MIN { sum[t] } else { _mm256_sub_epi32(sum[t], q_sum_times(xb, if FIVE { 16 } else { 8 })) };
+                        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(s), acc[t]);
+                        if MIN {
+                            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.sum), acc[t]);
+                        }
                     }
                 }
                 std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
@@ -1661,6 +1700,140 @@ mod x86 {
     rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_xn, avx2_u4_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
     rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_xn_vnni, vnni_u4_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
 
+    /// The 32 bytes at `p` and at `p + g` (the next group) as one register.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn both(p: *const u8, g: usize) -> __m512i {
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(p as *const __m256i)), _mm256_loadu_si256(p.add(g) as *const __m256i), 1)
+    }
+    /// The 8 f16 at `p` and at `p + g` as 16 f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn halves(p: *const u8, g: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(p.add(g) as *const __m128i), _mm_loadu_si128(p as *const __m128i)))
+    }
+
+/// Q4_0x8 and Q4_1x8, two 8-row groups (`pair`: group g then group g + 1) against `T`
+    /// tokens on 512-bit registers: each chunk is unpacked once for all `T`, and one
+    /// `vpdpbusd zmm` per token makes 16 row sums. `CH` chains per token (low and high
+    /// nibbles apart, or one): enough independent chains in flight to cover VPDPBUSD's
+    /// latency (4 tokens × 2, 8 × 1). The integer sums are exact, so any `T` and `CH`
+    /// give the 256-bit kernels' results bit for bit.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn rows16_u4_zmm<const MIN: bool, const T: usize, const CH: usize>(pair: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 16]; T] {
+        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+        let bb = if MIN { 160 } else { 144 };
+        let blocks = xs[0].len();
+        let g = blocks * bb;
+        assert!(pair.len() >= 2 * g && xs.iter().all(|x| x.len() == blocks));
+        let low = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); T];
+        let ys: [*const i32; T] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+        for b in 0..blocks {
+            let p = pair.as_ptr().add(b * bb);
+            // Both groups' streams, as the 256-bit kernels prefetch their one (most
+            // pairs come from DRAM once per step: batched decode, MoE experts).
+            prefetch_ahead(p, 3);
+            prefetch_ahead(p.add(g), 3);
+            let qp = p.add(if MIN { 32 } else { 16 });
+            let mut sum = [[_mm512_setzero_si512(); CH]; T];
+            for j in 0..4 {
+                let c = both(qp.add(32 * j), g);
+                let lo = _mm512_and_si512(c, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+                for t in 0..T {
+                    let y = ys[t].add(b * STRIDE + QS);
+                    sum[t][0] = _mm512_dpbusd_epi32(sum[t][0], lo, _mm512_set1_epi32(std::ptr::read_unaligned(y.add(j))));
+                    sum[t][CH - 1] = _mm512_dpbusd_epi32(sum[t][CH - 1], hi, _mm512_set1_epi32(std::ptr::read_unaligned(y.add(4 + j))));
+                }
+            }
+            let d = halves(p, g);
+            let m = if MIN { halves(p.add(16), g) } else { _mm512_setzero_ps() };
+            for t in 0..T {
+                let xb = &xs[t][b];
+                let s = if CH == 2 { _mm512_add_epi32(sum[t][0], sum[t][1]) } else { sum[t][0] };
+                // Q4_0's −8 in the integer sum (as `rows8_kernels!`), Q4_1's min as m · x_sum.
+                let s = if MIN { s } else { _mm512_sub_epi32(s, _mm512_set1_epi32(8 * xb.q_sum())) };
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xb.d)), _mm512_cvtepi32_ps(s), acc[t]);
+                if MIN {
+                    acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xb.sum), acc[t]);
+                }
+            }
+        }
+        let mut out = [[0.0f32; 16]; T];
+        for t in 0..T {
+            _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+        out
+    }
+
+    /// Q8_0x8, two 8-row groups against `T` tokens on 512-bit registers. VPDPBUSD takes
+    /// unsigned bytes on one side, so each chunk's weights are offset by 128 (one XOR,
+    /// shared by all `T` tokens) and each token's block sum less 128·Σx_q
+    /// (`BlockQ8::half_sums`), where the 256-bit kernels give every token the weights'
+    /// signs instead (a masked negate per token and chunk: 0.40 of the int8 probe at 32
+    /// tokens against 0.63 for Q4_0x8 on a Zen 4). The integer sums are the same, so the
+    /// results are theirs bit for bit. `CH` as in [`rows16_u4_zmm`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn rows16_i8_zmm<const T: usize, const CH: usize>(pair: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 16]; T] {
+        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+        let blocks = xs[0].len();
+        let g = blocks * 272;
+        assert!(pair.len() >= 2 * g && xs.iter().all(|x| x.len() == blocks));
+        let offset = _mm512_set1_epi8(-128);
+        let mut acc = [_mm512_setzero_ps(); T];
+        let ys: [*const i32; T] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+        for b in 0..blocks {
+            let p = pair.as_ptr().add(b * 272);
+            prefetch_ahead(p, 5);
+            prefetch_ahead(p.add(g), 5);
+            let mut sum = [[_mm512_setzero_si512(); CH]; T];
+            // An opaque trip count, as in `rows8_kernels!` (fully unrolled, LLVM hoists
+            // every chunk and spills).
+            for jj in 0..std::hint::black_box(4usize) {
+                for h in 0..2 {
+                    let j = 2 * jj + h;
+                    let w = _mm512_xor_si512(both(p.add(16 + 32 * j), g), offset);
+                    for t in 0..T {
+                        let y = _mm512_set1_epi32(std::ptr::read_unaligned(ys[t].add(b * STRIDE + QS + j)));
+                        sum[t][h % CH] = _mm512_dpbusd_epi32(sum[t][h % CH], w, y);
+                    }
+                }
+            }
+            let d = halves(p, g);
+            for t in 0..T {
+                let xb = &xs[t][b];
+                let s = if CH == 2 { _mm512_add_epi32(sum[t][0], sum[t][1]) } else { sum[t][0] };
+                let isum = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xb.q_sum()));
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xb.d)), _mm512_cvtepi32_ps(isum), acc[t]);
+            }
+        }
+        let mut out = [[0.0f32; 16]; T];
+        for t in 0..T {
+            _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+        out
+    }
+
+    /// [`rows16_u4_zmm`] for `T` tokens where `format` has it (Q4_0x8, Q4_1x8): eight
+    /// tokens on one chain each, fewer on two.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot_q8_rows16_xn_zmm<const T: usize>(format: WeightFormat, pair: &[u8], xs: [&[BlockQ8]; T]) -> Option<[[f32; 16]; T]> {
+        Some(match (format, T >= 8) {
+            (WeightFormat::Q4_0x8, true) => rows16_u4_zmm::<false, T, 1>(pair, xs),
+            (WeightFormat::Q4_1x8, true) => rows16_u4_zmm::<true, T, 1>(pair, xs),
+            (WeightFormat::Q4_0x8, false) => rows16_u4_zmm::<false, T, 2>(pair, xs),
+            (WeightFormat::Q4_1x8, false) => rows16_u4_zmm::<true, T, 2>(pair, xs),
+            (WeightFormat::Q8_0x8, true) => rows16_i8_zmm::<T, 1>(pair, xs),
+            (WeightFormat::Q8_0x8, false) => rows16_i8_zmm::<T, 2>(pair, xs),
+            _ => return None,
+        })
+    }
+
     /// Two 8-row groups against four tokens on 512-bit registers: each chunk's two
     /// 32-byte halves (group g, group g + 1) share the broadcast activations, so one
     /// `vpdpbusd zmm` makes 16 row sums; per-lane arithmetic is the 256-bit kernels'
@@ -1668,106 +1841,10 @@ mod x86 {
     /// (low/high nibbles; even/odd Q8 chunks) cover VPDPBUSD's latency.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub unsafe fn dot_q8_rows16_x4_zmm(format: WeightFormat, pair: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 16]; 4] {
-        const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-        const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
-        /// The 32 bytes at `p` and at `p + g` (the next group) as one register.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn both(p: *const u8, g: usize) -> __m512i {
-            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(p as *const __m256i)), _mm256_loadu_si256(p.add(g) as *const __m256i), 1)
-        }
-        /// The 8 f16 at `p` and at `p + g` as 16 f32.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn halves(p: *const u8, g: usize) -> __m512 {
-            _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(p.add(g) as *const __m128i), _mm_loadu_si128(p as *const __m128i)))
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn u4<const MIN: bool>(pair: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 16]; 4] {
-            let bb = if MIN { 160 } else { 144 };
-            let blocks = xs[0].len();
-            let g = blocks * bb;
-            assert!(pair.len() >= 2 * g && xs.iter().all(|x| x.len() == blocks));
-            let low = _mm512_set1_epi8(0x0F);
-            let mut acc = [_mm512_setzero_ps(); 4];
-            let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-            for b in 0..blocks {
-                let p = pair.as_ptr().add(b * bb);
-                let qp = p.add(if MIN { 32 } else { 16 });
-                let mut sum = [[_mm512_setzero_si512(); 2]; 4];
-                for j in 0..4 {
-                    let c = both(qp.add(32 * j), g);
-                    let lo = _mm512_and_si512(c, low);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
-                    for t in 0..4 {
-                        let y = ys[t].add(b * STRIDE + QS);
-                        sum[t][0] = _mm512_dpbusd_epi32(sum[t][0], lo, _mm512_set1_epi32(std::ptr::read_unaligned(y.add(j))));
-                        sum[t][1] = _mm512_dpbusd_epi32(sum[t][1], hi, _mm512_set1_epi32(std::ptr::read_unaligned(y.add(4 + j))));
-                    }
-                }
-                let d = halves(p, g);
-                let m = if MIN { halves(p.add(16), g) } else { _mm512_mul_ps(d, _mm512_set1_ps(-8.0)) };
-                for t in 0..4 {
-                    let xb = &xs[t][b];
-                    let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[t][0], sum[t][1]));
-                    acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xb.d)), isum, acc[t]);
-                    acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xb.sum), acc[t]);
-                }
-            }
-            let mut out = [[0.0f32; 16]; 4];
-            for t in 0..4 {
-                _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-            }
-            out
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn i8(pair: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 16]; 4] {
-            let blocks = xs[0].len();
-            let g = blocks * 272;
-            assert!(pair.len() >= 2 * g && xs.iter().all(|x| x.len() == blocks));
-            let mut acc = [_mm512_setzero_ps(); 4];
-            let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-            for b in 0..blocks {
-                let p = pair.as_ptr().add(b * 272);
-                let mut sum = [[_mm512_setzero_si512(); 2]; 4];
-                // An opaque trip count, as in `rows8_kernels!` (fully unrolled, LLVM hoists
-                // every chunk and spills).
-                for jj in 0..std::hint::black_box(4usize) {
-                    for h in 0..2 {
-                        let j = 2 * jj + h;
-                        let w = both(p.add(16 + 32 * j), g);
-                        let aw = _mm512_abs_epi8(w);
-                        // The activation takes w's sign (AVX-512 has no VPSIGNB): negated
-                        // where w < 0, zeroed where w = 0 (|w| is 0 there anyway).
-                        let neg = _mm512_movepi8_mask(w);
-                        for t in 0..4 {
-                            let y = _mm512_set1_epi32(std::ptr::read_unaligned(ys[t].add(b * STRIDE + QS + j)));
-                            let sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
-                            sum[t][h] = _mm512_dpbusd_epi32(sum[t][h], aw, sy);
-                        }
-                    }
-                }
-                let d = halves(p, g);
-                for t in 0..4 {
-                    let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[t][0], sum[t][1]));
-                    acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xs[t][b].d)), isum, acc[t]);
-                }
-            }
-            let mut out = [[0.0f32; 16]; 4];
-            for t in 0..4 {
-                _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-            }
-            out
-        }
-
         match format {
-            WeightFormat::Q4_0x8 => u4::<false>(pair, xs),
-            WeightFormat::Q4_1x8 => u4::<true>(pair, xs),
-            WeightFormat::Q8_0x8 => i8(pair, xs),
+            WeightFormat::Q4_0x8 => rows16_u4_zmm::<false, 4, 2>(pair, xs),
+            WeightFormat::Q4_1x8 => rows16_u4_zmm::<true, 4, 2>(pair, xs),
+            WeightFormat::Q8_0x8 => rows16_i8_zmm::<4, 2>(pair, xs),
             _ => unreachable!("{format}: no four-token interleaved kernel"),
         }
     }
@@ -3267,21 +3344,25 @@ mod arm {
                 let q0 = p.add(if min { 32 } else { 16 });
                 if five { nibble_sums::<true, T>(q0, ys, None) } else { nibble_sums::<false, T>(q0, ys, None) }
             };
-            // w = d·q + m: Q4_1/Q5_1 store m; MLX-A8x8 its bias, + 128·d; Q4_0: m = −8·d,
-            // Q5_0: −16·d; Q8_0: none.
+            // w = d·q + m: Q4_1/Q5_1 store m; MLX-A8x8 its bias, + 128·d; Q8_0: none.
+            // Q4_0 (m = −8·d) and Q5_0 (−16·d): an integer offset, taken from the sums
+            // (as the x86 kernels do).
             let m = match format {
-                WeightFormat::Q8_0x8 => None,
                 WeightFormat::A8x8 => {
                     let b = halves8_f32(p.add(16));
                     Some([vfmaq_n_f32(b[0], d[0], 128.0), vfmaq_n_f32(b[1], d[1], 128.0)])
                 }
                 _ if min => Some(halves8_f32(p.add(16))),
-                _ => Some(d.map(|dh| vmulq_n_f32(dh, if five { -16.0 } else { -8.0 }))),
+                _ => None,
             };
+            let offset = if min || eight { 0 } else if five { 16 } else { 8 };
             for t in 0..T {
                 let xb = &xs[t][b];
+                let off = vdupq_n_s32(offset * xb.q_sum());
                 for h in 0..2 {
-                    acc[t][h] = vfmaq_f32(acc[t][h], vmulq_n_f32(d[h], xb.d), vcvtq_f32_s32(isum[t][h]));
+                    // Lane r of half h is row 4h + r's whole sum over the block.
+                    let s = if offset == 0 { isum[t][h] } else { vsubq_s32(isum[t][h], off) };
+                    acc[t][h] = vfmaq_f32(acc[t][h], vmulq_n_f32(d[h], xb.d), vcvtq_f32_s32(s));
                     if let Some(m) = m {
                         acc[t][h] = vfmaq_n_f32(acc[t][h], m[h], xb.sum);
                     }

@@ -673,6 +673,21 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
                     assert_eq!(pair[t][..8], a[t].map(f32::to_bits), "{packed_format} cols {cols} token {t}: first group of the pair");
                     assert_eq!(pair[t][8..], b[t].map(f32::to_bits), "{packed_format} cols {cols} token {t}: second group of the pair");
                 }
+                // The pair against 8, 3, 2 and 1 tokens in one pass, where VNNI has such kernels.
+                if vnni.has_rows16_few(packed_format) {
+                    // (The batched kernels' arithmetic: the one-token kernel sums its terms in another order.)
+                    let groups = [0, 1].map(|g| avx2.dot_q8_rows8_x8(packed_format, w.group8(g), xs8));
+                    let want = |t: usize| [groups[0][t].map(f32::to_bits), groups[1][t].map(f32::to_bits)].concat();
+                    let eight = vnni.dot_q8_rows16_few::<8>(packed_format, &packed, xs8).unwrap();
+                    let three = vnni.dot_q8_rows16_few::<3>(packed_format, &packed, [xs8[5], xs8[6], xs8[7]]).unwrap();
+                    let two = vnni.dot_q8_rows16_few::<2>(packed_format, &packed, [xs8[6], xs8[7]]).unwrap();
+                    let one = vnni.dot_q8_rows16_few::<1>(packed_format, &packed, [xs8[7]]).unwrap();
+                    let got = eight.iter().chain(&three).chain(&two).chain(&one);
+                    let tokens = (0..8).chain(5..8).chain(6..8).chain(7..8);
+                    for (i, (v, t)) in got.zip(tokens).enumerate() {
+                        assert_eq!(v.map(f32::to_bits).to_vec(), want(t), "{packed_format} cols {cols}: token {t} of a two-group pass (result {i})");
+                    }
+                }
             }
         }
         for rounds in [1, 9, 40] {
