@@ -385,6 +385,18 @@ impl Isa {
         }
     }
 
+    /// `x[i] = e^((x[i] − shift)·scale)` in place, returning their sum
+    /// ([`crate::ops::exp_weights`], with the vector exp where the ISA has one): a
+    /// sampler's weights over a whole vocabulary.
+    pub fn exp_weights(self, x: &mut [f32], shift: f32, scale: f32) -> f64 {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::exp_weights(x, shift, scale) },
+            _ => crate::ops::exp_weights(x, shift, scale),
+        }
+    }
+
     /// A compute ceiling, measured: `rounds` rounds of [`PROBE_MACS_PER_ROUND`]
     /// multiply-adds in the matmul kernels' inner step with nothing else around it:
     /// `Int8`, one broadcast load of four activation bytes, one u8×i8 pair-product
@@ -1900,6 +1912,23 @@ mod x86 {
             i += 8;
         }
         crate::ops::silu_mul(&mut gate[n8..], &up[n8..]);
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn exp_weights(x: &mut [f32], shift: f32, scale: f32) -> f64 {
+        let n8 = x.len() / 8 * 8;
+        let (shift8, scale8) = (_mm256_set1_ps(shift), _mm256_set1_ps(scale));
+        let mut acc = [_mm256_setzero_pd(); 2];
+        let mut i = 0;
+        while i < n8 {
+            let e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr().add(i)), shift8), scale8));
+            _mm256_storeu_ps(x.as_mut_ptr().add(i), e);
+            acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+            i += 8;
+        }
+        let lanes = std::mem::transmute::<[__m256d; 2], [f64; 8]>(acc);
+        lanes.iter().sum::<f64>() + crate::ops::exp_weights(&mut x[n8..], shift, scale)
     }
 
     /// Sums of four vectors' lanes: `[Σa, Σb, Σc, Σd]`.

@@ -582,6 +582,26 @@ fn silu_mul_simd_matches_scalar() {
     }
 }
 
+/// A sampler's weights with the vector exp against the portable ones (libm-close, see
+/// `ops::exp_poly`), on lengths around the 8-lane blocks and logits far below the
+/// maximum (the clamp), with their sums.
+#[test]
+fn exp_weights_simd_matches_scalar() {
+    let isa = Isa::detect();
+    let mut rng = Rng(13);
+    for n in [1usize, 7, 8, 9, 100, 49155] {
+        let x: Vec<f32> = (0..n).map(|i| if i % 29 == 0 { -500.0 } else { 30.0 * rng.f32() }).collect();
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let (mut a, mut b) = (x.clone(), x);
+        let (sa, sb) = (tessera_kernels::ops::exp_weights(&mut a, max, 0.7), isa.exp_weights(&mut b, max, 0.7));
+        for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+            assert!((p - q).abs() <= 1e-6 * p.abs() + 1e-37, "n={n} [{i}]: {p} vs {q}");
+        }
+        assert!((sa - sb).abs() <= 1e-6 * sa, "n={n}: sums {sa} vs {sb}");
+        assert!(sa >= 1.0, "the maximum's weight is 1");
+    }
+}
+
 /// The comparisons above test the SIMD flavour only if `detect` picks it: it must
 /// whenever the CPU has the features (aarch64 runs of this suite are under qemu).
 #[test]
