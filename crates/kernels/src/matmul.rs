@@ -231,13 +231,20 @@ pub fn matmul_jobs<'w>(
     scratch.unit_starts = starts;
 }
 
+/// Tokens from which two 8-row groups go through one 512-bit pass ([`Isa::pairs_groups`]).
+/// With fewer, the pairs' two streams fed from DRAM run slower than one group at a time
+/// (Zen 4, MoE batch-32 decode, ~4 tokens per expert: 8-row units 1.10–1.16× faster than
+/// pairs from 4 tokens up; batch 1 through pairs: 0.61×); from 8, the 512-bit pass wins
+/// where the weights stay in cache (L2-resident GEMM: Q4 1.05–1.10×, Q8_0 1.8×).
+const PAIRS_TOKENS_MIN: usize = 8;
+
 /// Rows per work unit of `w` for `n_tokens` tokens: one row; a group of an interleaved
 /// format (8 rows, or 4 for F16x4/BF16x4); or two 8-row groups where the ISA runs a
-/// pair in one pass ([`Isa::pairs_groups`]) and there are four tokens or more to share
-/// them.
+/// pair in one pass ([`Isa::pairs_groups`]) and there are [`PAIRS_TOKENS_MIN`] tokens
+/// or more to share them.
 fn unit_rows(isa: Isa, w: &WeightRows<'_>, n_tokens: usize) -> usize {
     match w.format.rows_per_group() {
-        8 if isa.pairs_groups() && n_tokens >= 4 && w.rows.is_multiple_of(16) && w.format.pairs_in_512_bits() => 16,
+        8 if isa.pairs_groups() && n_tokens >= PAIRS_TOKENS_MIN && w.rows.is_multiple_of(16) && w.format.pairs_in_512_bits() => 16,
         rpg => rpg,
     }
 }
@@ -255,7 +262,8 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n
     let unit = |r: usize| &w.data[r * u * w.row_stride..r * (u + 1) * w.row_stride];
     match (unit_rows(isa, w, n_tokens), f.rows_per_group()) {
         // Two 8-row groups in one pass: eight tokens at a time, then four, then the last
-        // ones together where the layout has a kernel for that, else one at a time.
+        // ones together where the layout has a kernel for that, else one at a time (a
+        // unit's bytes stay in L1/L2 across the passes).
         (16, _) => {
             let (pair, r0) = (unit(16), 16 * u);
             let one = |t: usize| {

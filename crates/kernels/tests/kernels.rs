@@ -718,7 +718,7 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
 
 /// The two-group pass equals the one-group kernel on each group, on whatever ISA this
 /// CPU picks (a 512-bit pass on AVX-512 VNNI, else two calls). Matmul over pairs (16
-/// rows, 5 tokens) is in `interleaved_rows_are_the_source_rows`.
+/// rows, 13–15 tokens) is in `interleaved_rows_are_the_source_rows`.
 #[test]
 fn group_pairs_equal_single_groups() {
     let isa = Isa::detect();
