@@ -138,8 +138,9 @@ impl Sampler {
         &self.params
     }
 
-    /// Picks the next token from `logits` (modified in place by the penalties);
-    /// `history` is the sequence so far (prompt and generated).
+    /// Picks the next token from `logits`, which it uses as scratch (penalised, and at a
+    /// temperature without top-k overwritten by the sampling weights); `history` is the
+    /// sequence so far (prompt and generated).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> Result<u32, SamplingError> {
         // One vectorised pass finds both the maximum and whether any logit is NaN (two
         // scalar scans of a 150k vocabulary cost ~0.5 ms, per token and per sequence).

@@ -272,14 +272,14 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n
             };
             let few = isa.has_rows16_few(f);
             let t8 = if few { n_tokens / 8 * 8 } else { 0 };
-            each_token::<8, 16>(0..t8, rows, r0, y, |t| isa.dot_q8_rows16_few::<8>(f, pair, std::array::from_fn(|k| xq_of(t + k))).expect("has_rows16_few"), one);
+            each_token::<8, 16>(0..t8, rows, r0, y, |t| rows16_pass::<8>(isa, f, pair, &xq_of, t), one);
             let t4 = t8 + (n_tokens - t8) / 4 * 4;
             each_token::<4, 16>(t8..t4, rows, r0, y, |t| isa.dot_q8_rows16_x4(f, pair, q4(t)), one);
             let tail = t4..n_tokens;
             match tail.len() {
-                1 if few => each_token::<1, 16>(tail, rows, r0, y, |t| isa.dot_q8_rows16_few::<1>(f, pair, std::array::from_fn(|k| xq_of(t + k))).expect("has_rows16_few"), one),
-                2 if few => each_token::<2, 16>(tail, rows, r0, y, |t| isa.dot_q8_rows16_few::<2>(f, pair, std::array::from_fn(|k| xq_of(t + k))).expect("has_rows16_few"), one),
-                3 if few => each_token::<3, 16>(tail, rows, r0, y, |t| isa.dot_q8_rows16_few::<3>(f, pair, std::array::from_fn(|k| xq_of(t + k))).expect("has_rows16_few"), one),
+                1 if few => each_token::<1, 16>(tail, rows, r0, y, |t| rows16_pass::<1>(isa, f, pair, &xq_of, t), one),
+                2 if few => each_token::<2, 16>(tail, rows, r0, y, |t| rows16_pass::<2>(isa, f, pair, &xq_of, t), one),
+                3 if few => each_token::<3, 16>(tail, rows, r0, y, |t| rows16_pass::<3>(isa, f, pair, &xq_of, t), one),
                 _ => each_token::<1, 16>(tail, rows, r0, y, |t| [one(t)], one),
             }
         }
@@ -306,6 +306,13 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n
         _ if f.int8_activations() => each_token::<4, 1>(0..n_tokens, rows, u, y, |t| isa.dot_q8_x4(f, w.row(u), q4(t)).map(|v| [v]), |t| [isa.dot_q8(f, w.row(u), xq_of(t))]),
         _ => each_token::<4, 1>(0..n_tokens, rows, u, y, |t| isa.dot_f32_x4(f, w.row(u), f4(t)).map(|v| [v]), |t| [isa.dot_f32(f, w.row(u), x_of(t))]),
     }
+}
+
+/// Tokens `t .. t + T` against a pair of 8-row groups in one pass, for a layout that
+/// [`Isa::has_rows16_few`].
+#[inline]
+fn rows16_pass<'x, const T: usize>(isa: Isa, f: WeightFormat, pair: &[u8], xq_of: &dyn Fn(usize) -> &'x [BlockQ8], t: usize) -> [[f32; 16]; T] {
+    isa.dot_q8_rows16_few::<T>(f, pair, std::array::from_fn(|k| xq_of(t + k))).expect("checked by has_rows16_few")
 }
 
 /// Tokens `t0 .. t0 + T` against one 8-row group in one pass ([`Isa::dot_q8_rows8_few`]),
