@@ -1746,9 +1746,12 @@ mod x86 {
         for b in 0..blocks {
             let p = pair.as_ptr().add(b * bb);
             // Both groups' streams, as the 256-bit kernels prefetch their one (most
-            // pairs come from DRAM once per step: batched decode, MoE experts).
+            // pairs come from DRAM once per step: batched decode, MoE experts), and the
+            // next pair's second group a whole pair ahead: its stream starts cold
+            // otherwise (one thread, 49152 × 576 at 8 tokens: Q4_1 1.36×, Q8_0 1.05–1.4×).
             prefetch_ahead(p, 3);
             prefetch_ahead(p.add(g), 3);
+            prefetch_row(p.wrapping_add(3 * g), 64 * 3);
             let qp = p.add(if MIN { 32 } else { 16 });
             let mut sum = [[_mm512_setzero_si512(); CH]; T];
             for j in 0..4 {
@@ -1803,6 +1806,7 @@ mod x86 {
             let p = pair.as_ptr().add(b * 272);
             prefetch_ahead(p, 5);
             prefetch_ahead(p.add(g), 5);
+            prefetch_row(p.wrapping_add(3 * g), 64 * 5);
             let mut sum = [[_mm512_setzero_si512(); CH]; T];
             // An opaque trip count, as in `rows8_kernels!` (fully unrolled, LLVM hoists
             // every chunk and spills).
