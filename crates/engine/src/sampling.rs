@@ -267,31 +267,24 @@ fn kept_sum(w: &[f32], floor: f32) -> f64 {
 /// exceeds `r`: whole blocks first (their sums vectorise), then one block. Where
 /// rounding leaves `r` past the end, the last kept index with weight.
 fn draw_in_order(w: &[f32], floor: f32, mut r: f64) -> usize {
-    let mut last = None;
+    let last_kept = |x: &[f32]| x.iter().rposition(|&v| v >= floor && v > 0.0).unwrap_or(0);
     for (b, block) in w.chunks(DRAW_BLOCK).enumerate() {
         let sum = kept_sum(block, floor);
-        if sum > 0.0 {
-            last = Some(b);
-        }
         if r >= sum {
             r -= sum;
             continue;
         }
-        for (i, &v) in block.iter().enumerate() {
-            if v >= floor {
-                r -= v as f64;
-                if r < 0.0 {
-                    return b * DRAW_BLOCK + i;
-                }
+        for (i, &v) in block.iter().enumerate().filter(|&(_, &v)| v >= floor) {
+            r -= v as f64;
+            if r < 0.0 {
+                return b * DRAW_BLOCK + i;
             }
         }
-        last = Some(b);
-        break;
+        // Rounding left `r` inside this block's sum but past its scan.
+        return b * DRAW_BLOCK + last_kept(block);
     }
-    // Past the end by rounding: the last kept token with weight in the last such block.
-    let b = last.unwrap_or(0);
-    let block = &w[b * DRAW_BLOCK..((b + 1) * DRAW_BLOCK).min(w.len())];
-    b * DRAW_BLOCK + block.iter().rposition(|&v| v >= floor && v > 0.0).unwrap_or(0)
+    // Past the end by rounding: the last kept token with weight.
+    last_kept(w)
 }
 
 /// The candidates top-p needs, best first (weight descending, ties by id): every token

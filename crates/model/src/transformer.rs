@@ -363,10 +363,6 @@ impl std::str::FromStr for KvDtype {
     }
 }
 
-/// The page size [`KvStore::populate_new_pages`] assumes (Linux x86-64 and most arm64;
-/// a larger page only makes some calls redundant).
-const KV_PAGE_BYTES: usize = 4096;
-
 /// One layer's cached keys or values, sized to the whole context but backed by memory
 /// only as positions are written ([`LazyZeroed`]).
 enum KvStore {
@@ -397,22 +393,12 @@ impl KvStore {
         self.write(pos * row, x);
     }
 
-    /// Backs elements `run` (about to be written, in position order) with memory in
-    /// one call where they start a page, instead of a page fault per page: on this
-    /// project's VM a fault cost ~11 µs, a page populated by the call ~2 µs (SmolLM2,
-    /// 64-token prompt: 360 pages).
-    fn populate_new_pages(&self, run: std::ops::Range<usize>) {
-        let size = match self {
-            KvStore::F32(_) => 4,
-            KvStore::F16(_) => 2,
-        };
-        let (b0, b1) = (run.start * size, run.end * size);
-        if b0 >= b1 || (b0.div_ceil(KV_PAGE_BYTES) * KV_PAGE_BYTES >= b1 && !b0.is_multiple_of(KV_PAGE_BYTES)) {
-            return;
-        }
+    /// Backs the pages elements `run` start with memory before they are written
+    /// ([`LazyZeroed::populate_new_pages`]: one call per run, not a fault per page).
+    fn populate_new_pages(&self, run: Range<usize>) {
         match self {
-            KvStore::F32(v) => v.populate(run),
-            KvStore::F16(v) => v.populate(run),
+            KvStore::F32(v) => v.populate_new_pages(run),
+            KvStore::F16(v) => v.populate_new_pages(run),
         }
     }
 
