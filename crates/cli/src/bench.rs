@@ -38,7 +38,7 @@ pub struct BenchArgs {
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
-    /// Element type of cached keys and values (f16 or f32).
+    /// Element type of cached keys and values (f16, q8 or f32).
     #[arg(long, default_value = "f16")]
     kv_cache: tessera_model::KvDtype,
     /// Prompt tokens before the decode measurements.

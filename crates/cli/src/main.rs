@@ -121,7 +121,8 @@ pub(crate) struct RuntimeArgs {
     #[arg(long, default_value_t = 2048)]
     pub(crate) prefill_chunk: usize,
     /// Element type of cached keys and values: f16 (half the memory and attention
-    /// reads) or f32 (exact float32 attention). MLA's latent cache is always f32.
+    /// reads of f32), q8 (8-bit blocks of 32 with a scale: 36 bytes where f16 takes
+    /// 64) or f32 (exact float32 attention). MLA's latent cache is always f32.
     #[arg(long, default_value = "f16")]
     pub(crate) kv_cache: KvDtype,
 }
@@ -606,12 +607,12 @@ fn inspect(path: &Path, placement: &PlacementArgs) -> Result<()> {
         println!("  {f:<6} {n:>5} tensors {:>12} params {:>11}", elems, human_bytes(*bytes));
     }
     println!("bytes read per decoded token   {} ({})", per_tok, human_bytes(per_tok));
-    let (kv, what) = if c.mla.is_some() {
-        (model.kv_floats_per_token() * 4, "f32 latent + rope key")
+    let kv = |d: KvDtype| human_bytes(model.kv_bytes_per_token(d));
+    if c.mla.is_some() {
+        println!("KV cache per token of context  {} (f32 latent + rope key)", kv(KvDtype::F32));
     } else {
-        (model.kv_floats_per_token() * KvDtype::F16.bytes(), "f16 keys and values; twice that with --kv-cache f32")
-    };
-    println!("KV cache per token of context  {} ({what})", human_bytes(kv));
+        println!("KV cache per token of context  {} (f16 keys and values; {} with --kv-cache q8, {} with f32)", kv(KvDtype::F16), kv(KvDtype::Q8), kv(KvDtype::F32));
+    }
     match Tokenizer::from_checkpoint(ckpt) {
         Ok(t) => println!(
             "tokenizer       {} tokens, bos {:?}, eos {:?}, stop {:?}, add_bos {}",
@@ -652,7 +653,7 @@ fn inspect_placement(path: &Path, p: &PlacementArgs) -> Result<()> {
             spec.layers,
             human_bytes(shard.bytes_loaded()),
             human_bytes(shard.bytes_per_token()),
-            human_bytes(shard.kv_floats_per_token() * if shard.cfg.mla.is_some() { 4 } else { KvDtype::F16.bytes() })
+            human_bytes(shard.kv_bytes_per_token(KvDtype::F16))
         );
     }
     Ok(())

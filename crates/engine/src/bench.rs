@@ -399,6 +399,7 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
     let ctx = check(cfg, model)?;
     let b_max = cfg.batch.iter().copied().max().unwrap_or(1).max(1);
     let engine = EngineConfig { threads: cfg.threads, prefill_chunk: cfg.prefill_chunk, context_max: ctx, sequences_max: b_max, kv_cache: cfg.kv_cache };
+    engine.validate(model)?;
     let mut stepper = LocalStepper::new(model, &engine);
     run_on(&mut stepper, model, 1, cfg, progress)
 }

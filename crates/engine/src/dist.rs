@@ -240,7 +240,7 @@ impl<'m> Rank<'m> {
     /// Joins the cluster's groups. Every rank calls this with the same placement; the
     /// ranks check that they agree before any step runs.
     pub fn new(model: &'m DenseTransformer, comm: Communicator, placement: Placement, cfg: EngineConfig) -> Result<Rank<'m>, EngineError> {
-        cfg.validate()?;
+        cfg.validate(model)?;
         let rank = comm.rank();
         if comm.world_size() != placement.world {
             return Err(dist_err(format!("placement is for {} ranks, the cluster has {}", placement.world, comm.world_size())));

@@ -25,7 +25,9 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    pub fn validate(&self) -> Result<(), EngineError> {
+    /// Refuses limits out of range and a KV-cache type `model` cannot use.
+    pub fn validate(&self, model: &DenseTransformer) -> Result<(), EngineError> {
+        model.check_kv_cache(self.kv_cache).map_err(EngineError::Config)?;
         if self.prefill_chunk == 0 || self.context_max == 0 || self.threads == 0 || self.sequences_max == 0 {
             return Err(EngineError::Config(format!("threads, prefill_chunk, context_max and sequences_max must be > 0: {self:?}")));
         }
@@ -263,7 +265,7 @@ pub struct Generator<'m> {
 
 impl<'m> Generator<'m> {
     pub fn new(model: &'m DenseTransformer, cfg: EngineConfig) -> Result<Generator<'m>, EngineError> {
-        cfg.validate()?;
+        cfg.validate(model)?;
         let stepper = Box::new(LocalStepper::new(model, &cfg));
         Ok(Self::with_stepper(stepper, cfg))
     }

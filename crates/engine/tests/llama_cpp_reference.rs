@@ -86,6 +86,23 @@ fn greedy_continuations_match_llama_cpp_for_32_tokens() {
     }
 }
 
+/// With keys and values cached in 8-bit blocks (`--kv-cache q8`, 36 bytes where f16
+/// takes 64), every greedy continuation is still llama.cpp's (made with its f16 cache),
+/// all of its tokens.
+#[test]
+fn greedy_continuations_with_a_q8_kv_cache_match_llama_cpp() {
+    let m = model();
+    let r = reference();
+    let cfg = EngineConfig { threads: 2, prefill_chunk: 512, context_max: 512, sequences_max: 1, kv_cache: KvDtype::Q8 };
+    let mut gen = Generator::new(&m, cfg).unwrap();
+    for case in r["greedy"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let want = ids(&case["greedy_ids"]);
+        let (got, _, _) = gen.generate(&prompt, want.len(), &SamplingParams::default(), &[], |_| true).unwrap();
+        assert_eq!(got, want, "prompt {:?}", case["prompt_text"].as_str().unwrap_or(""));
+    }
+}
+
 /// SmolLM2's tokenizer as a HF `tokenizer.json` (converted from the GGUF by
 /// transformers): the HF path gives llama.cpp's ids too.
 #[test]

@@ -803,12 +803,13 @@ pub fn attend<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len:
 pub fn attend_stats<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) -> (f32, f32) {
     let d = q.len();
     let s = &mut scores[..len];
+    let row_len = d / E::VALUES;
     for (j, sj) in s.iter_mut().enumerate() {
-        let row = &k[j * stride..j * stride + d];
+        let row = &k[j * stride..j * stride + row_len];
         // Eight lane sums, as `ops::dot`.
         let mut acc = [0.0f32; 8];
-        for (i, (&a, b)) in q.iter().zip(row).enumerate() {
-            acc[i % 8] += a * b.to_f32();
+        for (i, &a) in q.iter().enumerate() {
+            acc[i % 8] += a * E::value(row, i);
         }
         *sj = acc.iter().sum::<f32>() * scale;
     }
@@ -821,8 +822,9 @@ pub fn attend_stats<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize
     let inv = 1.0 / sum;
     out.fill(0.0);
     for (j, &p) in s.iter().enumerate() {
-        for (o, x) in out.iter_mut().zip(&v[j * stride..j * stride + d]) {
-            *o += p * inv * x.to_f32();
+        let row = &v[j * stride..j * stride + row_len];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o += p * inv * E::value(row, i);
         }
     }
     (max, sum)

@@ -7,28 +7,53 @@
 //! decoder.
 
 use crate::format::WeightFormat;
-use crate::q8::BlockQ8;
+use crate::q8::{BlockQ8, KvQ8, QK};
 use crate::scalar;
 
-/// An element type of cached keys and values: f32, or f16 (half the bytes to read).
+/// How a cache stores its values (the SIMD loops are compiled once per kind).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvKind {
+    F32,
+    F16,
+    Q8,
+}
+
+/// An element type of cached keys and values: f32, f16 (half the bytes to read), or
+/// [`KvQ8`] blocks of 32 values (a little over a quarter). A row of `head_dim` values
+/// is `head_dim / VALUES` elements; `stride` and offsets count elements.
 pub trait KvElem: Copy + Send + Sync + 'static {
-    const F16: bool;
-    fn to_f32(self) -> f32;
+    const KIND: KvKind;
+    /// Values one element holds.
+    const VALUES: usize;
+    /// Value `i` of a row.
+    fn value(row: &[Self], i: usize) -> f32;
 }
 
 impl KvElem for f32 {
-    const F16: bool = false;
+    const KIND: KvKind = KvKind::F32;
+    const VALUES: usize = 1;
     #[inline]
-    fn to_f32(self) -> f32 {
-        self
+    fn value(row: &[f32], i: usize) -> f32 {
+        row[i]
     }
 }
 
 impl KvElem for half::f16 {
-    const F16: bool = true;
+    const KIND: KvKind = KvKind::F16;
+    const VALUES: usize = 1;
     #[inline]
-    fn to_f32(self) -> f32 {
-        half::f16::to_f32(self)
+    fn value(row: &[half::f16], i: usize) -> f32 {
+        row[i].to_f32()
+    }
+}
+
+impl KvElem for KvQ8 {
+    const KIND: KvKind = KvKind::Q8;
+    const VALUES: usize = QK;
+    #[inline]
+    fn value(row: &[KvQ8], i: usize) -> f32 {
+        let b = &row[i / QK];
+        b.d * b.qs[i % QK] as f32
     }
 }
 
@@ -341,7 +366,9 @@ impl Isa {
         let d = head_dim;
         assert!(d > 0 && q.len().is_multiple_of(d) && out.len() == q.len(), "attend_group: {} query floats for head_dim {d}", q.len());
         let g = q.len() / d;
-        assert!(len == 0 || (k.len() >= (len - 1) * stride + d && v.len() >= (len - 1) * stride + d));
+        assert!(d.is_multiple_of(E::VALUES), "attend_group: head_dim {d} is not whole {}-value elements", E::VALUES);
+        let row = d / E::VALUES;
+        assert!(len == 0 || (k.len() >= (len - 1) * stride + row && v.len() >= (len - 1) * stride + row));
         assert!(scores.len() >= g.min(ATTEND_GROUP_MAX) * len);
         assert!(len > 0, "attend_group: no positions to attend to");
         assert!(stats.as_ref().is_none_or(|s| s.len() == 2 * g), "attend_group: stats hold 2 per head");
@@ -569,6 +596,35 @@ mod x86 {
     trait Load8 {
         const ELEM_BYTES: usize;
         unsafe fn load8(p: *const u8) -> __m256;
+        /// Values `i .. i + 8` of the cached row at `row` (`i` a multiple of 8).
+        #[inline(always)]
+        unsafe fn load_at(row: *const u8, i: usize) -> __m256 {
+            Self::load8(row.add(i * Self::ELEM_BYTES))
+        }
+        /// Bytes of a cached row of `d` values.
+        #[inline(always)]
+        fn row_bytes(d: usize) -> usize {
+            d * Self::ELEM_BYTES
+        }
+    }
+    /// Cached [`KvQ8`] rows: one "element" is a block of 32 values.
+    struct LoadQ8;
+    impl Load8 for LoadQ8 {
+        const ELEM_BYTES: usize = std::mem::size_of::<KvQ8>();
+        unsafe fn load8(_: *const u8) -> __m256 {
+            unreachable!("KvQ8 rows load through load_at")
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load_at(row: *const u8, i: usize) -> __m256 {
+            let block = row.add(i / QK * Self::ELEM_BYTES);
+            let q = _mm_loadl_epi64(block.add(std::mem::offset_of!(KvQ8, qs) + i % QK) as *const __m128i);
+            _mm256_mul_ps(_mm256_broadcast_ss(&*(block as *const f32)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)))
+        }
+        #[inline(always)]
+        fn row_bytes(d: usize) -> usize {
+            d / QK * Self::ELEM_BYTES
+        }
     }
     struct LoadF32;
     struct LoadF16;
@@ -1960,10 +2016,10 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attend_group<E: KvElem>(q: &[f32], d: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
         let (k, v) = (k.as_ptr() as *const u8, v.as_ptr() as *const u8);
-        if E::F16 {
-            attend_group_rows::<LoadF16>(q, d, k, v, stride, len, scale, scores, out, stats)
-        } else {
-            attend_group_rows::<LoadF32>(q, d, k, v, stride, len, scale, scores, out, stats)
+        match E::KIND {
+            KvKind::F32 => attend_group_rows::<LoadF32>(q, d, k, v, stride, len, scale, scores, out, stats),
+            KvKind::F16 => attend_group_rows::<LoadF16>(q, d, k, v, stride, len, scale, scores, out, stats),
+            KvKind::Q8 => attend_group_rows::<LoadQ8>(q, d, k, v, stride, len, scale, scores, out, stats),
         }
     }
 
@@ -1989,7 +2045,15 @@ mod x86 {
     unsafe fn attend_group_t<L: Load8, const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, kp: *const u8, vp: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
         let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
         // Element offsets become byte offsets.
-        let (stride, e) = (stride * L::ELEM_BYTES, L::ELEM_BYTES);
+        let (stride, row_bytes) = (stride * L::ELEM_BYTES, L::row_bytes(d));
+        // The loops below prefetch a fixed distance ahead, so the first keys and the
+        // first block of values would each wait on memory in turn: ask for them now.
+        for r in 0..SCORES_AHEAD.min(len) {
+            prefetch_row(kp.wrapping_add(r * stride), row_bytes);
+        }
+        for r in 0..VALUES_BLOCK.min(len) {
+            prefetch_row(vp.wrapping_add(r * stride), row_bytes);
+        }
         // Scores: s[h][j] = scale · q_h · k_j.
         let mut j = 0;
         while j < len {
@@ -1998,14 +2062,14 @@ mod x86 {
             // the hardware prefetcher follows poorly: ask for rows SCORES_AHEAD keys
             // ahead (~a DRAM latency of work; 2 tiles ahead ran at 3.5 GB/s per thread).
             for r in 0..KJ {
-                prefetch_row(kp.wrapping_add((j + SCORES_AHEAD + r) * stride), d * e);
+                prefetch_row(kp.wrapping_add((j + SCORES_AHEAD + r) * stride), row_bytes);
             }
             let mut acc = [[_mm256_setzero_ps(); G]; KJ];
             let mut i = 0;
             while i < d {
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     // Past the last key, reread it: the lanes are dropped below.
-                    let kv = L::load8(kp.add((j + r.min(kj - 1)) * stride + i * e));
+                    let kv = L::load_at(kp.add((j + r.min(kj - 1)) * stride), i);
                     for (h, a) in acc_r.iter_mut().enumerate() {
                         *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * d + i)), kv, *a);
                     }
@@ -2099,10 +2163,10 @@ mod x86 {
         let mut acc: [[__m256; W]; G] = std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(op.add(h * d + c + 8 * w))));
         for j in js {
             if c == 0 {
-                prefetch_row(vp.wrapping_add((j + VALUES_BLOCK) * stride), d * L::ELEM_BYTES);
+                prefetch_row(vp.wrapping_add((j + VALUES_BLOCK) * stride), L::row_bytes(d));
             }
-            let row = vp.add(j * stride + c * L::ELEM_BYTES);
-            let vv: [__m256; W] = std::array::from_fn(|w| L::load8(row.add(8 * w * L::ELEM_BYTES)));
+            let row = vp.add(j * stride);
+            let vv: [__m256; W] = std::array::from_fn(|w| L::load_at(row, c + 8 * w));
             for (h, acc_h) in acc.iter_mut().enumerate() {
                 let p = _mm256_broadcast_ss(&*sp.add(h * len + j));
                 for (a, x) in acc_h.iter_mut().zip(&vv) {
@@ -3423,14 +3487,20 @@ mod arm {
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "neon,dotprod")]
     pub unsafe fn attend<E: KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) -> (f32, f32) {
-        /// 4 cached values at `p` as f32 (f16 widened by FCVTL).
+        /// Values `i .. i + 4` of the cached row at `row` as f32 (f16 widened by FCVTL;
+        /// q8 sign-extended, converted and scaled).
         #[inline]
         #[target_feature(enable = "neon")]
-        unsafe fn load4<E: KvElem>(p: *const E) -> float32x4_t {
-            if E::F16 {
-                f16x4_to_f32(vld1_u16(p as *const u16))
-            } else {
-                vld1q_f32(p as *const f32)
+        unsafe fn load4<E: KvElem>(row: *const E, i: usize) -> float32x4_t {
+            match E::KIND {
+                KvKind::F16 => f16x4_to_f32(vld1_u16((row as *const u16).add(i))),
+                KvKind::F32 => vld1q_f32((row as *const f32).add(i)),
+                KvKind::Q8 => {
+                    let block = (row as *const KvQ8).add(i / QK);
+                    let bytes = std::ptr::read_unaligned((*block).qs.as_ptr().add(i % QK) as *const u32);
+                    let wide = vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(bytes as u64))));
+                    vmulq_n_f32(vcvtq_f32_s32(wide), (*block).d)
+                }
             }
         }
         let d = q.len();
@@ -3441,12 +3511,12 @@ mod arm {
             let mut a = vdupq_n_f32(0.0);
             let mut i = 0;
             while i < d4 {
-                a = vfmaq_f32(a, vld1q_f32(q.as_ptr().add(i)), load4(row.add(i)));
+                a = vfmaq_f32(a, vld1q_f32(q.as_ptr().add(i)), load4(row, i));
                 i += 4;
             }
             let mut sj = vaddvq_f32(a);
             for t in d4..d {
-                sj += q[t] * (*row.add(t)).to_f32();
+                sj += q[t] * E::value(std::slice::from_raw_parts(row, d / E::VALUES), t);
             }
             scores[j] = sj * scale;
             max = max.max(scores[j]);
@@ -3464,11 +3534,11 @@ mod arm {
             let mut i = 0;
             while i < d4 {
                 let o = out.as_mut_ptr().add(i);
-                vst1q_f32(o, vfmaq_f32(vld1q_f32(o), p, load4(row.add(i))));
+                vst1q_f32(o, vfmaq_f32(vld1q_f32(o), p, load4(row, i)));
                 i += 4;
             }
             for t in d4..d {
-                out[t] += scores[j] * inv * (*row.add(t)).to_f32();
+                out[t] += scores[j] * inv * E::value(std::slice::from_raw_parts(row, d / E::VALUES), t);
             }
         }
         (max, sum)

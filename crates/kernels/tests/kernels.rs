@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 use tessera_kernels::q8::{quantize_row_scalar, BlockQ8};
-use tessera_kernels::{matmul, matmul_jobs, scalar, Isa, MatmulScratch, RowsJob, ThreadPool, WeightFormat, WeightRows};
+use tessera_kernels::{matmul, matmul_jobs, scalar, Isa, KvQ8, MatmulScratch, RowsJob, ThreadPool, WeightFormat, WeightRows};
 
 /// SplitMix64: deterministic test data without a dependency.
 struct Rng(u64);
@@ -560,6 +560,73 @@ fn attend_group_matches_per_head_scalar() {
             for (a, b) in o0.iter().zip(&out16[h * d..(h + 1) * d]) {
                 assert!((a - b).abs() <= 2e-6 * (1.0 + a.abs()), "f16 cache, g={g} d={d} len={len} head {h}: {a} vs {b}");
             }
+        }
+    }
+}
+
+/// Caches of 8-bit blocks ([`KvQ8`]): the SIMD pass against the scalar reference on the
+/// same blocks (the scale applies inside both, so only the summation order differs),
+/// and the whole attention against float32 caches within what 8-bit rounding allows.
+#[test]
+fn attend_group_over_q8_cache() {
+    let isa = Isa::detect();
+    let mut rng = Rng(12);
+    let q8 = |x: &[f32]| {
+        let mut out = vec![KvQ8::default(); x.len() / 32];
+        KvQ8::quantize(x, &mut out);
+        out
+    };
+    for (g, d, len, stride) in [(1, 64, 1, 64), (3, 64, 37, 192), (4, 128, 300, 256), (5, 64, 9, 64), (3, 64, 1000, 64), (2, 96, 17, 96), (1, 32, 5, 32), (2, 64, 33, 128)] {
+        let q: Vec<f32> = (0..g * d).map(|_| rng.f32() * 2.0).collect();
+        let k: Vec<f32> = (0..len * stride).map(|_| rng.f32() * 2.0).collect();
+        let v: Vec<f32> = (0..len * stride).map(|_| rng.f32()).collect();
+        let (k8, v8) = (q8(&k), q8(&v));
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut scores = vec![f32::NAN; g * len];
+        let (mut out8, mut out32) = (vec![f32::NAN; g * d], vec![f32::NAN; g * d]);
+        isa.attend_group(&q, d, &k8, &v8, stride / 32, len, scale, &mut scores, &mut out8, None);
+        isa.attend_group(&q, d, &k, &v, stride, len, scale, &mut scores, &mut out32, None);
+        let mut err_max = 0.0f32;
+        for h in 0..g {
+            let (mut s0, mut o0) = (vec![0.0; len], vec![0.0; d]);
+            scalar::attend(&q[h * d..(h + 1) * d], &k8, &v8, stride / 32, len, scale, &mut s0, &mut o0);
+            for (i, (a, b)) in o0.iter().zip(&out8[h * d..(h + 1) * d]).enumerate() {
+                assert!((a - b).abs() <= 2e-6 * (1.0 + a.abs()), "q8 cache, g={g} d={d} len={len} head {h} value {i}: scalar {a} vs SIMD {b}");
+                err_max = err_max.max((b - out32[h * d + i]).abs());
+            }
+        }
+        // Values in ±1 rounded to 1/127 of their block's maximum, keys likewise (scores
+        // move by ~1 %): the outputs, weighted means of the values, stay within 0.01.
+        assert!(err_max < 0.01, "q8 cache g={g} d={d} len={len}: {err_max} from the f32 cache's attention");
+    }
+}
+
+/// [`KvQ8::quantize`] rounds to nearest within half a step of the block's scale, maps
+/// the block maximum to ±127, keeps zero blocks zero and passes a NaN or an infinity on
+/// as a NaN scale (an f16 cache would pass it on too) rather than dropping it.
+#[test]
+fn kv_q8_quantize_rounds_and_keeps_non_finite() {
+    let mut rng = Rng(13);
+    let x: Vec<f32> = (0..96).map(|i| rng.f32() * if i < 32 { 1e-3 } else { 50.0 }).collect();
+    let mut b = vec![KvQ8::default(); 3];
+    KvQ8::quantize(&x, &mut b);
+    for (blk, xs) in b.iter().zip(x.chunks_exact(32)) {
+        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_eq!(blk.d, amax / 127.0);
+        assert!(blk.qs.iter().any(|q| q.unsigned_abs() == 127));
+        for (q, v) in blk.qs.iter().zip(xs) {
+            assert!((blk.d * *q as f32 - v).abs() <= blk.d * 0.5 * (1.0 + 1e-5), "{v} as {q} × {}", blk.d);
+        }
+    }
+    let mut zero = [KvQ8::default()];
+    KvQ8::quantize(&[0.0; 32], &mut zero);
+    assert_eq!(zero[0], KvQ8 { d: 0.0, qs: [0; 32] });
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        for at in [0, 17, 31] {
+            let mut x = [0.5f32; 32];
+            x[at] = bad;
+            KvQ8::quantize(&x, &mut zero);
+            assert!(zero[0].d.is_nan(), "{bad} at {at}: scale {}", zero[0].d);
         }
     }
 }

@@ -141,6 +141,8 @@ pub unsafe trait ZeroBits: Copy + Default {}
 unsafe impl ZeroBits for f32 {}
 // SAFETY: f16 is a u16 of IEEE half bits; all zero is 0.0.
 unsafe impl ZeroBits for half::f16 {}
+// SAFETY: an f32 scale of 0.0 and 32 zero bytes: a block of zeros.
+unsafe impl ZeroBits for tessera_kernels::KvQ8 {}
 
 /// The page size [`LazyZeroed::populate_new_pages`] assumes (Linux x86-64 and most
 /// arm64; a larger page only makes some calls redundant).

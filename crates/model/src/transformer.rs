@@ -25,7 +25,7 @@ use half::{f16, slice::HalfFloatSliceExt};
 use std::sync::Arc;
 use crate::memory::{huge_pages_wanted, LazyZeroed, WeightBuffer};
 use tessera_kernels::pool::SharedMut;
-use tessera_kernels::{matmul, matmul_group, matmul_jobs, ops, scalar, Isa, MatmulScratch, RowsJob, ThreadPool, WeightFormat, WeightRows, ATTEND_GROUP_MAX};
+use tessera_kernels::{matmul, matmul_group, matmul_jobs, ops, scalar, Isa, KvElem, KvQ8, MatmulScratch, RowsJob, ThreadPool, WeightFormat, WeightRows, ATTEND_GROUP_MAX};
 
 /// Where a weight matrix's bytes live.
 #[derive(Clone, Debug)]
@@ -326,21 +326,26 @@ pub struct DenseTransformer {
 /// and values, `kv_heads · head_dim` each. MLA: the normed latent `c` (`kv_lora_rank`)
 /// in `k` and the roped shared key `k_pe` (`qk_rope_head_dim`) in `v`.
 /// Element type of a GQA key/value cache. f16 (the default, as llama.cpp's) halves
-/// the bytes attention reads and the memory a long context takes; f32 keeps exact
-/// float32 attention (the mlx-lm float32 reference tests use it). MLA's latent cache
-/// is small and stays f32.
+/// the bytes attention reads and the memory a long context takes; q8 (blocks of 32
+/// values in 8 bits with an f32 scale, as llama.cpp's `q8_0` cache) takes 36 bytes
+/// where f16 takes 64, for long contexts and many sequences; f32 keeps exact float32
+/// attention (the mlx-lm float32 reference tests use it). MLA's latent cache is small
+/// and stays f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum KvDtype {
     F32,
     #[default]
     F16,
+    Q8,
 }
 
 impl KvDtype {
-    pub fn bytes(self) -> usize {
+    /// Bytes a cached row of `values` values takes (for q8, whole blocks of 32).
+    pub fn row_bytes(self, values: usize) -> usize {
         match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 => 2,
+            KvDtype::F32 => 4 * values,
+            KvDtype::F16 => 2 * values,
+            KvDtype::Q8 => values.div_ceil(KvQ8::VALUES) * std::mem::size_of::<KvQ8>(),
         }
     }
 
@@ -348,6 +353,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
+            KvDtype::Q8 => "q8",
         }
     }
 }
@@ -358,31 +364,44 @@ impl std::str::FromStr for KvDtype {
         match s {
             "f32" => Ok(KvDtype::F32),
             "f16" => Ok(KvDtype::F16),
-            _ => Err(format!("KV-cache type {s:?}: expected f16 or f32")),
+            "q8" | "q8_0" => Ok(KvDtype::Q8),
+            _ => Err(format!("KV-cache type {s:?}: expected f16, q8 or f32")),
         }
     }
 }
 
 /// One layer's cached keys or values, sized to the whole context but backed by memory
 /// only as positions are written ([`LazyZeroed`]).
+/// Offsets and lengths count values (a q8 cache holds `values / 32` blocks).
 enum KvStore {
     F32(LazyZeroed<f32>),
     F16(LazyZeroed<f16>),
+    Q8(LazyZeroed<KvQ8>),
 }
 
 impl KvStore {
+    /// A cache of `n` values (for q8, a multiple of 32: the caller checks head sizes).
     fn new(dtype: KvDtype, n: usize) -> KvStore {
         match dtype {
             KvDtype::F32 => KvStore::F32(LazyZeroed::new(n)),
             KvDtype::F16 => KvStore::F16(LazyZeroed::new(n)),
+            KvDtype::Q8 => {
+                assert!(n.is_multiple_of(KvQ8::VALUES), "q8 KV cache of {n} values: not whole blocks");
+                KvStore::Q8(LazyZeroed::new(n / KvQ8::VALUES))
+            }
         }
     }
 
-    /// Writes `x` at element `at`, rounding to f16 when the cache is f16.
+    /// Writes `x` at value `at`, rounding to f16 or to 8-bit blocks as the cache stores.
     fn write(&mut self, at: usize, x: &[f32]) {
         match self {
             KvStore::F32(v) => v[at..at + x.len()].copy_from_slice(x),
             KvStore::F16(v) => v[at..at + x.len()].convert_from_f32_slice(x),
+            KvStore::Q8(v) => {
+                let b = KvQ8::VALUES;
+                assert!(at.is_multiple_of(b) && x.len().is_multiple_of(b), "q8 KV write of {} values at {at}: not whole blocks", x.len());
+                KvQ8::quantize(x, &mut v[at / b..(at + x.len()) / b]);
+            }
         }
     }
 
@@ -399,6 +418,7 @@ impl KvStore {
         match self {
             KvStore::F32(v) => v.populate_new_pages(run),
             KvStore::F16(v) => v.populate_new_pages(run),
+            KvStore::Q8(v) => v.populate_new_pages(run.start / KvQ8::VALUES..run.end.div_ceil(KvQ8::VALUES)),
         }
     }
 
@@ -422,7 +442,7 @@ impl KvStore {
     fn f32s(&self) -> &[f32] {
         match self {
             KvStore::F32(v) => v,
-            KvStore::F16(_) => unreachable!("MLA caches are created f32"),
+            KvStore::F16(_) | KvStore::Q8(_) => unreachable!("MLA caches are created f32"),
         }
     }
 }
@@ -1567,6 +1587,13 @@ impl DenseTransformer {
         self.layers.len() * (k + v)
     }
 
+    /// Bytes of cache per token of context in `dtype` (MLA's latent cache: f32).
+    pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
+        let (k, v) = self.kv_rows();
+        let dtype = if self.cfg.mla.is_some() { KvDtype::F32 } else { dtype };
+        self.layers.len() * (dtype.row_bytes(k) + dtype.row_bytes(v))
+    }
+
     /// Cache row widths: this rank's kv heads (GQA), or the latent and rope key (MLA,
     /// shared by all heads, so every TP rank caches it whole).
     fn kv_rows(&self) -> (usize, usize) {
@@ -1580,7 +1607,18 @@ impl DenseTransformer {
         }
     }
 
+    /// Whether keys and values can be cached as `dtype`: q8 blocks need head sizes in
+    /// whole blocks of 32 (MLA's latent cache is f32 whatever is asked).
+    pub fn check_kv_cache(&self, dtype: KvDtype) -> std::result::Result<(), String> {
+        let hd = self.cfg.head_dim;
+        if dtype == KvDtype::Q8 && self.cfg.mla.is_none() && !hd.is_multiple_of(KvQ8::VALUES) {
+            return Err(format!("a q8 KV cache stores blocks of {} values; this model's heads are {hd} wide: use --kv-cache f16", KvQ8::VALUES));
+        }
+        Ok(())
+    }
+
     /// A cache of `limits.context_max` tokens; keys and values in `dtype` (MLA: f32).
+    /// `dtype` must pass [`Self::check_kv_cache`].
     pub fn new_cache(&self, limits: StepLimits, dtype: KvDtype) -> KvCache {
         let (k_row, v_row) = self.kv_rows();
         let dtype = if self.cfg.mla.is_some() { KvDtype::F32 } else { dtype };
@@ -2107,7 +2145,7 @@ impl Run<'_> {
         let shape = HeadShape { q_heads: g.q_heads.clone(), kv_heads: g.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
         attention(self.pool, self.isa, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim], &mut ws.attn_part, &mut ws.attn_stats);
         // Each token reads its cached keys and values.
-        let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * kv_dim * 2 * caches[0].dtype.bytes()).sum();
+        let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * 2 * caches[0].dtype.row_bytes(kv_dim)).sum();
         ws.charge(ProfileKind::Attention, t0, kv_read);
         let t0 = ws.clock();
         self.linear(&g.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
@@ -2471,6 +2509,10 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
             match (k_cache, v_cache) {
                 (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
                 (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
+                (KvStore::Q8(k), KvStore::Q8(v)) => {
+                    let (off, row) = (off / KvQ8::VALUES, hd / KvQ8::VALUES);
+                    isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], row, j1 - j0, scale, sc, o, st)
+                }
                 _ => unreachable!("keys and values share one element type"),
             }
         }

@@ -509,7 +509,7 @@ fn moe_fused_and_per_expert_paths_agree() {
 /// Batch-1 decode over a long cache splits each kv group's keys into ranges, one work
 /// item each, merged by their softmax statistics (when there are fewer groups than
 /// threads can share). With 3 threads it splits; with 1 it does not: the logits agree,
-/// for f32 and f16 caches.
+/// for f32, f16 and q8 caches.
 #[test]
 fn attention_split_over_key_ranges_matches_one_range() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3");
@@ -518,7 +518,7 @@ fn attention_split_over_key_ranges_matches_one_range() {
     let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 53 + 7) % 256).collect();
     let limits = StepLimits { tokens_per_step_max: n, context_max: n + 8, sequences_per_step_max: 1 };
     let vocab = model.cfg.vocab;
-    for dtype in [KvDtype::F32, KvDtype::F16] {
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
         let run = |threads: usize| {
             let pool = ThreadPool::new(threads);
             let mut ws = model.new_workspace(limits, pool.n_threads());
@@ -590,4 +590,17 @@ fn one_by_one(model: &DenseTransformer, tokens: &[u32]) -> Vec<f32> {
         model.forward(&pool, &mut ws, &mut cache, &[*t], LogitsFor::All, &mut out[i * v..(i + 1) * v]).unwrap();
     }
     out
+}
+
+/// A q8 KV cache stores blocks of 32 values: a model whose heads are 16 wide is refused
+/// with the reason and the way out; 32-wide heads take it; MLA keeps its f32 latent cache
+/// whatever is asked, so it is not refused.
+#[test]
+fn q8_kv_cache_needs_heads_in_whole_blocks() {
+    let fixture = |name: &str| load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)).unwrap();
+    let err = fixture("llama_gqa_rope3").check_kv_cache(KvDtype::Q8).unwrap_err();
+    assert!(err.contains("16 wide") && err.contains("--kv-cache f16"), "{err}");
+    assert!(fixture("llama_gqa_rope3").check_kv_cache(KvDtype::F16).is_ok());
+    assert!(fixture("qwen3").check_kv_cache(KvDtype::Q8).is_ok());
+    assert!(fixture("deepseek_v3").check_kv_cache(KvDtype::Q8).is_ok());
 }

@@ -29,10 +29,12 @@ fn kv_cache_memory_is_committed_as_it_fills() {
         model.forward(&pool, &mut ws, &mut cache, &[3], LogitsFor::Last, &mut logits).unwrap();
         logits
     };
-    // 2^17 positions: 64 MiB of f16 keys and values on this fixture, 128 MiB of f32.
+    // 2^17 positions: 64 MiB of f16 keys and values on this fixture, 128 MiB of f32,
+    // 36 MiB of q8.
     let context = 1 << 17;
-    for (dtype, elem) in [(KvDtype::F16, 2), (KvDtype::F32, 4)] {
-        let bytes = model.kv_floats_per_token() * context * elem;
+    for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8] {
+        let bytes = model.kv_bytes_per_token(dtype) * context;
+        assert_eq!(bytes, model.kv_floats_per_token() * context * dtype.row_bytes(32) / 32);
         let limits = StepLimits { tokens_per_step_max: 8, context_max: context, sequences_per_step_max: 1 };
         let before = resident_bytes();
         let cache = model.new_cache(limits, dtype);
