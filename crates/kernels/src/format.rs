@@ -607,6 +607,30 @@ fn repack_k6_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     }
 }
 
+/// Quantizes `x` (whole blocks of 32 values) to Q8_0 (the block maximum at ±127, an f16
+/// scale, as llama.cpp's `quantize_row_q8_0`) and stores it as row `r` (< 8) of the
+/// `Q8_0x8` group `group`, in [`repack_rows8`]'s layout: a cache of keys is then read
+/// as an interleaved matrix by the matmul kernels. A NaN or infinity in a block makes
+/// its scale NaN, so it reaches the output as a float cache would pass it on.
+pub fn put_q8_0x8_row(group: &mut [u8], r: usize, x: &[f32]) {
+    const BLOCK: usize = 8 * 34;
+    let blocks = x.len() / 32;
+    assert!(r < 8 && x.len().is_multiple_of(32) && group.len() == blocks * BLOCK, "put_q8_0x8_row: row {r} of {} values into a {}-byte group", x.len(), group.len());
+    for (b, xs) in x.chunks_exact(32).enumerate() {
+        let amax = if xs.iter().all(|v| v.is_finite()) { xs.iter().fold(0.0f32, |m, v| m.max(v.abs())) } else { f32::NAN };
+        let d = amax / 127.0;
+        let id = if d != 0.0 && d.is_finite() { 1.0 / d } else { 0.0 };
+        let at = b * BLOCK;
+        group[at + 2 * r..at + 2 * r + 2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        for (j, chunk) in xs.chunks_exact(4).enumerate() {
+            let q = at + 16 + 32 * j + 4 * r;
+            for (k, &v) in chunk.iter().enumerate() {
+                group[q + k] = (v * id).round() as i8 as u8;
+            }
+        }
+    }
+}
+
 /// Repacks `rows` rows of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (GGUF layout) into groups of 8 interleaved rows
 /// ([`WeightFormat::interleaved`]; layout in the module docs). `rows` must be a multiple
 /// of 8. Lossless: the same scales and nibbles, moved.

@@ -830,6 +830,33 @@ pub fn attend_stats<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize
     (max, sum)
 }
 
+/// After the scores (`g` rows of `len` in `scores`): softmax per head, then each head's
+/// weighted sum of the cached value rows (`stride` elements apart) into `out` (`g` rows
+/// of `d`), and each head's (max, Σ exp) into `stats`.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_tail<E: crate::KvElem>(scores: &mut [f32], g: usize, d: usize, v: &[E], stride: usize, len: usize, out: &mut [f32], stats: &mut [f32]) {
+    let row_len = d / E::VALUES;
+    for h in 0..g {
+        let s = &mut scores[h * len..(h + 1) * len];
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0.0;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        let o = &mut out[h * d..(h + 1) * d];
+        o.fill(0.0);
+        for (j, &p) in s.iter().enumerate() {
+            let row = &v[j * stride..j * stride + row_len];
+            for (i, o) in o.iter_mut().enumerate() {
+                *o += p / sum * E::value(row, i);
+            }
+        }
+        stats[2 * h] = max;
+        stats[2 * h + 1] = sum;
+    }
+}
+
 /// The plain float format an interleaved 4-row group stores (F16x4 → F16, BF16x4 → BF16).
 fn rows4_source(format: WeightFormat) -> WeightFormat {
     match format {

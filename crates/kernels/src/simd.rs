@@ -88,6 +88,10 @@ fn kind32(format: WeightFormat) -> Option<u8> {
 /// Query heads [`Isa::attend_group`] takes in one pass over the keys and values.
 pub const ATTEND_GROUP_MAX: usize = 4;
 
+/// The widest head a q8 cache serves ([`Isa::attend_group_q8`] quantizes each query
+/// head on the stack): 256, Gemma's.
+pub const KV_Q8_HEAD_DIM_MAX: usize = 256;
+
 /// Instruction-set flavour for the kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
@@ -396,6 +400,67 @@ impl Isa {
             }
             if let Some(s) = stats.as_deref_mut() {
                 s[2 * h0..2 * h1].copy_from_slice(st);
+            }
+        }
+    }
+
+    /// [`Isa::attend_group`] over a q8 cache: keys stored as 8-position groups of
+    /// [`WeightFormat::Q8_0x8`] (`k` starts at key 0's group; [`crate::put_q8_0x8_row`]
+    /// writes them), values as [`KvQ8`] rows `v_stride` blocks apart. The scores are an
+    /// integer matrix product, as llama.cpp scores a `q8_0` cache: each query head times
+    /// `scale` is quantized to 8 bits per block of 32, and the matmul kernels take 8 keys
+    /// and up to 4 heads per pass (interleaved rows need no horizontal sums). Softmax and
+    /// values as [`Isa::attend_group`]. `head_dim` a multiple of 32, at most
+    /// [`KV_Q8_HEAD_DIM_MAX`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_group_q8(self, q: &[f32], head_dim: usize, k: &[u8], v: &[KvQ8], v_stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], mut stats: Option<&mut [f32]>) {
+        let d = head_dim;
+        assert!(d > 0 && d.is_multiple_of(QK) && d <= KV_Q8_HEAD_DIM_MAX, "attend_group_q8: head_dim {d} is not whole blocks of {QK} up to {KV_Q8_HEAD_DIM_MAX}");
+        assert!(q.len().is_multiple_of(d) && out.len() == q.len(), "attend_group_q8: {} query floats for head_dim {d}", q.len());
+        let (g, blocks) = (q.len() / d, d / QK);
+        let group_bytes = 8 * blocks * WeightFormat::Q8_0.block_bytes();
+        assert!(len > 0, "attend_group_q8: no positions to attend to");
+        assert!(k.len() >= len.div_ceil(8) * group_bytes && v.len() >= (len - 1) * v_stride + blocks, "attend_group_q8: caches shorter than {len} positions");
+        assert!(scores.len() >= g.min(ATTEND_GROUP_MAX) * len);
+        assert!(stats.as_ref().is_none_or(|s| s.len() == 2 * g), "attend_group_q8: stats hold 2 per head");
+        for h0 in (0..g).step_by(ATTEND_GROUP_MAX) {
+            let gh = (g - h0).min(ATTEND_GROUP_MAX);
+            let mut xq = [[BlockQ8::default(); KV_Q8_HEAD_DIM_MAX / QK]; ATTEND_GROUP_MAX];
+            let mut scaled = [0.0f32; KV_Q8_HEAD_DIM_MAX];
+            for (h, xq) in xq.iter_mut().enumerate().take(gh) {
+                for (s, &x) in scaled.iter_mut().zip(&q[(h0 + h) * d..(h0 + h + 1) * d]) {
+                    *s = x * scale;
+                }
+                self.quantize_q8(&scaled[..d], &mut xq[..blocks]);
+            }
+            let xs: [&[BlockQ8]; ATTEND_GROUP_MAX] = std::array::from_fn(|h| &xq[h.min(gh - 1)][..blocks]);
+            for (grp, group) in k.chunks_exact(group_bytes).take(len.div_ceil(8)).enumerate() {
+                let rows: [[f32; 8]; ATTEND_GROUP_MAX] = match gh {
+                    1 => [self.dot_q8_rows8(WeightFormat::Q8_0x8, group, xs[0]); ATTEND_GROUP_MAX],
+                    // The 2- and 3-token passes where the ISA has them, else the 4-token one
+                    // with a head repeated.
+                    2 => self.dot_q8_rows8_few::<2>(WeightFormat::Q8_0x8, group, [xs[0], xs[1]]).map_or_else(|| self.dot_q8_rows8_x4(WeightFormat::Q8_0x8, group, xs), |r| [r[0], r[1], r[1], r[1]]),
+                    3 => self.dot_q8_rows8_few::<3>(WeightFormat::Q8_0x8, group, [xs[0], xs[1], xs[2]]).map_or_else(|| self.dot_q8_rows8_x4(WeightFormat::Q8_0x8, group, xs), |r| [r[0], r[1], r[2], r[2]]),
+                    _ => self.dot_q8_rows8_x4(WeightFormat::Q8_0x8, group, xs),
+                };
+                let (j0, n) = (grp * 8, (len - grp * 8).min(8));
+                for (h, row) in rows.iter().enumerate().take(gh) {
+                    scores[h * len + j0..h * len + j0 + n].copy_from_slice(&row[..n]);
+                }
+            }
+            let mut st = [0.0f32; 2 * ATTEND_GROUP_MAX];
+            let (sc, oh, st) = (&mut scores[..gh * len], &mut out[h0 * d..(h0 + gh) * d], &mut st[..2 * gh]);
+            match self {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: see dot_f32; bounds asserted above.
+                Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::attend_tail_q8(sc, gh, d, v, v_stride, len, oh, st) },
+                #[cfg(target_arch = "aarch64")]
+                // SAFETY: see dot_f32; bounds asserted above.
+                Isa::Neon => unsafe { arm::attend_tail(sc, gh, d, v, v_stride, len, oh, st) },
+                _ => scalar::attend_tail(sc, gh, d, v, v_stride, len, oh, st),
+            }
+            if let Some(s) = stats.as_deref_mut() {
+                s[2 * h0..2 * (h0 + gh)].copy_from_slice(st);
             }
         }
     }
@@ -2092,6 +2157,16 @@ mod x86 {
             }
             j += kj;
         }
+        attend_tail::<L, G, W>(sp, d, vp, stride, len, out, stats);
+    }
+
+    /// After the scores: softmax per head over `sp` (`G` rows of `len`), then each head's
+    /// weighted sum of the value rows at `vp` (`stride` bytes apart) into `out`, and
+    /// each head's (max, Σ) into `stats`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn attend_tail<L: Load8, const G: usize, const W: usize>(sp: *mut f32, d: usize, vp: *const u8, stride: usize, len: usize, out: &mut [f32], stats: &mut [f32]) {
         // Softmax per head, unnormalised: exp(s − max); 1/Σ applies to the output.
         let mut inv = [0.0f32; G];
         for (h, inv_h) in inv.iter_mut().enumerate() {
@@ -2144,6 +2219,21 @@ mod x86 {
         }
         for (h, o) in out.chunks_exact_mut(d).enumerate() {
             o.iter_mut().for_each(|x| *x *= inv[h]);
+        }
+    }
+
+    /// [`attend_tail`] for `g` heads (1..=4) over cached [`KvQ8`] value rows
+    /// (`stride` blocks apart), the scores already in `scores` (`g` rows of `len`).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attend_tail_q8(scores: &mut [f32], g: usize, d: usize, v: &[KvQ8], stride: usize, len: usize, out: &mut [f32], stats: &mut [f32]) {
+        let (sp, vp, stride) = (scores.as_mut_ptr(), v.as_ptr() as *const u8, stride * LoadQ8::ELEM_BYTES);
+        match g {
+            1 => attend_tail::<LoadQ8, 1, 8>(sp, d, vp, stride, len, out, stats),
+            2 => attend_tail::<LoadQ8, 2, 4>(sp, d, vp, stride, len, out, stats),
+            3 => attend_tail::<LoadQ8, 3, 2>(sp, d, vp, stride, len, out, stats),
+            4 => attend_tail::<LoadQ8, 4, 2>(sp, d, vp, stride, len, out, stats),
+            _ => unreachable!("attend_tail_q8: {g} heads per pass"),
         }
     }
 
@@ -3483,26 +3573,58 @@ mod arm {
         rows8_t::<4>(format, group, xs)
     }
 
+    /// Values `i .. i + 4` of the cached row at `row` as f32 (f16 widened by FCVTL;
+    /// q8 sign-extended, converted and scaled).
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn load4<E: KvElem>(row: *const E, i: usize) -> float32x4_t {
+        match E::KIND {
+            KvKind::F16 => f16x4_to_f32(vld1_u16((row as *const u16).add(i))),
+            KvKind::F32 => vld1q_f32((row as *const f32).add(i)),
+            KvKind::Q8 => {
+                let block = (row as *const KvQ8).add(i / QK);
+                let bytes = std::ptr::read_unaligned((*block).qs.as_ptr().add(i % QK) as *const u32);
+                let wide = vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(bytes as u64))));
+                vmulq_n_f32(vcvtq_f32_s32(wide), (*block).d)
+            }
+        }
+    }
+
+    /// After the scores (`g` rows of `len` in `scores`): softmax per head, then each
+    /// head's weighted sum of the value rows (`stride` elements apart) into `out`, and
+    /// each head's (max, Σ) into `stats`. `d` a multiple of 4.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "neon")]
+    pub unsafe fn attend_tail<E: KvElem>(scores: &mut [f32], g: usize, d: usize, v: &[E], stride: usize, len: usize, out: &mut [f32], stats: &mut [f32]) {
+        for h in 0..g {
+            let s = &mut scores[h * len..(h + 1) * len];
+            let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0.0;
+            for x in s.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let inv = 1.0 / sum;
+            let o = &mut out[h * d..(h + 1) * d];
+            o.fill(0.0);
+            for (j, &p) in s.iter().enumerate() {
+                let (p, row) = (vdupq_n_f32(p * inv), v.as_ptr().add(j * stride));
+                let mut i = 0;
+                while i < d {
+                    let op = o.as_mut_ptr().add(i);
+                    vst1q_f32(op, vfmaq_f32(vld1q_f32(op), p, load4(row, i)));
+                    i += 4;
+                }
+            }
+            stats[2 * h] = max;
+            stats[2 * h + 1] = sum;
+        }
+    }
+
     /// [`scalar::attend`] with NEON dot products and axpy (exp stays libm's).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "neon,dotprod")]
     pub unsafe fn attend<E: KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) -> (f32, f32) {
-        /// Values `i .. i + 4` of the cached row at `row` as f32 (f16 widened by FCVTL;
-        /// q8 sign-extended, converted and scaled).
-        #[inline]
-        #[target_feature(enable = "neon")]
-        unsafe fn load4<E: KvElem>(row: *const E, i: usize) -> float32x4_t {
-            match E::KIND {
-                KvKind::F16 => f16x4_to_f32(vld1_u16((row as *const u16).add(i))),
-                KvKind::F32 => vld1q_f32((row as *const f32).add(i)),
-                KvKind::Q8 => {
-                    let block = (row as *const KvQ8).add(i / QK);
-                    let bytes = std::ptr::read_unaligned((*block).qs.as_ptr().add(i % QK) as *const u32);
-                    let wide = vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(bytes as u64))));
-                    vmulq_n_f32(vcvtq_f32_s32(wide), (*block).d)
-                }
-            }
-        }
         let d = q.len();
         let d4 = d / 4 * 4;
         let mut max = f32::NEG_INFINITY;

@@ -601,6 +601,97 @@ fn attend_group_over_q8_cache() {
     }
 }
 
+/// GGUF Q8_0 rows (f16 scale, block maximum at ±127), written here independently of
+/// the crate's quantizers.
+fn q8_0_rows(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for xs in x.chunks_exact(32) {
+        let d = xs.iter().map(|v| v.abs()).fold(0.0f32, f32::max) / 127.0;
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        out.extend(xs.iter().map(|&v| if d == 0.0 { 0 } else { (v / d).round() as i8 as u8 }));
+    }
+    out
+}
+
+/// Rows written one at a time into `Q8_0x8` groups are the bytes `repack_rows8` makes of
+/// the same Q8_0 rows (the layout the matmul kernels read).
+#[test]
+fn q8_0x8_rows_written_singly_equal_the_repacked_matrix() {
+    let mut rng = Rng(14);
+    for d in [32usize, 64, 128] {
+        let x: Vec<f32> = (0..8 * d).map(|_| rng.f32() * 3.0).collect();
+        let want = tessera_kernels::format::repack_rows8(WeightFormat::Q8_0, 8, d, &q8_0_rows(&x));
+        let mut group = vec![0xAAu8; want.len()];
+        for r in [3, 0, 7, 1, 2, 6, 5, 4] {
+            tessera_kernels::put_q8_0x8_row(&mut group, r, &x[r * d..(r + 1) * d]);
+        }
+        assert_eq!(group, want, "head_dim {d}");
+    }
+}
+
+/// Attention over a q8 cache with keys in `Q8_0x8` groups: against a reference that
+/// scores each key row with the scalar Q8_0 dot product (the query quantized as the
+/// kernel does), then softmax and values over the `KvQ8` rows in f64; and against a
+/// float32 cache within what 8-bit keys, values and queries allow. Lengths around the
+/// 8-key groups, 1–9 heads, split ranges merged by their stats.
+#[test]
+fn attend_group_q8_matches_reference() {
+    let isa = Isa::detect();
+    let mut rng = Rng(15);
+    for (g, d, len) in [(1usize, 64usize, 1usize), (3, 64, 37), (4, 128, 300), (5, 64, 9), (3, 64, 1000), (2, 96, 17), (1, 32, 8), (9, 64, 16), (2, 256, 41)] {
+        let q: Vec<f32> = (0..g * d).map(|_| rng.f32() * 2.0).collect();
+        let k: Vec<f32> = (0..len * d).map(|_| rng.f32() * 2.0).collect();
+        let v: Vec<f32> = (0..len * d).map(|_| rng.f32()).collect();
+        let scale = 1.0 / (d as f32).sqrt();
+        let group_bytes = 8 * 34 * d / 32;
+        let mut kg = vec![0u8; len.div_ceil(8) * group_bytes];
+        for j in 0..len {
+            tessera_kernels::put_q8_0x8_row(&mut kg[j / 8 * group_bytes..(j / 8 + 1) * group_bytes], j % 8, &k[j * d..(j + 1) * d]);
+        }
+        let mut v8 = vec![KvQ8::default(); len * d / 32];
+        KvQ8::quantize(&v, &mut v8);
+        let mut scores = vec![f32::NAN; g.min(4) * len];
+        let mut out = vec![f32::NAN; g * d];
+        let mut stats = vec![0.0; 2 * g];
+        isa.attend_group_q8(&q, d, &kg, &v8, d / 32, len, scale, &mut scores, &mut out, Some(&mut stats));
+        let k_rows = q8_0_rows(&k);
+        let (mut out32, mut s32) = (vec![0.0; g * d], vec![0.0; g.min(4) * len]);
+        isa.attend_group(&q, d, &k, &v, d, len, scale, &mut s32, &mut out32, None);
+        for h in 0..g {
+            let qs: Vec<f32> = q[h * d..(h + 1) * d].iter().map(|x| x * scale).collect();
+            let mut xq = vec![BlockQ8::default(); d / 32];
+            isa.quantize_q8(&qs, &mut xq);
+            let s: Vec<f64> = (0..len).map(|j| scalar::dot_q8(WeightFormat::Q8_0, &k_rows[j * 34 * d / 32..(j + 1) * 34 * d / 32], &xq) as f64).collect();
+            let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            assert!((stats[2 * h] as f64 - max).abs() <= 1e-5 * (1.0 + max.abs()) && (stats[2 * h + 1] as f64 - sum).abs() <= 1e-5 * sum, "g={g} d={d} len={len} head {h}: stats {:?} vs ({max}, {sum})", &stats[2 * h..2 * h + 2]);
+            for i in 0..d {
+                let want: f64 = (0..len).map(|j| w[j] * v8[(j * d + i) / 32].d as f64 * v8[(j * d + i) / 32].qs[i % 32] as f64).sum::<f64>() / sum;
+                let got = out[h * d + i] as f64;
+                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "g={g} d={d} len={len} head {h} value {i}: {got} vs {want}");
+                assert!((got - out32[h * d + i] as f64).abs() < 0.01, "g={g} d={d} len={len} head {h} value {i}: {got} against {} with a float32 cache", out32[h * d + i]);
+            }
+        }
+        // Two ranges (the second starting on a group boundary), merged by their stats.
+        if len >= 16 {
+            let half = len / 16 * 8;
+            let (mut o_a, mut o_b) = (vec![0.0; g * d], vec![0.0; g * d]);
+            let (mut st_a, mut st_b) = (vec![0.0; 2 * g], vec![0.0; 2 * g]);
+            isa.attend_group_q8(&q, d, &kg, &v8, d / 32, half, scale, &mut scores, &mut o_a, Some(&mut st_a));
+            isa.attend_group_q8(&q, d, &kg[half / 8 * group_bytes..], &v8[half * d / 32..], d / 32, len - half, scale, &mut scores, &mut o_b, Some(&mut st_b));
+            for h in 0..g {
+                let m = st_a[2 * h].max(st_b[2 * h]);
+                let (wa, wb) = ((st_a[2 * h] - m).exp() * st_a[2 * h + 1], (st_b[2 * h] - m).exp() * st_b[2 * h + 1]);
+                for i in 0..d {
+                    let merged = (wa * o_a[h * d + i] + wb * o_b[h * d + i]) / (wa + wb);
+                    assert!((merged - out[h * d + i]).abs() <= 4e-6 * (1.0 + out[h * d + i].abs()), "split g={g} d={d} len={len} head {h}: {merged} vs {}", out[h * d + i]);
+                }
+            }
+        }
+    }
+}
+
 /// [`KvQ8::quantize`] rounds to nearest within half a step of the block's scale, maps
 /// the block maximum to ±127, keeps zero blocks zero and passes a NaN or an infinity on
 /// as a NaN scale (an f16 cache would pass it on too) rather than dropping it.

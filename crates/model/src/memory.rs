@@ -141,6 +141,8 @@ pub unsafe trait ZeroBits: Copy + Default {}
 unsafe impl ZeroBits for f32 {}
 // SAFETY: f16 is a u16 of IEEE half bits; all zero is 0.0.
 unsafe impl ZeroBits for half::f16 {}
+// SAFETY: any byte may be zero (q8 key groups: zero scales and codes).
+unsafe impl ZeroBits for u8 {}
 // SAFETY: an f32 scale of 0.0 and 32 zero bytes: a block of zeros.
 unsafe impl ZeroBits for tessera_kernels::KvQ8 {}
 

@@ -25,7 +25,7 @@ use half::{f16, slice::HalfFloatSliceExt};
 use std::sync::Arc;
 use crate::memory::{huge_pages_wanted, LazyZeroed, WeightBuffer};
 use tessera_kernels::pool::SharedMut;
-use tessera_kernels::{matmul, matmul_group, matmul_jobs, ops, scalar, Isa, KvElem, KvQ8, MatmulScratch, RowsJob, ThreadPool, WeightFormat, WeightRows, ATTEND_GROUP_MAX};
+use tessera_kernels::{matmul, matmul_group, matmul_jobs, ops, put_q8_0x8_row, scalar, Isa, KvElem, KvQ8, MatmulScratch, KV_Q8_HEAD_DIM_MAX, RowsJob, ThreadPool, WeightFormat, WeightRows, ATTEND_GROUP_MAX};
 
 /// Where a weight matrix's bytes live.
 #[derive(Clone, Debug)]
@@ -327,10 +327,11 @@ pub struct DenseTransformer {
 /// in `k` and the roped shared key `k_pe` (`qk_rope_head_dim`) in `v`.
 /// Element type of a GQA key/value cache. f16 (the default, as llama.cpp's) halves
 /// the bytes attention reads and the memory a long context takes; q8 (blocks of 32
-/// values in 8 bits with an f32 scale, as llama.cpp's `q8_0` cache) takes 36 bytes
-/// where f16 takes 64, for long contexts and many sequences; f32 keeps exact float32
-/// attention (the mlx-lm float32 reference tests use it). MLA's latent cache is small
-/// and stays f32.
+/// values in 8 bits, as llama.cpp's `q8_0` cache: keys as GGUF Q8_0 rows interleaved 8
+/// positions to a group, 34 bytes per 32 values, so the scores are an integer matrix
+/// product; values as [`KvQ8`], 36 bytes) takes little over half of f16's bytes, for
+/// long contexts and many sequences; f32 keeps exact float32 attention (the mlx-lm
+/// float32 reference tests use it). MLA's latent cache is small and stays f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum KvDtype {
     F32,
@@ -340,8 +341,16 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
-    /// Bytes a cached row of `values` values takes (for q8, whole blocks of 32).
-    pub fn row_bytes(self, values: usize) -> usize {
+    /// Bytes a cached key row of `values` values takes (q8: whole Q8_0 blocks).
+    pub fn key_row_bytes(self, values: usize) -> usize {
+        match self {
+            KvDtype::Q8 => values.div_ceil(KvQ8::VALUES) * WeightFormat::Q8_0.block_bytes(),
+            _ => self.value_row_bytes(values),
+        }
+    }
+
+    /// Bytes a cached value row of `values` values takes (q8: whole [`KvQ8`] blocks).
+    pub fn value_row_bytes(self, values: usize) -> usize {
         match self {
             KvDtype::F32 => 4 * values,
             KvDtype::F16 => 2 * values,
@@ -377,9 +386,20 @@ enum KvStore {
     F32(LazyZeroed<f32>),
     F16(LazyZeroed<f16>),
     Q8(LazyZeroed<KvQ8>),
+    /// q8 keys: per kv head, positions in groups of 8 interleaved GGUF Q8_0 rows
+    /// ([`WeightFormat::Q8_0x8`]), `groups_per_head` groups of `group_bytes`.
+    Q8Keys { bytes: LazyZeroed<u8>, groups_per_head: usize, group_bytes: usize },
 }
 
 impl KvStore {
+    /// The keys of a q8 cache: `kv_heads` heads of `capacity` positions (whole groups of
+    /// 8), each row `head_dim` values.
+    fn q8_keys(capacity: usize, kv_heads: usize, head_dim: usize) -> KvStore {
+        assert!(head_dim.is_multiple_of(KvQ8::VALUES), "q8 KV cache: head_dim {head_dim} is not whole blocks");
+        let (groups_per_head, group_bytes) = (capacity.div_ceil(8), 8 * head_dim / KvQ8::VALUES * WeightFormat::Q8_0.block_bytes());
+        KvStore::Q8Keys { bytes: LazyZeroed::new(kv_heads * groups_per_head * group_bytes), groups_per_head, group_bytes }
+    }
+
     /// A cache of `n` values (for q8, a multiple of 32: the caller checks head sizes).
     fn new(dtype: KvDtype, n: usize) -> KvStore {
         match dtype {
@@ -402,6 +422,7 @@ impl KvStore {
                 assert!(at.is_multiple_of(b) && x.len().is_multiple_of(b), "q8 KV write of {} values at {at}: not whole blocks", x.len());
                 KvQ8::quantize(x, &mut v[at / b..(at + x.len()) / b]);
             }
+            KvStore::Q8Keys { .. } => unreachable!("q8 keys are written by write_heads"),
         }
     }
 
@@ -419,6 +440,7 @@ impl KvStore {
             KvStore::F32(v) => v.populate_new_pages(run),
             KvStore::F16(v) => v.populate_new_pages(run),
             KvStore::Q8(v) => v.populate_new_pages(run.start / KvQ8::VALUES..run.end.div_ceil(KvQ8::VALUES)),
+            KvStore::Q8Keys { .. } => unreachable!("q8 keys are populated by write_heads"),
         }
     }
 
@@ -428,6 +450,20 @@ impl KvStore {
     /// head, so one group read a third of each row on SmolLM2).
     fn write_heads(&mut self, pos0: usize, x: &[f32], kv_heads: usize, head_dim: usize, capacity: usize) {
         let end = pos0 + x.len() / (kv_heads * head_dim);
+        if let KvStore::Q8Keys { bytes, groups_per_head, group_bytes } = self {
+            let (gph, gb) = (*groups_per_head, *group_bytes);
+            let group = |h: usize, pos: usize| (h * gph + pos / 8) * gb;
+            for h in 0..kv_heads {
+                bytes.populate_new_pages(group(h, pos0)..group(h, end - 1) + gb);
+            }
+            for (i, token) in x.chunks_exact(kv_heads * head_dim).enumerate() {
+                for (h, src) in token.chunks_exact(head_dim).enumerate() {
+                    let at = group(h, pos0 + i);
+                    put_q8_0x8_row(&mut bytes[at..at + gb], (pos0 + i) % 8, src);
+                }
+            }
+            return;
+        }
         for h in 0..kv_heads {
             self.populate_new_pages((h * capacity + pos0) * head_dim..(h * capacity + end) * head_dim);
         }
@@ -442,7 +478,7 @@ impl KvStore {
     fn f32s(&self) -> &[f32] {
         match self {
             KvStore::F32(v) => v,
-            KvStore::F16(_) | KvStore::Q8(_) => unreachable!("MLA caches are created f32"),
+            _ => unreachable!("MLA caches are created f32"),
         }
     }
 }
@@ -1591,7 +1627,7 @@ impl DenseTransformer {
     pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
         let (k, v) = self.kv_rows();
         let dtype = if self.cfg.mla.is_some() { KvDtype::F32 } else { dtype };
-        self.layers.len() * (dtype.row_bytes(k) + dtype.row_bytes(v))
+        self.layers.len() * (dtype.key_row_bytes(k) + dtype.value_row_bytes(v))
     }
 
     /// Cache row widths: this rank's kv heads (GQA), or the latent and rope key (MLA,
@@ -1611,8 +1647,8 @@ impl DenseTransformer {
     /// whole blocks of 32 (MLA's latent cache is f32 whatever is asked).
     pub fn check_kv_cache(&self, dtype: KvDtype) -> std::result::Result<(), String> {
         let hd = self.cfg.head_dim;
-        if dtype == KvDtype::Q8 && self.cfg.mla.is_none() && !hd.is_multiple_of(KvQ8::VALUES) {
-            return Err(format!("a q8 KV cache stores blocks of {} values; this model's heads are {hd} wide: use --kv-cache f16", KvQ8::VALUES));
+        if dtype == KvDtype::Q8 && self.cfg.mla.is_none() && (!hd.is_multiple_of(KvQ8::VALUES) || hd > KV_Q8_HEAD_DIM_MAX) {
+            return Err(format!("a q8 KV cache stores blocks of {} values in heads up to {KV_Q8_HEAD_DIM_MAX} wide; this model's heads are {hd} wide: use --kv-cache f16", KvQ8::VALUES));
         }
         Ok(())
     }
@@ -1625,8 +1661,12 @@ impl DenseTransformer {
         // Layers of other pipeline stages get no storage.
         let owned = |l: usize| self.spec.layers.contains(&l);
         let store = |l: usize, row: usize| KvStore::new(dtype, if owned(l) { limits.context_max * row } else { 0 });
+        let key_store = |l: usize| match dtype {
+            KvDtype::Q8 => KvStore::q8_keys(if owned(l) { limits.context_max } else { 0 }, k_row / self.cfg.head_dim, self.cfg.head_dim),
+            _ => store(l, k_row),
+        };
         KvCache {
-            k: (0..self.cfg.layers).map(|l| store(l, k_row)).collect(),
+            k: (0..self.cfg.layers).map(key_store).collect(),
             v: (0..self.cfg.layers).map(|l| store(l, v_row)).collect(),
             dtype,
             len: 0,
@@ -2145,7 +2185,8 @@ impl Run<'_> {
         let shape = HeadShape { q_heads: g.q_heads.clone(), kv_heads: g.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
         attention(self.pool, self.isa, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim], &mut ws.attn_part, &mut ws.attn_stats);
         // Each token reads its cached keys and values.
-        let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * 2 * caches[0].dtype.row_bytes(kv_dim)).sum();
+        let row_bytes = caches[0].dtype.key_row_bytes(kv_dim) + caches[0].dtype.value_row_bytes(kv_dim);
+        let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * row_bytes).sum();
         ws.charge(ProfileKind::Attention, t0, kv_read);
         let t0 = ws.clock();
         self.linear(&g.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
@@ -2491,7 +2532,8 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
             let (t, h0, h1, a, b) = heads_of(item);
             let kvh = h0 / shape.group - shape.kv_heads.start;
             let (k_cache, v_cache, len) = at.of(t);
-            let chunk = len.div_ceil(splits);
+            // Whole 8-key groups per range (a q8 cache's keys are grouped so).
+            let chunk = len.div_ceil(splits).next_multiple_of(8);
             let (j0, j1) = ((s * chunk).min(len), ((s + 1) * chunk).min(len));
             let (o, st) = if splits == 1 {
                 (unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) }, None)
@@ -2509,9 +2551,10 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
             match (k_cache, v_cache) {
                 (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
                 (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
-                (KvStore::Q8(k), KvStore::Q8(v)) => {
-                    let (off, row) = (off / KvQ8::VALUES, hd / KvQ8::VALUES);
-                    isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], row, j1 - j0, scale, sc, o, st)
+                (KvStore::Q8Keys { bytes, groups_per_head, group_bytes }, KvStore::Q8(v)) => {
+                    // Ranges start on 8-key groups (`chunk` is a multiple of 8).
+                    let k_at = (kvh * groups_per_head + j0 / 8) * group_bytes;
+                    isa.attend_group_q8(&q[a..b], hd, &bytes[k_at..], &v[off / KvQ8::VALUES..], hd / KvQ8::VALUES, j1 - j0, scale, sc, o, st)
                 }
                 _ => unreachable!("keys and values share one element type"),
             }
