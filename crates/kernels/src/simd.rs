@@ -3577,7 +3577,7 @@ mod arm {
     /// q8 sign-extended, converted and scaled).
     #[inline]
     #[target_feature(enable = "neon")]
-    unsafe fn load4<E: KvElem>(row: *const E, i: usize) -> float32x4_t {
+    unsafe fn kv_load4<E: KvElem>(row: *const E, i: usize) -> float32x4_t {
         match E::KIND {
             KvKind::F16 => f16x4_to_f32(vld1_u16((row as *const u16).add(i))),
             KvKind::F32 => vld1q_f32((row as *const f32).add(i)),
@@ -3612,7 +3612,7 @@ mod arm {
                 let mut i = 0;
                 while i < d {
                     let op = o.as_mut_ptr().add(i);
-                    vst1q_f32(op, vfmaq_f32(vld1q_f32(op), p, load4(row, i)));
+                    vst1q_f32(op, vfmaq_f32(vld1q_f32(op), p, kv_load4(row, i)));
                     i += 4;
                 }
             }
@@ -3633,7 +3633,7 @@ mod arm {
             let mut a = vdupq_n_f32(0.0);
             let mut i = 0;
             while i < d4 {
-                a = vfmaq_f32(a, vld1q_f32(q.as_ptr().add(i)), load4(row, i));
+                a = vfmaq_f32(a, vld1q_f32(q.as_ptr().add(i)), kv_load4(row, i));
                 i += 4;
             }
             let mut sj = vaddvq_f32(a);
@@ -3656,7 +3656,7 @@ mod arm {
             let mut i = 0;
             while i < d4 {
                 let o = out.as_mut_ptr().add(i);
-                vst1q_f32(o, vfmaq_f32(vld1q_f32(o), p, load4(row, i)));
+                vst1q_f32(o, vfmaq_f32(vld1q_f32(o), p, kv_load4(row, i)));
                 i += 4;
             }
             for t in d4..d {
