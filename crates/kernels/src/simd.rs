@@ -1034,13 +1034,27 @@ mod x86 {
         _mm256_madd_epi16(halves, _mm256_set1_epi16(k))
     }
 
-    /// How far ahead the interleaved kernels prefetch (bytes).
-    const PREFETCH_BYTES: usize = 2048;
+    /// How far ahead the kernels prefetch their weight stream (bytes), in passes of up to
+    /// 4 tokens. From DRAM, 2 KiB ahead left them waiting on memory (Zen 4, 2 threads,
+    /// 512 × 1024 Q4_0 matrices, a MoE expert's, streamed from 300 MB: 4 tokens 19–21
+    /// GB/s at 2 KiB, 22–24 at 4 KiB). End to end the gain is small: MoE batch-32 decode
+    /// (about 4 tokens per expert) 1.03× (3 of 6 alternating runs), SmolLM2 batch 1
+    /// 1.02× (3 of 4).
+    const PREFETCH_BYTES: usize = 4096;
+    /// The same in passes of 8 tokens, whose activations crowd L1 (32 tokens' q8 blocks
+    /// of a 576-wide input are 23 KiB), where 4 KiB ahead ran SmolLM2 batch 32 at 0.98×.
+    const PREFETCH_BYTES_MANY: usize = 2048;
 
     /// Asks for `lines` cache lines `PREFETCH_BYTES` past `p` (a hint: any address is safe).
     #[inline(always)]
     unsafe fn prefetch_ahead(p: *const u8, lines: usize) {
         prefetch_row(p.wrapping_add(PREFETCH_BYTES), 64 * lines);
+    }
+
+    /// [`prefetch_ahead`] in a pass of `T` tokens.
+    #[inline(always)]
+    unsafe fn prefetch_ahead_t<const T: usize>(p: *const u8, lines: usize) {
+        prefetch_row(p.wrapping_add(if T <= 4 { PREFETCH_BYTES } else { PREFETCH_BYTES_MANY }), 64 * lines);
     }
 
     /// The interleaved kernels (`Q4_0x8`, `Q4_1x8`, `Q8_0x8`; one token, and four tokens
@@ -1351,7 +1365,7 @@ mod x86 {
                     // Batched decode reads most groups once, from DRAM: without these the
                     // unpacking waits on memory instead of overlapping it (batch 32,
                     // alternating in one process: 1.11× on SmolLM2 and on the MoE).
-                    prefetch_ahead(p, 3);
+                    prefetch_ahead_t::<T>(p, 3);
                     let qp = p.add(if MIN { 32 } else { 16 });
                     let sum = $sums::<FIVE, T>(qp, std::array::from_fn(|t| ys[t].add(b * STRIDE + QS)));
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
@@ -1398,7 +1412,7 @@ mod x86 {
                 let mut acc = [_mm256_setzero_ps(); T];
                 for b in 0..blocks {
                     let p = group.as_ptr().add(b * 144);
-                    prefetch_ahead(p, 3);
+                    prefetch_ahead_t::<T>(p, 3);
                     let qp = p.add(16);
                     let ys: [*const i32; T] = std::array::from_fn(|t| (xs[t].as_ptr() as *const i32).add(b * STRIDE + QS));
                     let mut sum: [[$acc; 2]; T] = [[$zero; 2]; T];
@@ -1870,8 +1884,8 @@ mod x86 {
             // pairs come from DRAM once per step: batched decode, MoE experts), and the
             // next pair's second group a whole pair ahead: its stream starts cold
             // otherwise (one thread, 49152 × 576 at 8 tokens: Q4_1 1.36×, Q8_0 1.05–1.4×).
-            prefetch_ahead(p, 3);
-            prefetch_ahead(p.add(g), 3);
+            prefetch_ahead_t::<T>(p, 3);
+            prefetch_ahead_t::<T>(p.add(g), 3);
             prefetch_row(p.wrapping_add(3 * g), 64 * 3);
             let qp = p.add(if MIN { 32 } else { 16 });
             let mut sum = [[_mm512_setzero_si512(); CH]; T];
@@ -1925,8 +1939,8 @@ mod x86 {
         let ys: [*const i32; T] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
         for b in 0..blocks {
             let p = pair.as_ptr().add(b * 272);
-            prefetch_ahead(p, 5);
-            prefetch_ahead(p.add(g), 5);
+            prefetch_ahead_t::<T>(p, 5);
+            prefetch_ahead_t::<T>(p.add(g), 5);
             prefetch_row(p.wrapping_add(3 * g), 64 * 5);
             let mut sum = [[_mm512_setzero_si512(); CH]; T];
             // An opaque trip count, as in `rows8_kernels!` (fully unrolled, LLVM hoists
@@ -2403,7 +2417,7 @@ mod x86 {
         let (mut acc, mut acc_m) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
         for sb in 0..supers {
             let b = row.as_ptr().add(sb * 84);
-            prefetch_ahead(b, 2);
+            prefetch_ahead_t::<T>(b, 2);
             let (d, dmin) = (f16_at(b.add(80)), f16_at(b.add(82)));
             let sc = _mm_loadu_si128(b as *const __m128i);
             let scales = _mm256_cvtepu8_epi16(_mm_and_si128(sc, low));
@@ -2451,7 +2465,7 @@ mod x86 {
         let mut acc = [_mm256_setzero_ps(); T];
         for sb in 0..supers {
             let b = row.as_ptr().add(sb * 110);
-            prefetch_ahead(b, 2);
+            prefetch_ahead_t::<T>(b, 2);
             let d = f16_at(b.add(108));
             let scales = q3k_scales(b);
             let hm = _mm256_loadu_si256(b as *const __m256i);
@@ -2500,7 +2514,7 @@ mod x86 {
             assert!(blocks.is_multiple_of(8) && row.len() >= blocks / 8 * 136);
             for sb in 0..blocks / 8 {
                 let b = row.as_ptr().add(sb * 136);
-                prefetch_ahead(b, 3);
+                prefetch_ahead_t::<T>(b, 3);
                 let (d, blk) = (f16_at(b), std::slice::from_raw_parts(b, 136));
                 for ib in 0..8 {
                     block(b.add(8 + 16 * ib), d * scalar::iq4xs_scale(blk, ib) as f32, 8 * sb + ib);
@@ -2510,7 +2524,7 @@ mod x86 {
             assert!(row.len() >= blocks * 18);
             for i in 0..blocks {
                 let b = row.as_ptr().add(i * 18);
-                prefetch_ahead(b, 1);
+                prefetch_ahead_t::<T>(b, 1);
                 block(b.add(2), f16_at(b), i);
             }
         }
