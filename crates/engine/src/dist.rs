@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use tessera_comm::{Communicator, Group};
 use tessera_kernels::ThreadPool;
+use tessera_model::memory::LazyZeroed;
 use tessera_model::config::{FfnKind, ModelConfig};
 use tessera_model::shard::split;
 use tessera_model::transformer::{StageIo, StageOutput};
@@ -215,7 +216,8 @@ pub struct Rank<'m> {
     pairs: BTreeMap<(usize, usize), Group>,
     hidden_in: Vec<f32>,
     hidden_out: Vec<f32>,
-    logits: Vec<f32>,
+    /// Page aligned, as `LocalStepper`'s (logits stored past the caches).
+    logits: LazyZeroed<f32>,
     /// The current plan (u32 words) and its wire form (i32, same bits): reused every step.
     plan: Vec<u32>,
     plan_wire: Vec<i32>,
@@ -291,7 +293,7 @@ impl<'m> Rank<'m> {
             pairs,
             hidden_in: vec![0.0; t * h],
             hidden_out: vec![0.0; t * h],
-            logits: vec![0.0; t * model.cfg.vocab],
+            logits: LazyZeroed::new(t * model.cfg.vocab),
             plan: Vec::with_capacity(max_words),
             plan_wire: Vec::with_capacity(max_words),
             head: [0; WIRE_HEAD],

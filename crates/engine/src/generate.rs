@@ -4,6 +4,7 @@
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::time::Instant;
 use tessera_kernels::ThreadPool;
+use tessera_model::memory::LazyZeroed;
 use tessera_model::{DenseTransformer, KvCache, KvDtype, LogitsFor, Profile, SeqChunk, StepError, StepLimits, Workspace};
 
 /// Most sequences one engine keeps in progress (each holds a KV cache of `context_max`).
@@ -165,7 +166,9 @@ pub struct LocalStepper<'m> {
     ws: Workspace,
     caches: Vec<KvCache>,
     limits: StepLimits,
-    logits: Vec<f32>,
+    /// Page aligned, so a batch's logits can be stored past the caches (whole aligned
+    /// lines: `tessera_kernels::matmul_streaming`); backed only where rows are written.
+    logits: LazyZeroed<f32>,
     /// Rows of the step waiting to be collected.
     pending: Option<usize>,
 }
@@ -178,7 +181,7 @@ impl<'m> LocalStepper<'m> {
             ws: model.new_workspace(limits, pool.n_threads()),
             caches: (0..cfg.sequences_max).map(|_| model.new_cache(limits, cfg.kv_cache)).collect(),
             // Untouched pages cost nothing: only the rows a step writes become resident.
-            logits: vec![0.0; limits.tokens_per_step_max.max(limits.sequences_per_step_max) * model.cfg.vocab],
+            logits: LazyZeroed::new(limits.tokens_per_step_max.max(limits.sequences_per_step_max) * model.cfg.vocab),
             pending: None,
             limits,
             pool,

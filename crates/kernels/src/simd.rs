@@ -465,6 +465,40 @@ impl Isa {
         }
     }
 
+    /// Stores the 16 floats `v` at `p` past the caches (a non-temporal store: no read
+    /// of the line first, no line evicted for it) where the ISA has a 64-byte one and
+    /// `p` is 64-byte aligned; false (nothing stored) otherwise. Pair with
+    /// [`Isa::streaming_fence`] before other threads read the data.
+    ///
+    /// # Safety
+    /// `p` must be valid for writing 16 floats.
+    #[inline]
+    pub unsafe fn store16_streaming(self, p: *mut f32, v: &[f32; 16]) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: Avx512Vnni implies avx512f; the caller vouches for `p`.
+            Isa::Avx512Vnni if (p as usize).is_multiple_of(64) => unsafe {
+                x86::stream16(p, v);
+                true
+            },
+            _ => {
+                let _ = (p, v);
+                false
+            }
+        }
+    }
+
+    /// Orders this thread's [`Isa::store16_streaming`] stores before its later stores
+    /// (SFENCE), so a thread that sees the region end sees the data.
+    #[inline]
+    pub fn streaming_fence(self) {
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx512Vnni {
+            // SAFETY: SSE is baseline on x86-64.
+            unsafe { std::arch::x86_64::_mm_sfence() }
+        }
+    }
+
     /// `gate[i] = silu(gate[i]) · up[i]` ([`crate::ops::silu_mul`], with the vector exp).
     #[inline]
     pub fn silu_mul(self, gate: &mut [f32], up: &[f32]) {
@@ -1846,6 +1880,12 @@ mod x86 {
 
     rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_xn, avx2_u4_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
     rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_xn_vnni, vnni_u4_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn stream16(p: *mut f32, v: &[f32; 16]) {
+        _mm512_stream_ps(p, _mm512_loadu_ps(v.as_ptr()));
+    }
 
     /// The 32 bytes at `p` and at `p + g` (the next group) as one register.
     #[inline]

@@ -416,6 +416,38 @@ fn matmul_jobs_equals_one_matmul_per_job() {
     }
 }
 
+/// `matmul_streaming` (outputs stored past the caches where a unit fills an aligned
+/// line) writes exactly `matmul`'s outputs, bit for bit: 64-byte aligned outputs (the
+/// streaming stores on a 512-bit CPU), misaligned ones (plain stores), token counts that
+/// run every pass (8, 4 and the tails), 1–3 threads.
+#[test]
+fn matmul_streaming_equals_matmul() {
+    let isa = Isa::detect();
+    let mut rng = Rng(16);
+    let (rows, cols) = (96, 64);
+    for format in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+        let packed = tessera_kernels::repack_interleaved(format, rows, cols, &data);
+        let w = WeightRows::new(format.interleaved().unwrap(), rows, cols, &packed).unwrap();
+        for tokens in [1, 8, 13, 32] {
+            let x = random_vec(&mut rng, tokens * cols);
+            for threads in [1, 2, 3] {
+                let pool = ThreadPool::new(threads);
+                let mut scratch = MatmulScratch::new(tokens, cols);
+                let mut want = vec![0.0; tokens * rows];
+                matmul(&pool, isa, w, &x, tokens, &mut want, &mut scratch);
+                let mut buf = vec![f32::NAN; tokens * rows + 32];
+                let aligned = (16 - (buf.as_ptr() as usize / 4) % 16) % 16;
+                for at in [aligned, aligned + 1] {
+                    let y = &mut buf[at..at + tokens * rows];
+                    tessera_kernels::matmul_streaming(&pool, isa, w, &x, tokens, y, &mut scratch);
+                    assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{format}, {tokens} tokens, {threads} threads, offset {}", at - aligned);
+                }
+            }
+        }
+    }
+}
+
 /// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked into groups of 8 interleaved rows: the same
 /// weights (every row dequantizes identically), the same dot products as the source
 /// rows (scalar and SIMD), and matmul over the repacked matrix (5 tokens: the

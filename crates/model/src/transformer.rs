@@ -25,7 +25,7 @@ use half::{f16, slice::HalfFloatSliceExt};
 use std::sync::Arc;
 use crate::memory::{huge_pages_wanted, LazyZeroed, WeightBuffer};
 use tessera_kernels::pool::SharedMut;
-use tessera_kernels::{matmul, matmul_group, matmul_jobs, ops, put_q8_0x8_row, scalar, Isa, KvElem, KvQ8, MatmulScratch, KV_Q8_HEAD_DIM_MAX, RowsJob, ThreadPool, WeightFormat, WeightRows, ATTEND_GROUP_MAX};
+use tessera_kernels::{matmul, matmul_group, matmul_jobs, matmul_streaming, ops, put_q8_0x8_row, scalar, Isa, KvElem, KvQ8, MatmulScratch, KV_Q8_HEAD_DIM_MAX, RowsJob, ThreadPool, WeightFormat, WeightRows, ATTEND_GROUP_MAX};
 
 /// Where a weight matrix's bytes live.
 #[derive(Clone, Debug)]
@@ -520,6 +520,10 @@ impl KvCache {
         self.dtype
     }
 }
+
+/// Logits from this size up are stored past the caches (a batch's: 32 rows of SmolLM2's
+/// 49152 are 6 MiB); one row (batch-1 decode, 192 KiB) stays in cache for the sampler.
+const LOGITS_STREAMED_BYTES_MIN: usize = 2 << 20;
 
 /// Expert slots (tokens × top-k) up to which a MoE layer runs all its experts in two
 /// parallel regions (decode and small batches, where per-region costs show); larger
@@ -1969,7 +1973,13 @@ impl DenseTransformer {
         let head = self.head.as_ref().expect("last stage holds the head");
         if tp == 1 {
             let t0 = ws.clock();
-            linear_fwd(pool, self.isa, ckpt, head, &ws.xn[..logit_rows * h], logit_rows, logits, &mut ws.mm);
+            let xn = &ws.xn[..logit_rows * h];
+            if std::mem::size_of_val(logits) >= LOGITS_STREAMED_BYTES_MIN && head.bias.is_none() {
+                // Read only after the whole product, and larger than L2: see `matmul_streaming`.
+                matmul_streaming(pool, self.isa, head.weights(ckpt), xn, logit_rows, logits, &mut ws.mm);
+            } else {
+                linear_fwd(pool, self.isa, ckpt, head, xn, logit_rows, logits, &mut ws.mm);
+            }
             ws.charge_work(ProfileKind::LmHead, t0, head.bytes(), head.macs(logit_rows));
             return Ok(());
         }
