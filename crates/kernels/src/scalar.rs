@@ -813,19 +813,18 @@ pub fn attend_stats<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize
         }
         *sj = acc.iter().sum::<f32>() * scale;
     }
+    let mut stats = [0.0; 2];
+    attend_tail(s, 1, d, v, stride, len, out, &mut stats);
+    (stats[0], stats[1])
+}
+
+/// `s` becomes exp(s − max(s)) (libm's exp); returns (max, Σ).
+pub fn softmax_unnormalised(s: &mut [f32]) -> (f32, f32) {
     let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     let mut sum = 0.0;
     for x in s.iter_mut() {
         *x = (*x - max).exp();
         sum += *x;
-    }
-    let inv = 1.0 / sum;
-    out.fill(0.0);
-    for (j, &p) in s.iter().enumerate() {
-        let row = &v[j * stride..j * stride + row_len];
-        for (i, o) in out.iter_mut().enumerate() {
-            *o += p * inv * E::value(row, i);
-        }
     }
     (max, sum)
 }
@@ -838,18 +837,14 @@ pub fn attend_tail<E: crate::KvElem>(scores: &mut [f32], g: usize, d: usize, v: 
     let row_len = d / E::VALUES;
     for h in 0..g {
         let s = &mut scores[h * len..(h + 1) * len];
-        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0.0;
-        for x in s.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
+        let (max, sum) = softmax_unnormalised(s);
+        let inv = 1.0 / sum;
         let o = &mut out[h * d..(h + 1) * d];
         o.fill(0.0);
         for (j, &p) in s.iter().enumerate() {
             let row = &v[j * stride..j * stride + row_len];
             for (i, o) in o.iter_mut().enumerate() {
-                *o += p / sum * E::value(row, i);
+                *o += p * inv * E::value(row, i);
             }
         }
         stats[2 * h] = max;

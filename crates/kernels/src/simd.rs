@@ -3652,12 +3652,7 @@ mod arm {
     pub unsafe fn attend_tail<E: KvElem>(scores: &mut [f32], g: usize, d: usize, v: &[E], stride: usize, len: usize, out: &mut [f32], stats: &mut [f32]) {
         for h in 0..g {
             let s = &mut scores[h * len..(h + 1) * len];
-            let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0.0;
-            for x in s.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
+            let (max, sum) = scalar::softmax_unnormalised(s);
             let inv = 1.0 / sum;
             let o = &mut out[h * d..(h + 1) * d];
             o.fill(0.0);
