@@ -434,7 +434,25 @@ impl Isa {
                 self.quantize_q8(&scaled[..d], &mut xq[..blocks]);
             }
             let xs: [&[BlockQ8]; ATTEND_GROUP_MAX] = std::array::from_fn(|h| &xq[h.min(gh - 1)][..blocks]);
-            for (grp, group) in k.chunks_exact(group_bytes).take(len.div_ceil(8)).enumerate() {
+            let groups = len.div_ceil(8);
+            // Two groups (16 keys) per 512-bit pass where the ISA has one, as the matmul
+            // pairs; the last odd group alone.
+            let paired = if self.has_rows16_few(WeightFormat::Q8_0x8) { groups / 2 * 2 } else { 0 };
+            for grp in (0..paired).step_by(2) {
+                let pair = &k[grp * group_bytes..(grp + 2) * group_bytes];
+                let few = |r: Option<[[f32; 16]; ATTEND_GROUP_MAX]>| r.expect("checked by has_rows16_few");
+                let rows: [[f32; 16]; ATTEND_GROUP_MAX] = match gh {
+                    1 => few(self.dot_q8_rows16_few::<1>(WeightFormat::Q8_0x8, pair, [xs[0]]).map(|r| [r[0]; ATTEND_GROUP_MAX])),
+                    2 => few(self.dot_q8_rows16_few::<2>(WeightFormat::Q8_0x8, pair, [xs[0], xs[1]]).map(|r| [r[0], r[1], r[1], r[1]])),
+                    3 => few(self.dot_q8_rows16_few::<3>(WeightFormat::Q8_0x8, pair, [xs[0], xs[1], xs[2]]).map(|r| [r[0], r[1], r[2], r[2]])),
+                    _ => few(self.dot_q8_rows16_few::<4>(WeightFormat::Q8_0x8, pair, xs)),
+                };
+                let (j0, n) = (grp * 8, (len - grp * 8).min(16));
+                for (h, row) in rows.iter().enumerate().take(gh) {
+                    scores[h * len + j0..h * len + j0 + n].copy_from_slice(&row[..n]);
+                }
+            }
+            for (grp, group) in k.chunks_exact(group_bytes).enumerate().take(groups).skip(paired) {
                 let rows: [[f32; 8]; ATTEND_GROUP_MAX] = match gh {
                     1 => [self.dot_q8_rows8(WeightFormat::Q8_0x8, group, xs[0]); ATTEND_GROUP_MAX],
                     // The 2- and 3-token passes where the ISA has them, else the 4-token one
