@@ -32,6 +32,11 @@ the most this machine allows (`tessera bench`'s `batch B ceiling`).
              float32 for mlx (reported in the table: it then reads twice the bytes). When --mlx-model
              is given, tessera is also run on that directory so "ours / mlx-lm" compares one file.
 
+--kv-cache q8 caches keys and values in 8 bits in both engines (tessera `--kv-cache q8`;
+llama.cpp `type_k = type_v = Q8_0` with flash attention, which its quantized value cache
+needs); mlx-lm is not run then. With a long --decode-prompt this compares long-context decode:
+  python tools/bench/compare.py --kv-cache q8 --decode-prompt 4000 --pp 128 --tg 64 --batch 0
+
 Peers (pinned; tools/reference/requirements.txt): llama-cpp-python==0.3.36 must be compiled from
 source with AMX tile code disabled (a default -march=native build dies with SIGILL in ggml's AMX
 kernels on our AMD EPYC VM):
@@ -131,8 +136,10 @@ def worker_llama(a):
     import llama_cpp
 
     n_ctx = max(a.pp, a.decode_prompt + a.tg) + 8
+    # A quantized value cache needs flash attention in llama.cpp.
+    kv = dict(type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q8_0, flash_attn=True) if a.kv_cache == "q8" else {}
     llm = llama_cpp.Llama(model_path=a.model, n_threads=a.threads, n_threads_batch=a.threads, n_ctx=n_ctx,
-                          n_batch=max(a.pp, a.decode_prompt), n_ubatch=max(a.pp, a.decode_prompt), verbose=False)
+                          n_batch=max(a.pp, a.decode_prompt), n_ubatch=max(a.pp, a.decode_prompt), verbose=False, **kv)
     vocab = llm.n_vocab()
     ctx = llm._ctx.ctx
 
@@ -273,7 +280,7 @@ def run_tessera(a, model):
         batches = "1" if a.batch <= 1 else f"1,{a.batch}"
         cmd = [a.tessera, "bench", "--model", model, "--threads", str(a.threads), "--pp", str(a.pp), "--tg", str(a.tg),
                "--batch", batches, "--repeat", "1", "--decode-prompt", str(a.decode_prompt), "--seed", str(a.seed),
-               "--json", str(out)]
+               "--kv-cache", a.kv_cache, "--json", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         j = json.loads(out.read_text())
     batched = next((b for b in j["batched"] if b["batch"] == a.batch and a.batch > 1), None)
@@ -287,6 +294,8 @@ def run_tessera(a, model):
         "ttft_ms": j["prompt"][0]["time_to_first_token_ms"]["median"],
         "tg_tok_s": j["decode"]["tok_per_sec"]["median"],
         "bytes_per_token": j["bytes_per_token"],
+        # What a decode step reads as measured: the weights, the KV cache at its context, embedding rows.
+        "step_bytes": j["roofline"].get("decode_bytes_per_step_measured"),
         # Best pass of the run: before, after, or around the decode round.
         "bw_best_gb_s": j["roofline"]["bandwidth_best_gb_s"],
         "bw_before_gb_s": j["bandwidth"]["before"]["best_gb_s"],
@@ -300,7 +309,7 @@ def run_tessera(a, model):
 
 def run_worker(a, kind, model):
     cmd = [sys.executable, __file__, "--worker", kind, "--model", model, "--threads", str(a.threads), "--pp", str(a.pp),
-           "--tg", str(a.tg), "--decode-prompt", str(a.decode_prompt), "--seed", str(a.seed)]
+           "--tg", str(a.tg), "--decode-prompt", str(a.decode_prompt), "--seed", str(a.seed), "--kv-cache", a.kv_cache]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), OPENBLAS_NUM_THREADS=str(a.threads),
                MKL_NUM_THREADS=str(a.threads), HF_HUB_OFFLINE="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -369,6 +378,9 @@ def main():
     ap.add_argument("--decode-prompt", type=int, default=16)
     ap.add_argument("--batch", type=int, default=32, help="tessera's batched decode for the batch target (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache", choices=["f16", "q8"], default="f16",
+                    help="cached keys/values in both engines: f16 (their default) or 8-bit (tessera q8, llama.cpp q8_0 "
+                         "with flash attention); mlx-lm runs only with f16")
     ap.add_argument("--tessera", default=os.environ.get("TESSERA_BIN", "/work/target/release/tessera"
                                                          if Path("/work/target/release/tessera").exists()
                                                          else str(REPO / "target" / "release" / "tessera")))
@@ -389,6 +401,9 @@ def main():
     if not Path(a.tessera).exists():
         sys.exit(f"{a.tessera} missing: cargo build --release -p tessera (or pass --tessera)")
     is_gguf = a.model.endswith(".gguf")
+    if a.mlx_model and a.kv_cache != "f16":
+        print("note: mlx-lm is not run with --kv-cache q8 (its cache stays float)", file=sys.stderr)
+        a.mlx_model = None
     need = (["llama_cpp"] if is_gguf else []) + (["mlx", "mlx_lm"] if a.mlx_model else [])
     missing = ensure_peers(need, a.install)
     engines = [("tessera", "tessera", a.model)]
@@ -429,7 +444,9 @@ def main():
     P(f"Command: `{command}`  ")
     batches = "1" if a.batch <= 1 else f"1,{a.batch}"
     P(f"Tessera binary: `{a.tessera} bench --model M --threads {a.threads} --pp {a.pp} --tg {a.tg} --batch {batches} "
-      f"--repeat 1 --decode-prompt {a.decode_prompt} --seed {a.seed} --json …`  ")
+      f"--repeat 1 --decode-prompt {a.decode_prompt} --seed {a.seed} --kv-cache {a.kv_cache} --json …`  ")
+    if a.kv_cache == "q8":
+        P("KV cache: 8-bit in both engines (tessera `--kv-cache q8`; llama.cpp `type_k = type_v = Q8_0`, flash attention).  ")
     cpu = None
     try:
         cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
@@ -481,6 +498,11 @@ def main():
           f"ours ÷ roofline = {ach / bw:.2f} (a bandwidth-bound decode would make {bw * 1e9 / bpt:.1f} tok/s). "
           f"Against the passes read right before and after each decode instead: {med(rs, 'roofline_adjacent'):.2f} "
           f"(median over rounds; the host's bandwidth moves between minutes).")
+        step = rs[0].get("step_bytes")
+        if step and step > 1.05 * bpt:
+            P(f"Counting every byte a decode step reads (the KV cache at a {a.decode_prompt}-token context too: "
+              f"{step / 2**20:.1f} MiB), {name} moves {step * med(rs, 'tg_tok_s') / 1e9:.2f} GB/s = "
+              f"{step * med(rs, 'tg_tok_s') / 1e9 / bw:.2f} of the best pass.")
         if "llama.cpp" in rows and name == "tessera":
             lt = med(rows["llama.cpp"], "tg_tok_s")
             P(f"llama.cpp at the same bytes/token: {bpt * lt / 1e9:.2f} GB/s = {bpt * lt / 1e9 / bw:.2f} of the roofline.")
