@@ -450,6 +450,9 @@ impl KvStore {
     /// head, so one group read a third of each row on SmolLM2).
     fn write_heads(&mut self, pos0: usize, x: &[f32], kv_heads: usize, head_dim: usize, capacity: usize) {
         let end = pos0 + x.len() / (kv_heads * head_dim);
+        if end == pos0 {
+            return;
+        }
         if let KvStore::Q8Keys { bytes, groups_per_head, group_bytes } = self {
             let (gph, gb) = (*groups_per_head, *group_bytes);
             let group = |h: usize, pos: usize| (h * gph + pos / 8) * gb;
