@@ -509,31 +509,37 @@ fn hostfile_launch_over_ssh() {
     assert_eq!(got, ids_of("greedy_ids", name));
 }
 
+/// `name` with its KV cache in `kv` under each of `placements` (2 ranks): the same greedy
+/// ids as one node with the same cache, logits within `placed_max` × the largest logit of
+/// one node's, and one node's within (0, `f32_max`] × it of the float32-cache logits.
+fn kv_cache_every_placement(name: &str, kv: &str, placements: &[&[&str]], f32_max: f32, placed_max: f32) {
+    let model = fixture(name);
+    let prompt = ids_of("prompt_ids", name);
+    let dir = scratch(&format!("{kv}-kv"));
+    let extra = ["--kv-cache", kv];
+    let single = greedy(&model, 1, &[], &prompt, 16, &extra);
+    let single_logits = logits_kv(&model, 1, &[], &prompt, &dir.join("single.npy"), kv);
+    let f32_logits = logits(&model, 1, &[], &prompt, &dir.join("single32.npy"));
+    let scale = f32_logits.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let d32 = diff(&single_logits, &f32_logits);
+    assert!(d32 > 0.0 && d32 <= f32_max * scale, "{kv} vs f32 cache: max |Δlogit| {d32} (max |logit| {scale})");
+    for (i, placement) in placements.iter().enumerate() {
+        assert_eq!(greedy(&model, 2, placement, &prompt, 16, &extra), single, "{placement:?} with a {kv} cache");
+        let l = logits_kv(&model, 2, placement, &prompt, &dir.join(format!("p{i}.npy")), kv);
+        let d = diff(&single_logits, &l);
+        assert!(d <= placed_max * scale, "{placement:?}: {kv}-cache logits differ from one node's by {d}");
+    }
+}
+
 /// The default f16 KV cache under TP2, PP2 and EP2: the same greedy ids as one node with
 /// the same cache, logits within f16 rounding of one node's (a key or value whose last
 /// float32 bit differs between placements may round to the neighbouring f16), and
 /// within f16 rounding of the float32-cache logits.
 #[test]
 fn f16_kv_cache_every_placement() {
-    let name = "qwen3_moe";
-    let model = fixture(name);
-    let prompt = ids_of("prompt_ids", name);
-    let dir = scratch("f16-kv");
-    let f16 = ["--kv-cache", "f16"];
-    let single = greedy(&model, 1, &[], &prompt, 16, &f16);
-    let single_logits = logits_kv(&model, 1, &[], &prompt, &dir.join("single.npy"), "f16");
-    let f32_logits = logits(&model, 1, &[], &prompt, &dir.join("single32.npy"));
-    let scale = f32_logits.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-    let d32 = diff(&single_logits, &f32_logits);
     // f16 keeps 11 significant bits: ~5e-4 relative per value.
-    assert!(d32 > 0.0 && d32 <= 5e-3 * scale, "f16 vs f32 cache: max |Δlogit| {d32} (max |logit| {scale})");
-    for (i, placement) in [&["--tp", "2"][..], &["--pp", "2"], &["--ep", "2"]].into_iter().enumerate() {
-        assert_eq!(greedy(&model, 2, placement, &prompt, 16, &f16), single, "{placement:?} with an f16 cache");
-        let l = logits_kv(&model, 2, placement, &prompt, &dir.join(format!("p{i}.npy")), "f16");
-        let d = diff(&single_logits, &l);
-        assert!(d <= 5e-3 * scale, "{placement:?}: f16-cache logits differ from one node's by {d}");
-    }
+    kv_cache_every_placement("qwen3_moe", "f16", &[&["--tp", "2"], &["--pp", "2"], &["--ep", "2"]], 5e-3, 5e-3);
 }
 
 /// The q8 KV cache (8-bit key groups scored as integers, 8-bit value blocks) under TP2
@@ -544,27 +550,9 @@ fn f16_kv_cache_every_placement() {
 /// why.
 #[test]
 fn q8_kv_cache_every_placement() {
-    let name = "qwen3";
-    let model = fixture(name);
-    let prompt = ids_of("prompt_ids", name);
-    let dir = scratch("q8-kv");
-    let q8 = ["--kv-cache", "q8"];
-    let single = greedy(&model, 1, &[], &prompt, 16, &q8);
-    let single_logits = logits_kv(&model, 1, &[], &prompt, &dir.join("single.npy"), "q8");
-    let f32_logits = logits(&model, 1, &[], &prompt, &dir.join("single32.npy"));
-    let scale = f32_logits.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-    let d32 = diff(&single_logits, &f32_logits);
     // 8 bits per value: steps of 1/127 of a block's largest (measured here: 0.0057 of the
-    // largest logit).
-    assert!(d32 > 0.0 && d32 <= 2e-2 * scale, "q8 vs f32 cache: max |Δlogit| {d32} (max |logit| {scale})");
-    for (i, placement) in [&["--tp", "2"][..], &["--pp", "2"]].into_iter().enumerate() {
-        assert_eq!(greedy(&model, 2, placement, &prompt, 16, &q8), single, "{placement:?} with a q8 cache");
-        let l = logits_kv(&model, 2, placement, &prompt, &dir.join(format!("p{i}.npy")), "q8");
-        let d = diff(&single_logits, &l);
-        // Measured here: TP2 2e-6, PP2 0.
-        assert!(d <= 1e-2 * scale, "{placement:?}: q8-cache logits differ from one node's by {d}");
-    }
+    // largest logit from the f32 cache; TP2 2e-6 and PP2 0 from one node).
+    kv_cache_every_placement("qwen3", "q8", &[&["--tp", "2"], &["--pp", "2"]], 2e-2, 1e-2);
     let out = tessera(1, &["generate", "--model", &fixture("qwen3_moe").to_string_lossy(), "--prompt-ids", "1,2", "--kv-cache", "q8"].map(String::from));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("16 wide") && err.contains("--kv-cache f16"), "16-wide heads with a q8 cache: {}\n{err}", out.status);

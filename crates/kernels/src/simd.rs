@@ -88,6 +88,16 @@ fn kind32(format: WeightFormat) -> Option<u8> {
 /// Query heads [`Isa::attend_group`] takes in one pass over the keys and values.
 pub const ATTEND_GROUP_MAX: usize = 4;
 
+/// Scores of keys `j0..` (up to `N`, clipped to `len`) for the heads in `rows`, into
+/// `scores` (one row of `len` per head).
+#[inline]
+fn put_scores<const N: usize>(scores: &mut [f32], len: usize, j0: usize, rows: &[[f32; N]]) {
+    let n = (len - j0).min(N);
+    for (h, row) in rows.iter().enumerate() {
+        scores[h * len + j0..h * len + j0 + n].copy_from_slice(&row[..n]);
+    }
+}
+
 /// The widest head a q8 cache serves ([`Isa::attend_group_q8`] quantizes each query
 /// head on the stack): 256, Gemma's.
 pub const KV_Q8_HEAD_DIM_MAX: usize = 256;
@@ -438,32 +448,32 @@ impl Isa {
             // Two groups (16 keys) per 512-bit pass where the ISA has one, as the matmul
             // pairs; the last odd group alone.
             let paired = if self.has_rows16_few(WeightFormat::Q8_0x8) { groups / 2 * 2 } else { 0 };
+            let f = WeightFormat::Q8_0x8;
             for grp in (0..paired).step_by(2) {
                 let pair = &k[grp * group_bytes..(grp + 2) * group_bytes];
-                let few = |r: Option<[[f32; 16]; ATTEND_GROUP_MAX]>| r.expect("checked by has_rows16_few");
-                let rows: [[f32; 16]; ATTEND_GROUP_MAX] = match gh {
-                    1 => few(self.dot_q8_rows16_few::<1>(WeightFormat::Q8_0x8, pair, [xs[0]]).map(|r| [r[0]; ATTEND_GROUP_MAX])),
-                    2 => few(self.dot_q8_rows16_few::<2>(WeightFormat::Q8_0x8, pair, [xs[0], xs[1]]).map(|r| [r[0], r[1], r[1], r[1]])),
-                    3 => few(self.dot_q8_rows16_few::<3>(WeightFormat::Q8_0x8, pair, [xs[0], xs[1], xs[2]]).map(|r| [r[0], r[1], r[2], r[2]])),
-                    _ => few(self.dot_q8_rows16_few::<4>(WeightFormat::Q8_0x8, pair, xs)),
-                };
-                let (j0, n) = (grp * 8, (len - grp * 8).min(16));
-                for (h, row) in rows.iter().enumerate().take(gh) {
-                    scores[h * len + j0..h * len + j0 + n].copy_from_slice(&row[..n]);
+                let few = "checked by has_rows16_few";
+                match gh {
+                    1 => put_scores(scores, len, grp * 8, &self.dot_q8_rows16_few::<1>(f, pair, [xs[0]]).expect(few)),
+                    2 => put_scores(scores, len, grp * 8, &self.dot_q8_rows16_few::<2>(f, pair, [xs[0], xs[1]]).expect(few)),
+                    3 => put_scores(scores, len, grp * 8, &self.dot_q8_rows16_few::<3>(f, pair, [xs[0], xs[1], xs[2]]).expect(few)),
+                    _ => put_scores(scores, len, grp * 8, &self.dot_q8_rows16_few::<4>(f, pair, xs).expect(few)),
                 }
             }
             for (grp, group) in k.chunks_exact(group_bytes).enumerate().take(groups).skip(paired) {
-                let rows: [[f32; 8]; ATTEND_GROUP_MAX] = match gh {
-                    1 => [self.dot_q8_rows8(WeightFormat::Q8_0x8, group, xs[0]); ATTEND_GROUP_MAX],
-                    // The 2- and 3-token passes where the ISA has them, else the 4-token one
-                    // with a head repeated.
-                    2 => self.dot_q8_rows8_few::<2>(WeightFormat::Q8_0x8, group, [xs[0], xs[1]]).map_or_else(|| self.dot_q8_rows8_x4(WeightFormat::Q8_0x8, group, xs), |r| [r[0], r[1], r[1], r[1]]),
-                    3 => self.dot_q8_rows8_few::<3>(WeightFormat::Q8_0x8, group, [xs[0], xs[1], xs[2]]).map_or_else(|| self.dot_q8_rows8_x4(WeightFormat::Q8_0x8, group, xs), |r| [r[0], r[1], r[2], r[2]]),
-                    _ => self.dot_q8_rows8_x4(WeightFormat::Q8_0x8, group, xs),
-                };
-                let (j0, n) = (grp * 8, (len - grp * 8).min(8));
-                for (h, row) in rows.iter().enumerate().take(gh) {
-                    scores[h * len + j0..h * len + j0 + n].copy_from_slice(&row[..n]);
+                // The 2- and 3-token passes where the ISA has them, else the 4-token one
+                // (a head repeated, its rows dropped).
+                let four = || self.dot_q8_rows8_x4(f, group, xs);
+                match gh {
+                    1 => put_scores(scores, len, grp * 8, &[self.dot_q8_rows8(f, group, xs[0])]),
+                    2 => match self.dot_q8_rows8_few::<2>(f, group, [xs[0], xs[1]]) {
+                        Some(r) => put_scores(scores, len, grp * 8, &r),
+                        None => put_scores(scores, len, grp * 8, &four()[..2]),
+                    },
+                    3 => match self.dot_q8_rows8_few::<3>(f, group, [xs[0], xs[1], xs[2]]) {
+                        Some(r) => put_scores(scores, len, grp * 8, &r),
+                        None => put_scores(scores, len, grp * 8, &four()[..3]),
+                    },
+                    _ => put_scores(scores, len, grp * 8, &four()),
                 }
             }
             let mut st = [0.0f32; 2 * ATTEND_GROUP_MAX];
