@@ -225,6 +225,10 @@ fn print_table(model: &str, r: &BenchReport) {
     };
     bw("before", &r.bandwidth_before);
     bw("after ", &r.bandwidth_after);
+    if let Some([b, a]) = &r.bandwidth_uncached {
+        bw("past the caches, before", b);
+        bw("past the caches, after ", a);
+    }
     let pg = &r.pages;
     println!(
         "memory: weights arena {} ({} on huge pages), bandwidth buffer {} ({} on huge pages); TESSERA_HUGEPAGES=0 keeps both on small pages",
@@ -272,6 +276,13 @@ fn print_table(model: &str, r: &BenchReport) {
         100.0 * by_round.max,
         r.decode_rounds.iter().map(|d| format!("{:.2}", d.adjacent_best_gb_s)).collect::<Vec<_>>().join(", ")
     );
+    if let (Some(f), Some(bw)) = (r.roofline_fraction_uncached(), r.bandwidth_uncached_best_gb_s()) {
+        println!(
+            "roofline past the caches: the same decode = {:.1} % of the best pass over {}× the buffer ({bw:.2} GB/s: the memory's own rate, where a buffer the size of a small model's weights is partly served by the last-level cache)",
+            100.0 * f,
+            tessera_engine::bench::UNCACHED_FACTOR
+        );
+    }
     if let (Some(bytes), Some(m)) = (r.decode.bytes_per_step, r.roofline_fraction_by_round_measured()) {
         println!(
             "roofline, every byte: a decode step reads {} as measured (the weights, the KV cache at its context, embedding rows), so the same rounds move {:.1} % [{:.1}–{:.1}] of the adjacent bandwidth",
@@ -364,7 +375,11 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
         })).collect::<Vec<_>>(),
         "decode": decode_json(r, &r.decode),
         "batched": r.batched.iter().map(|b| decode_json(r, b)).collect::<Vec<_>>(),
-        "bandwidth": { "before": bandwidth_json(&r.bandwidth_before), "after": bandwidth_json(&r.bandwidth_after) },
+        "bandwidth": {
+            "before": bandwidth_json(&r.bandwidth_before), "after": bandwidth_json(&r.bandwidth_after),
+            "uncached_before": r.bandwidth_uncached.as_ref().map(|[b, _]| bandwidth_json(b)),
+            "uncached_after": r.bandwidth_uncached.as_ref().map(|[_, a]| bandwidth_json(a)),
+        },
         "pages": {
             "weights_arena_bytes": r.pages.weights_arena_bytes, "weights_huge_bytes": r.pages.weights_huge_bytes,
             "probe_bytes": r.pages.probe_bytes, "probe_huge_bytes": r.pages.probe_huge_bytes,
@@ -375,6 +390,8 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
             "fraction": r.roofline_fraction(),
             "tok_per_sec_at_best_bandwidth": r.roofline_tok_per_sec(),
             "fraction_by_round": stat_json(&r.roofline_fraction_by_round()),
+            "bandwidth_uncached_best_gb_s": r.bandwidth_uncached_best_gb_s(),
+            "fraction_uncached": r.roofline_fraction_uncached(),
             "decode_bytes_per_step_measured": r.decode.bytes_per_step,
             "fraction_by_round_measured_bytes": r.roofline_fraction_by_round_measured().map(|m| stat_json(&m)),
             "bandwidth_spread": r.bandwidth_spread(),
