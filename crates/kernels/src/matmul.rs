@@ -196,6 +196,9 @@ fn quantize_rows<'s>(pool: &ThreadPool, isa: Isa, x: &[f32], n_rows: usize, cols
 /// experts × gate and up, with room to spare).
 pub const JOBS_MAX: usize = 1024;
 
+/// Bytes of the next job's matrix a thread asks for as it starts a job in [`matmul_jobs`].
+const JOB_HEAD_PREFETCH_BYTES: usize = 4096;
+
 /// One matrix applied to a run of input rows, for [`matmul_jobs`].
 #[derive(Clone, Debug)]
 pub struct RowsJob<'a> {
@@ -252,10 +255,22 @@ pub fn matmul_jobs<'w>(
     pool.parallel_for(total, grain, &|_, chunk| {
         let mut i = starts.partition_point(|&s| s <= chunk.start) - 1;
         let mut j = job(i);
+        // Each job is its own stream (a MoE expert's matrix, somewhere in the arena): a
+        // thread asks for the next job's first bytes when it starts one, so that stream
+        // does not start cold (bench MoE batch-1 decode, routed experts 0.96× the time,
+        // 7 of 8 alternating profiles; batch 32 unchanged).
+        let head_of_next = |i: usize| {
+            if i + 1 < jobs {
+                let w = job(i + 1).w;
+                isa.prefetch(&w.data[..w.data.len().min(JOB_HEAD_PREFETCH_BYTES)]);
+            }
+        };
+        head_of_next(i);
         for g in chunk {
             while g >= starts[i + 1] {
                 i += 1;
                 j = job(i);
+                head_of_next(i);
             }
             let r = j.rows.clone();
             let xq_j = if xq.is_empty() { xq } else { &xq[r.start * blocks..r.end * blocks] };

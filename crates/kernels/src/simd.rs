@@ -516,6 +516,18 @@ impl Isa {
         }
     }
 
+    /// Asks for the cache lines of `bytes` (a hint: nothing is read, any range is safe).
+    #[inline]
+    pub fn prefetch(self, bytes: &[u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self, Isa::Avx2 | Isa::Avx512Vnni) {
+            // SAFETY: a prefetch reads nothing; SSE is baseline on x86-64.
+            unsafe { x86::prefetch_row(bytes.as_ptr(), bytes.len()) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = bytes;
+    }
+
     /// Orders this thread's [`Isa::store16_streaming`] stores before its later stores
     /// (SFENCE), so a thread that sees the region end sees the data.
     #[inline]
@@ -2151,7 +2163,7 @@ mod x86 {
     /// Prefetch the cache lines of `bytes` from `p` (a hint: any address is safe).
     /// Plain SSE: inlined into every kernel, whatever its features.
     #[inline(always)]
-    unsafe fn prefetch_row(p: *const u8, bytes: usize) {
+    pub(super) unsafe fn prefetch_row(p: *const u8, bytes: usize) {
         // A plain loop: `step_by`'s iterator cost more than the prefetches (2–4 lines).
         let mut line = 0;
         while line < bytes {
