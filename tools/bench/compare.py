@@ -337,6 +337,12 @@ def spread(rows, key, d=1):
     return f"{statistics.median(vals):.{d}f} [{min(vals):.{d}f}–{max(vals):.{d}f}]"
 
 
+def uncached_rate(rs):
+    """Median of tessera bench's best passes over 4× its buffer (past the caches), or None."""
+    unc = [r["bw_uncached_gb_s"] for r in rs if r.get("bw_uncached_gb_s")]
+    return statistics.median(unc) if unc else None
+
+
 def ratio(a, b):
     return None if a is None or b in (None, 0) else a / b
 
@@ -352,9 +358,8 @@ def targets(a, rows, P):
     P("")
     P("| target | measured | holds |")
     P("|---|---|---|")
-    unc = [r["bw_uncached_gb_s"] for r in ours if r.get("bw_uncached_gb_s")]
-    past = (f"; {bpt * med(ours, 'tg_tok_s') / 1e9 / statistics.median(unc):.2f} of a 4× larger buffer's, past the caches"
-            if unc else "")
+    u = uncached_rate(ours)
+    past = f"; {bpt * med(ours, 'tg_tok_s') / 1e9 / u:.2f} of a 4× larger buffer's, past the caches" if u else ""
     P(f"| batch-1 decode ≥ 90 % of the read bandwidth measured in the same run | {roof:.2f} of the best pass "
       f"({adjacent:.2f} against each round's adjacent passes{past}) | {yes(roof >= 0.9)} |")
     if rows.get("llama.cpp"):
@@ -504,9 +509,8 @@ def main():
           f"ours ÷ roofline = {ach / bw:.2f} (a bandwidth-bound decode would make {bw * 1e9 / bpt:.1f} tok/s). "
           f"Against the passes read right before and after each decode instead: {med(rs, 'roofline_adjacent'):.2f} "
           f"(median over rounds; the host's bandwidth moves between minutes).")
-        unc = [r["bw_uncached_gb_s"] for r in rs if r.get("bw_uncached_gb_s")]
-        if unc:
-            u = statistics.median(unc)
+        u = uncached_rate(rs)
+        if u:
             P(f"Past the caches (the same probe over 4× the buffer, median of its best passes {u:.2f} GB/s): "
               f"ours ÷ that rate = {ach / u:.2f}" + (f"; llama.cpp {bpt * med(rows['llama.cpp'], 'tg_tok_s') / 1e9 / u:.2f}."
                                                    if "llama.cpp" in rows and name == "tessera" else "."))

@@ -468,16 +468,8 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
     // Bandwidth buffer: ≥ bytes per token, ≥ 64 MiB, whole chunks.
     let bpt = model.bytes_per_token();
     let bw_floats = bpt.max(BANDWIDTH_BYTES_MIN).div_ceil(4).next_multiple_of(READ_CHUNK_FLOATS);
-    // Same kind of memory as the weights (huge pages where they are), so the fraction
-    // compares like with like.
-    let mut bw_mem = WeightBuffer::zeroed(bw_floats * 4, huge_pages_wanted());
-    // SAFETY: any bit pattern is an f32; a page-aligned mapping or 64-byte lines of
-    // whole floats leave no unaligned prefix (checked).
-    let (head, floats, _) = unsafe { bw_mem.align_to_mut::<f32>() };
-    assert!(head.is_empty(), "bandwidth buffer aligned for f32");
-    fill_probe(floats);
-    // SAFETY: as above.
-    let bw_buf: &[f32] = unsafe { bw_mem.align_to::<f32>() }.1;
+    let bw_mem = probe_buffer(bw_floats);
+    let bw_buf = probe_floats(&bw_mem);
     let (weights_arena_bytes, weights_huge_bytes) = model.weights_arena_bytes();
     let pages = PageUse { weights_arena_bytes, weights_huge_bytes, probe_bytes: bw_mem.len(), probe_huge_bytes: bw_mem.huge_page_bytes() };
 
@@ -488,10 +480,10 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
 
     progress("bandwidth (before)");
     let bandwidth_before = read_bandwidth(&pool, bw_buf, BANDWIDTH_PASSES);
-    let uncached_bytes = (UNCACHED_FACTOR * bw_buf.len() * 4).min(UNCACHED_BYTES_MAX);
-    let uncached = (uncached_bytes >= 2 * bw_buf.len() * 4).then_some(uncached_bytes);
+    let uncached_floats = (UNCACHED_FACTOR * bw_floats).min(UNCACHED_BYTES_MAX / 4);
+    let uncached = (uncached_floats >= 2 * bw_floats).then_some(uncached_floats);
     progress("bandwidth past the caches (before)");
-    let uncached_before = uncached.map(|bytes| read_bandwidth_fresh(&pool, bytes));
+    let uncached_before = uncached.map(|floats| read_bandwidth_fresh(&pool, floats));
     progress("compute peak (before)");
     let isa = model.isa();
     let mac_peak_before = [MacKind::Int8, MacKind::F32].map(|k| mac_peak(&pool, isa, k, PROBE_PASSES));
@@ -559,7 +551,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize,
     progress("bandwidth (after)");
     let bandwidth_after = read_bandwidth(&pool, bw_buf, BANDWIDTH_PASSES);
     progress("bandwidth past the caches (after)");
-    let bandwidth_uncached = uncached_before.map(|before| [before, read_bandwidth_fresh(&pool, uncached.expect("measured before"))]);
+    let bandwidth_uncached = uncached.zip(uncached_before).map(|(floats, before)| [before, read_bandwidth_fresh(&pool, floats)]);
     progress("compute peak (after)");
     let mac_peak_after = [MacKind::Int8, MacKind::F32].map(|k| mac_peak(&pool, isa, k, PROBE_PASSES));
     std::hint::black_box(checksum);
@@ -663,25 +655,35 @@ pub fn read_bandwidth(pool: &ThreadPool, buf: &[f32], passes: usize) -> Bandwidt
     Bandwidth { buffer_bytes: std::mem::size_of_val(buf), passes, best_gb_s: s.max, median_gb_s: s.median }
 }
 
-/// [`read_bandwidth`] over a buffer of its own of about `bytes` (whole chunks, the same
-/// kind of memory as the weights), held only while it is measured: filled, one pass to
-/// warm, then [`BANDWIDTH_PASSES`].
-pub fn read_bandwidth_fresh(pool: &ThreadPool, bytes: usize) -> Bandwidth {
-    let floats = bytes.div_ceil(4).next_multiple_of(READ_CHUNK_FLOATS);
-    let mut mem = WeightBuffer::zeroed(floats * 4, huge_pages_wanted());
-    // SAFETY: any bit pattern is an f32; the buffer is 64-byte aligned (checked).
-    let (head, buf, _) = unsafe { mem.align_to_mut::<f32>() };
-    assert!(head.is_empty(), "bandwidth buffer aligned for f32");
-    fill_probe(buf);
+/// [`read_bandwidth`] over a buffer of its own of `floats` (whole chunks), held only while
+/// it is measured: one pass to warm, then [`BANDWIDTH_PASSES`].
+fn read_bandwidth_fresh(pool: &ThreadPool, floats: usize) -> Bandwidth {
+    let mem = probe_buffer(floats);
+    let buf = probe_floats(&mem);
     read_bandwidth(pool, buf, 1);
     read_bandwidth(pool, buf, BANDWIDTH_PASSES)
 }
 
-/// Non-zero floats, so no page of a probe buffer is the shared zero page.
-fn fill_probe(buf: &mut [f32]) {
+/// A bandwidth buffer of `floats`, in the same kind of memory as the weights (huge pages
+/// where they are, so the fraction compares like with like), filled with non-zero
+/// floats (no page is the shared zero page).
+fn probe_buffer(floats: usize) -> WeightBuffer {
+    assert!(floats.is_multiple_of(READ_CHUNK_FLOATS), "bandwidth buffer of whole chunks");
+    let mut mem = WeightBuffer::zeroed(floats * 4, huge_pages_wanted());
+    // SAFETY: any bit pattern is an f32; a page-aligned mapping or 64-byte lines of
+    // whole floats leave no unaligned prefix (checked).
+    let (head, buf, _) = unsafe { mem.align_to_mut::<f32>() };
+    assert!(head.is_empty(), "bandwidth buffer aligned for f32");
     for (i, x) in buf.iter_mut().enumerate() {
         *x = (i % 1024) as f32 * 1e-3;
     }
+    mem
+}
+
+/// [`probe_buffer`]'s floats.
+fn probe_floats(mem: &WeightBuffer) -> &[f32] {
+    // SAFETY: as in `probe_buffer` (checked there).
+    unsafe { mem.align_to::<f32>() }.1
 }
 
 /// Sum with `READ_LANES` independent accumulators: lane-wise adds vectorise without

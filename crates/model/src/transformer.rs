@@ -2496,8 +2496,8 @@ struct HeadShape {
 
 /// Key ranges of at least this many positions are worth a work item of their own
 /// (four 8-key groups). Batch-1 decode has as many items as kv groups (3 on SmolLM2: one
-/// thread does two while the other waits); splitting from 64 keys (from 256, with 128
-/// here) decoded 1.02–1.04× faster over contexts of 16–144 (4 of 4 alternating runs) and
+/// thread does two while the other waits); splitting from 64 keys (it was 256: ranges of
+/// 128) decoded 1.02–1.04× faster over contexts of 16–144 (4 of 4 alternating runs) and
 /// 1.03–1.08× at 200–328, attention alone 0.39 against 0.42–0.46 ms a token.
 const ATTN_SPLIT_KEYS_MIN: usize = 32;
 /// With few (token, kv group) items, each is split over key ranges until there are
@@ -2532,7 +2532,7 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
     } else {
         // About ATTN_ITEMS_PER_THREAD ranges for every thread, as many for each: 3 groups
         // on 2 threads make 12 ranges, not 9 with one thread a range behind (SmolLM2
-        // after 2000 tokens: attention 0.79–0.93× the time, decode 1.05–1.16×, 3 of 3),
+        // after 2000 tokens: decode 1.005–1.16×, 6 of 6 alternating runs),
         // or 6 where the keys make no more than 9 ranges of ATTN_SPLIT_KEYS_MIN.
         let want = (ATTN_ITEMS_PER_THREAD * threads).div_ceil(items);
         let most = (want + threads - 1).min(len_max / ATTN_SPLIT_KEYS_MIN).min(ATTN_SPLIT_SLOTS_PER_THREAD * threads / items);
