@@ -15,7 +15,7 @@ use std::time::Instant;
 use std::sync::Arc;
 use tessera_comm::Communicator;
 use tessera_engine::{EngineConfig, Generator, Placement, Rank, SamplingParams, StopReason};
-use tessera_model::{ChatTemplate, Checkpoint, DenseTransformer, KvDtype, Message, ModelConfig, Tokenizer};
+use tessera_model::{ChatTemplate, Checkpoint, Model, KvDtype, Message, ModelConfig, Tokenizer};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Run large language models on one machine or many.")]
@@ -208,7 +208,7 @@ fn main() {
     }
 }
 
-fn load(path: &Path) -> Result<DenseTransformer> {
+fn load(path: &Path) -> Result<Model> {
     let model = tessera_model::load_model(path).with_context(|| format!("loading {}", path.display()))?;
     prefetch(&model);
     Ok(model)
@@ -216,7 +216,7 @@ fn load(path: &Path) -> Result<DenseTransformer> {
 
 /// Reads every weight page once so the first token does not pay for disk reads,
 /// with a progress bar for checkpoints large enough to notice (> 1 GiB).
-fn prefetch(model: &DenseTransformer) {
+fn prefetch(model: &Model) {
     let ckpt = model.checkpoint();
     let linears = model.linears();
     let total: usize = linears.iter().map(|l| l.bytes()).sum();
@@ -244,7 +244,7 @@ fn prefetch(model: &DenseTransformer) {
     }
 }
 
-fn engine_config(model: &DenseTransformer, rt: &RuntimeArgs) -> EngineConfig {
+fn engine_config(model: &Model, rt: &RuntimeArgs) -> EngineConfig {
     let mut cfg = EngineConfig::for_model(model);
     if let Some(t) = rt.threads {
         cfg.threads = t;
@@ -260,7 +260,7 @@ fn engine_config(model: &DenseTransformer, rt: &RuntimeArgs) -> EngineConfig {
 /// A model loaded for this process: the whole of it, or this rank's shard with the
 /// cluster it belongs to.
 pub(crate) struct Loaded {
-    pub(crate) model: DenseTransformer,
+    pub(crate) model: Model,
     pub(crate) cluster: Option<(Communicator, Placement)>,
 }
 
@@ -309,9 +309,9 @@ pub(crate) fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
     comm.set_loading(true);
     let spec = placement.spec(rank, &cfg);
     let model = if manifest.is_some() {
-        DenseTransformer::load_presliced(ckpt, cfg, spec)
+        Model::load_presliced(ckpt, cfg, spec)
     } else {
-        DenseTransformer::load_shard(ckpt, cfg, spec)
+        Model::load_shard(ckpt, cfg, spec)
     }
     .with_context(|| format!("rank {} loading {}", rank, path.display()))?;
     comm.set_loading(false);
@@ -326,7 +326,7 @@ pub(crate) enum Engine<'m> {
     Follow(Rank<'m>),
 }
 
-pub(crate) fn engine_for<'m>(model: &'m DenseTransformer, cluster: Option<(Communicator, Placement)>, rt: &RuntimeArgs, min_ctx: usize, sequences: usize) -> Result<Engine<'m>> {
+pub(crate) fn engine_for<'m>(model: &'m Model, cluster: Option<(Communicator, Placement)>, rt: &RuntimeArgs, min_ctx: usize, sequences: usize) -> Result<Engine<'m>> {
     let mut cfg = engine_config(model, rt);
     cfg.context_max = cfg.context_max.max(min_ctx);
     cfg.sequences_max = sequences;
@@ -425,7 +425,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 /// The prompt text for a conversation, through the checkpoint's chat template.
-fn render_chat(model: &DenseTransformer, tok: &Tokenizer, messages: &[Message]) -> Result<String> {
+fn render_chat(model: &Model, tok: &Tokenizer, messages: &[Message]) -> Result<String> {
     let template = ChatTemplate::from_checkpoint(model.checkpoint())?.with_context(|| {
         format!("{} has no chat template: use --prompt for raw text", model.checkpoint().path.display())
     })?;
@@ -643,7 +643,7 @@ fn inspect_placement(path: &Path, p: &PlacementArgs) -> Result<()> {
     println!("checkpoint      {} of tensor data", human_bytes(ckpt.data_bytes()));
     for rank in 0..world {
         let spec = placement.spec(rank, &cfg);
-        let shard = DenseTransformer::load_shard(Arc::clone(&ckpt), cfg.clone(), spec.clone())?;
+        let shard = Model::load_shard(Arc::clone(&ckpt), cfg.clone(), spec.clone())?;
         let experts = match &spec.experts {
             tessera_model::ExpertSplit::Experts { owned } => format!("experts {owned:?}"),
             tessera_model::ExpertSplit::Width => format!("tp {}/{}", spec.tp_rank, spec.tp_size),

@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tessera_engine::Placement;
-use tessera_model::{gguf, Checkpoint, CheckpointKind, DenseTransformer, ModelConfig, RecordedTensor, TensorDtype};
+use tessera_model::{gguf, Checkpoint, CheckpointKind, Model, ModelConfig, RecordedTensor, TensorDtype};
 
 pub const MANIFEST: &str = "tessera-shard.json";
 /// A GGUF source's shard: one GGUF file, its metadata (tokenizer, template) copied.
@@ -70,7 +70,7 @@ pub fn write(model: &Path, placement: &Placement, rank: usize, out: &Path) -> Re
         bail!("--rank {rank} is not below the placement's {} ranks", placement.world);
     }
     let spec = placement.spec(rank, &cfg);
-    let (_, tensors) = DenseTransformer::load_recording(Arc::clone(&ckpt), cfg, spec).with_context(|| format!("reading rank {rank}'s slice"))?;
+    let (_, tensors) = Model::load_recording(Arc::clone(&ckpt), cfg, spec).with_context(|| format!("reading rank {rank}'s slice"))?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let bytes: usize = tensors.iter().map(|t| t.bytes.len()).sum();
     let file = match ckpt.kind {

@@ -37,7 +37,7 @@ use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 use tessera_kernels::{Isa, MacKind, ThreadPool, PROBE_MACS_PER_ROUND};
-use tessera_model::{huge_pages_wanted, DenseTransformer, KvDtype, WeightBuffer, LogitsFor, SeqChunk, StepError};
+use tessera_model::{huge_pages_wanted, Model, KvDtype, WeightBuffer, LogitsFor, SeqChunk, StepError};
 
 /// Bound on `--repeat`.
 pub const REPEAT_MAX: usize = 1000;
@@ -221,7 +221,7 @@ pub struct BenchReport {
     /// (routed experts, experts per token) of a MoE; `None` for a dense model.
     pub experts: Option<(usize, usize)>,
     pub vocab: usize,
-    /// Weight bytes read per decoded token (`DenseTransformer::bytes_per_token`).
+    /// Weight bytes read per decoded token (`Model::bytes_per_token`).
     pub bytes_per_token: usize,
     pub formats: Vec<FormatBytes>,
     pub config: BenchConfig,
@@ -241,7 +241,7 @@ pub struct BenchReport {
     /// before and after it (GB/s).
     pub decode_rounds: Vec<DecodeRound>,
     /// Matrix-product multiply-adds per token: (8-bit activations, f32 activations);
-    /// with ranks, rank 0's share ([`DenseTransformer::macs_per_token`]).
+    /// with ranks, rank 0's share ([`Model::macs_per_token`]).
     pub macs_per_token: (usize, usize),
     /// Compute ceilings, before the first round and after the last: [int8, f32].
     pub mac_peak_before: [MacPeak; 2],
@@ -358,7 +358,7 @@ impl BenchReport {
     }
 }
 
-fn check(cfg: &BenchConfig, model: &DenseTransformer) -> Result<usize, BenchError> {
+fn check(cfg: &BenchConfig, model: &Model) -> Result<usize, BenchError> {
     let bad = |m: String| Err(BenchError::Config(m));
     if cfg.threads == 0 || cfg.tg == 0 || cfg.prefill_chunk == 0 || cfg.decode_prompt == 0 {
         return bad(format!("threads, tg, prefill_chunk and decode_prompt must be > 0 (got {}, {}, {}, {})", cfg.threads, cfg.tg, cfg.prefill_chunk, cfg.decode_prompt));
@@ -405,7 +405,7 @@ impl TokenRng {
 
 /// Reads every weight page once, so no measurement pays for first-touch faults of the
 /// memory map. Returns a value the caller must consume.
-fn touch_weights(model: &DenseTransformer) -> u8 {
+fn touch_weights(model: &Model) -> u8 {
     let ckpt = model.checkpoint();
     let mut sink = 0u8;
     for l in model.linears() {
@@ -418,7 +418,7 @@ fn touch_weights(model: &DenseTransformer) -> u8 {
 
 /// Runs every measurement of `cfg` on `model`, in this process. `progress` hears a
 /// short line before each phase (the engine never prints).
-pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, BenchError> {
+pub fn run(model: &Model, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, BenchError> {
     let ctx = check(cfg, model)?;
     let b_max = cfg.batch.iter().copied().max().unwrap_or(1).max(1);
     let engine = EngineConfig { threads: cfg.threads, prefill_chunk: cfg.prefill_chunk, context_max: ctx, sequences_max: b_max, kv_cache: cfg.kv_cache };
@@ -430,7 +430,7 @@ pub fn run(model: &DenseTransformer, cfg: &BenchConfig, progress: &mut dyn FnMut
 /// Runs every measurement of `cfg` through `stepper`: this process's model, or rank 0
 /// of a cluster (`model` is then rank 0's shard, `ranks` the cluster size; its bytes per
 /// token are that shard's). The stepper must hold `max(batch)` sequences.
-pub fn run_on(stepper: &mut dyn Stepper, model: &DenseTransformer, ranks: usize, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, BenchError> {
+pub fn run_on(stepper: &mut dyn Stepper, model: &Model, ranks: usize, cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, BenchError> {
     let ctx = check(cfg, model)?;
     let vocab = model.cfg.vocab;
     let b_max = cfg.batch.iter().copied().max().unwrap_or(0);
@@ -715,7 +715,7 @@ fn prefill(stepper: &mut dyn Stepper, seq: usize, prompt: &[u32], chunk_max: usi
 /// then `steps` steps give each one token. It runs through the stepper of the timed
 /// measurements, after them: under a cluster every rank profiles its own share (its
 /// modules, its collectives, its waits for the pipeline); the result is by rank.
-pub fn profile_on(stepper: &mut dyn Stepper, model: &DenseTransformer, cfg: &BenchConfig, steps: usize, batch: usize) -> Result<Vec<tessera_model::Profile>, EngineError> {
+pub fn profile_on(stepper: &mut dyn Stepper, model: &Model, cfg: &BenchConfig, steps: usize, batch: usize) -> Result<Vec<tessera_model::Profile>, EngineError> {
     let context = cfg.decode_prompt.max(1) + steps;
     if batch == 0 || batch > BATCH_MAX || batch > stepper.sequences_max() || batch > stepper.tokens_per_step_max() {
         return Err(EngineError::Config(format!(
@@ -777,7 +777,7 @@ mod tests {
         BenchConfig { pp: vec![5, 9], tg: 3, batch: vec![1, 3], repeat: 2, prefill_chunk: 4, decode_prompt: 6, ..BenchConfig::new(2) }
     }
 
-    fn fixture(name: &str) -> DenseTransformer {
+    fn fixture(name: &str) -> Model {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name);
         tessera_model::load_model(&dir).unwrap()
     }

@@ -16,8 +16,8 @@ use tessera_kernels::ThreadPool;
 use tessera_model::memory::LazyZeroed;
 use tessera_model::config::{FfnKind, ModelConfig};
 use tessera_model::shard::split;
-use tessera_model::transformer::{StageIo, StageOutput};
-use tessera_model::{CollGroup, Collectives, DenseTransformer, ExpertSplit, KvCache, LogitsFor, Profile, ProfileKind, SeqChunk, ShardSpec, Workspace};
+use tessera_model::{StageIo, StageOutput};
+use tessera_model::{CollGroup, Collectives, Model, ExpertSplit, KvCache, LogitsFor, Profile, ProfileKind, SeqChunk, ShardSpec, Workspace};
 
 use crate::generate::{recycle, EngineConfig, EngineError, Stepper};
 
@@ -201,7 +201,7 @@ struct InFlight {
 
 /// One rank's runtime: its shard, its caches, its place in the pipeline.
 pub struct Rank<'m> {
-    model: &'m DenseTransformer,
+    model: &'m Model,
     /// The world: profiles are gathered over it; dropping it closes the mesh.
     comm: Communicator,
     coll: CommCollectives,
@@ -241,7 +241,7 @@ fn dist_err(e: impl std::fmt::Display) -> EngineError {
 impl<'m> Rank<'m> {
     /// Joins the cluster's groups. Every rank calls this with the same placement; the
     /// ranks check that they agree before any step runs.
-    pub fn new(model: &'m DenseTransformer, comm: Communicator, placement: Placement, cfg: EngineConfig) -> Result<Rank<'m>, EngineError> {
+    pub fn new(model: &'m Model, comm: Communicator, placement: Placement, cfg: EngineConfig) -> Result<Rank<'m>, EngineError> {
         cfg.validate(model)?;
         let rank = comm.rank();
         if comm.world_size() != placement.world {

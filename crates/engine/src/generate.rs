@@ -5,7 +5,7 @@ use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use std::time::Instant;
 use tessera_kernels::ThreadPool;
 use tessera_model::memory::LazyZeroed;
-use tessera_model::{DenseTransformer, KvCache, KvDtype, LogitsFor, Profile, SeqChunk, StepError, StepLimits, Workspace};
+use tessera_model::{Model, KvCache, KvDtype, LogitsFor, Profile, SeqChunk, StepError, StepLimits, Workspace};
 
 /// Most sequences one engine keeps in progress (each holds a KV cache of `context_max`).
 pub const SEQUENCES_MAX: usize = 256;
@@ -27,7 +27,7 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// Refuses limits out of range and a KV-cache type `model` cannot use.
-    pub fn validate(&self, model: &DenseTransformer) -> Result<(), EngineError> {
+    pub fn validate(&self, model: &Model) -> Result<(), EngineError> {
         model.check_kv_cache(self.kv_cache).map_err(EngineError::Config)?;
         if self.prefill_chunk == 0 || self.context_max == 0 || self.threads == 0 || self.sequences_max == 0 {
             return Err(EngineError::Config(format!("threads, prefill_chunk, context_max and sequences_max must be > 0: {self:?}")));
@@ -45,7 +45,7 @@ impl EngineConfig {
 
     /// Defaults for this machine: every core, 2048-token prefill chunks, 4096 tokens of context
     /// capped by the model's own limit.
-    pub fn for_model(model: &DenseTransformer) -> EngineConfig {
+    pub fn for_model(model: &Model) -> EngineConfig {
         EngineConfig {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             prefill_chunk: 2048,
@@ -161,7 +161,7 @@ pub fn logit_rows(chunks: &[SeqChunk<'_>]) -> usize {
 
 /// The whole model in this process. A step runs at submit; its logits wait for collect.
 pub struct LocalStepper<'m> {
-    model: &'m DenseTransformer,
+    model: &'m Model,
     pool: ThreadPool,
     ws: Workspace,
     caches: Vec<KvCache>,
@@ -174,7 +174,7 @@ pub struct LocalStepper<'m> {
 }
 
 impl<'m> LocalStepper<'m> {
-    pub fn new(model: &'m DenseTransformer, cfg: &EngineConfig) -> LocalStepper<'m> {
+    pub fn new(model: &'m Model, cfg: &EngineConfig) -> LocalStepper<'m> {
         let limits = cfg.step_limits();
         let pool = ThreadPool::new(cfg.threads);
         LocalStepper {
@@ -267,7 +267,7 @@ pub struct Generator<'m> {
 }
 
 impl<'m> Generator<'m> {
-    pub fn new(model: &'m DenseTransformer, cfg: EngineConfig) -> Result<Generator<'m>, EngineError> {
+    pub fn new(model: &'m Model, cfg: EngineConfig) -> Result<Generator<'m>, EngineError> {
         cfg.validate(model)?;
         let stepper = Box::new(LocalStepper::new(model, &cfg));
         Ok(Self::with_stepper(stepper, cfg))

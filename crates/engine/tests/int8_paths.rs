@@ -11,7 +11,7 @@
 
 use std::path::{Path, PathBuf};
 use tessera_kernels::{Isa, ThreadPool, WeightFormat};
-use tessera_model::{load_model, DenseTransformer, KvDtype, LogitsFor, StepLimits};
+use tessera_model::{load_model, Model, KvDtype, LogitsFor, StepLimits};
 
 /// 8-bit activations (per 32, as llama.cpp's Q4_1 / Q8_0 paths) and f16 scales move
 /// these fixtures' logits by ~1–2 % of their range, except where they flip a near-tie
@@ -38,13 +38,13 @@ fn fixture(name: &str) -> PathBuf {
 
 /// `dir` loaded with `var=1` (and once without, to see what changed): every matrix of
 /// format `from` that is multiplied (not an embedding read by rows) became `to`.
-fn load_converted(dir: &Path, var: &str, from: fn(WeightFormat) -> bool, to: WeightFormat) -> DenseTransformer {
+fn load_converted(dir: &Path, var: &str, from: fn(WeightFormat) -> bool, to: WeightFormat) -> Model {
     let plain = load_model(dir).unwrap();
     std::env::set_var(var, "1");
     let loaded = load_model(dir);
     std::env::remove_var(var);
     let model = loaded.unwrap();
-    let formats = |m: &DenseTransformer| m.linears().iter().map(|l| (l.name.clone(), l.format)).collect::<Vec<_>>();
+    let formats = |m: &Model| m.linears().iter().map(|l| (l.name.clone(), l.format)).collect::<Vec<_>>();
     let (before, after) = (formats(&plain), formats(&model));
     let converted = before.iter().zip(&after).filter(|((_, a), (_, b))| from(*a) && *b == to).count();
     let left = after.iter().filter(|(n, f)| from(*f) && !n.contains("embed")).map(|(n, _)| n.clone()).collect::<Vec<_>>();
@@ -57,7 +57,7 @@ fn load_converted(dir: &Path, var: &str, from: fn(WeightFormat) -> bool, to: Wei
 /// Per position (the prompt in one step, then KV-cache decode along `greedy`), the
 /// largest |Δlogit| against `want_*`, with the SIMD kernels and the scalar reference;
 /// asserts the bounds above and returns the largest difference seen.
-fn compare(name: &str, model: &mut DenseTransformer, prompt: &[u32], greedy: &[u32], want_prompt: &[f32], want_decode: &[f32]) -> f32 {
+fn compare(name: &str, model: &mut Model, prompt: &[u32], greedy: &[u32], want_prompt: &[f32], want_decode: &[f32]) -> f32 {
     let vocab = model.cfg.vocab;
     let mag = max_abs(want_prompt);
     let limits = StepLimits { tokens_per_step_max: 32, context_max: 64, sequences_per_step_max: 1 };

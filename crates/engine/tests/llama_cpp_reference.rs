@@ -4,13 +4,13 @@
 
 use std::path::{Path, PathBuf};
 use tessera_engine::{EngineConfig, Generator, SamplingParams};
-use tessera_model::{load_model, ChatTemplate, DenseTransformer, KvDtype, Message, Tokenizer};
+use tessera_model::{load_model, ChatTemplate, Model, KvDtype, Message, Tokenizer};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn model() -> DenseTransformer {
+fn model() -> Model {
     let path = repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(path.exists(), "{} is missing: run scripts/fetch-model (scripts/test does)", path.display());
     load_model(&path).unwrap()

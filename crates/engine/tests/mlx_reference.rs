@@ -363,13 +363,13 @@ fn decode_profile_accounts_for_the_bytes_read() {
     use tessera_engine::{EngineConfig, LocalStepper};
     use tessera_model::ProfileKind as K;
     let cfg = BenchConfig { decode_prompt: 4, prefill_chunk: 8, ..BenchConfig::new(2) };
-    let profile_batch = |model: &tessera_model::DenseTransformer, steps: usize, batch: usize| {
+    let profile_batch = |model: &tessera_model::Model, steps: usize, batch: usize| {
         let engine = EngineConfig { threads: 2, context_max: 16, prefill_chunk: 8, sequences_max: batch, ..EngineConfig::for_model(model) };
         let mut profiles = profile_on(&mut LocalStepper::new(model, &engine), model, &cfg, steps, batch).unwrap();
         assert_eq!(profiles.len(), 1, "one process, one profile");
         profiles.remove(0)
     };
-    let profile_decode = |model: &tessera_model::DenseTransformer, steps: usize| profile_batch(model, steps, 1);
+    let profile_decode = |model: &tessera_model::Model, steps: usize| profile_batch(model, steps, 1);
     // Every step multiplies each token by every matrix it passes (the experts its router
     // chose): the multiply-adds the profile charged, summed over its modules, are
     // `batch` tokens' worth of the model's own count.

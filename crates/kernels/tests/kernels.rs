@@ -652,7 +652,7 @@ fn q8_0x8_rows_written_singly_equal_the_repacked_matrix() {
     let mut rng = Rng(14);
     for d in [32usize, 64, 128] {
         let x: Vec<f32> = (0..8 * d).map(|_| rng.f32() * 3.0).collect();
-        let want = tessera_kernels::format::repack_rows8(WeightFormat::Q8_0, 8, d, &q8_0_rows(&x));
+        let want = tessera_kernels::repack_rows8(WeightFormat::Q8_0, 8, d, &q8_0_rows(&x));
         let mut group = vec![0xAAu8; want.len()];
         for r in [3, 0, 7, 1, 2, 6, 5, 4] {
             tessera_kernels::put_q8_0x8_row(&mut group, r, &x[r * d..(r + 1) * d]);

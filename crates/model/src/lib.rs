@@ -4,6 +4,11 @@
 //! Invariants: this crate never opens a socket and never samples; it turns a
 //! checkpoint into a model whose `forward` maps token ids to logits. Checkpoint
 //! readers ([`checkpoint`], [`gguf`]) know nothing of architectures.
+//!
+//! The model's files, bottom to top (no file imports one above it): `linear` (weight
+//! matrices), `kv` (per-sequence caches), `step` (what a step carries, its workspace),
+//! `profile`, `load` (the loader and the weight arena); the blocks `attention/{gqa,mla}`
+//! and `ffn/{mlp,moe,routing}`; `model` (the layer stack and the forward skeleton).
 
 pub mod chat;
 pub mod checkpoint;
@@ -11,11 +16,18 @@ pub mod config;
 pub mod error;
 pub mod gguf;
 pub mod memory;
-pub mod moe;
 pub mod names;
 pub mod shard;
 pub mod tokenizer;
-pub mod transformer;
+
+mod attention;
+mod ffn;
+mod kv;
+mod linear;
+mod load;
+mod model;
+mod profile;
+mod step;
 
 pub use chat::{ChatTemplate, Message};
 pub use checkpoint::{Checkpoint, CheckpointKind, TensorDtype, TensorInfo};
@@ -24,14 +36,21 @@ pub use error::LoadError;
 pub use memory::{huge_pages_wanted, WeightBuffer};
 pub use tokenizer::{TextStream, Tokenizer};
 pub use shard::{Alone, CollGroup, Collectives, ExpertSplit, ShardSpec};
-pub use transformer::{DenseTransformer, Profile, ProfileKind, RecordedTensor, KvCache, LogitsFor, SeqChunk, StepError, StepLimits, Workspace, KvDtype, EXPERT_SLOTS_FUSED_MAX};
+pub use ffn::moe::EXPERT_SLOTS_FUSED_MAX;
+pub use ffn::routing;
+pub use kv::{KvCache, KvDtype};
+pub use linear::Linear;
+pub use load::RecordedTensor;
+pub use model::Model;
+pub use profile::{Profile, ProfileKind};
+pub use step::{LogitsFor, SeqChunk, StageIo, StageOutput, StepError, StepLimits, Workspace, PER_TOKEN_PARALLEL_MIN};
 
 use std::path::Path;
 use std::sync::Arc;
 
 /// Opens a checkpoint and builds its model (config checked against the tensors).
-pub fn load_model(path: &Path) -> Result<DenseTransformer, LoadError> {
+pub fn load_model(path: &Path) -> Result<Model, LoadError> {
     let ckpt = Arc::new(Checkpoint::open(path)?);
     let cfg = ModelConfig::from_checkpoint(&ckpt)?;
-    DenseTransformer::load(ckpt, cfg)
+    Model::load(ckpt, cfg)
 }

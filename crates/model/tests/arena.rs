@@ -6,14 +6,14 @@
 
 use std::path::Path;
 use tessera_kernels::ThreadPool;
-use tessera_model::{load_model, DenseTransformer, KvDtype, LogitsFor, StepLimits};
+use tessera_model::{load_model, Model, KvDtype, LogitsFor, StepLimits};
 
 fn fixture(rel: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(rel)
 }
 
 /// Logits after a 5-token prompt and after each of 3 greedy decode steps.
-fn run(model: &DenseTransformer) -> Vec<f32> {
+fn run(model: &Model) -> Vec<f32> {
     let limits = StepLimits { tokens_per_step_max: 8, context_max: 16, sequences_per_step_max: 1 };
     let pool = ThreadPool::new(2);
     let mut ws = model.new_workspace(limits, 2);

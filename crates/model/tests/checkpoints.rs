@@ -8,9 +8,9 @@ use std::path::Path;
 use std::sync::Arc;
 use support::*;
 use tessera_kernels::ThreadPool;
-use tessera_model::{load_model, Checkpoint, DenseTransformer, KvDtype, LogitsFor, ModelConfig, StepLimits};
+use tessera_model::{load_model, Checkpoint, Model, KvDtype, LogitsFor, ModelConfig, StepLimits};
 
-fn logits(model: &DenseTransformer, tokens: &[u32]) -> Vec<f32> {
+fn logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
     let limits = StepLimits { tokens_per_step_max: 16, context_max: 32, sequences_per_step_max: 1 };
     let pool = ThreadPool::new(2);
     let mut ws = model.new_workspace(limits, pool.n_threads());
@@ -381,7 +381,7 @@ fn readers_list_tensors_with_dtype_shape_and_range() {
     assert_eq!(hf.bytes(e), gg.bytes(g), "zero-copy views of the same data");
     let cfg = ModelConfig::from_checkpoint(&gg).unwrap();
     assert_eq!((cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim), (H, LAYERS, HEADS, KV_HEADS, HD));
-    let m = DenseTransformer::load(Arc::new(gg), cfg).unwrap();
+    let m = Model::load(Arc::new(gg), cfg).unwrap();
     assert!(!m.is_tied());
 }
 
@@ -583,7 +583,7 @@ fn bf16_matrices_give_the_logits_of_their_values_as_f32() {
     }
 }
 
-fn one_by_one(model: &DenseTransformer, tokens: &[u32]) -> Vec<f32> {
+fn one_by_one(model: &Model, tokens: &[u32]) -> Vec<f32> {
     let limits = StepLimits { tokens_per_step_max: 16, context_max: 32, sequences_per_step_max: 1 };
     let pool = ThreadPool::new(2);
     let mut ws = model.new_workspace(limits, pool.n_threads());

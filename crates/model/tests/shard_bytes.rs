@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::Arc;
 use tessera_model::shard::split;
-use tessera_model::{Checkpoint, DenseTransformer, ExpertSplit, ModelConfig, ShardSpec};
+use tessera_model::{Checkpoint, Model, ExpertSplit, ModelConfig, ShardSpec};
 
 fn fixture(name: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
@@ -56,7 +56,7 @@ fn check_with(name: &str, n: usize, ep: bool, even: bool) {
         };
         let (tp_rank, tp_size) = if ep { (0, 1) } else { (r, n) };
         let spec = ShardSpec { tp_rank, tp_size, moe_rank: r, moe_size: n, experts, layers: 0..cfg.layers, layers_total: cfg.layers };
-        let shard = DenseTransformer::load_shard(Arc::clone(&ckpt), cfg.clone(), spec).unwrap();
+        let shard = Model::load_shard(Arc::clone(&ckpt), cfg.clone(), spec).unwrap();
         let read = shard.bytes_loaded();
         eprintln!("{name} rank {r}/{n} (ep {ep}): read {read} of {total} bytes (bound {bound})");
         assert!(read <= bound || (!even && read < total), "{name} rank {r}/{n}: read {read} bytes, more than 1/{n} of {split_bytes} split + {repl_bytes} replicated + 5%");

@@ -1,0 +1,219 @@
+//! x86 attention: a kv group's query heads in one pass over f32/f16 or q8 cached keys
+//! and values, the softmax-and-values tail.
+
+use super::*;
+
+/// Sums of four vectors' lanes: `[Σa, Σb, Σc, Σd]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1))
+}
+
+/// Prefetch the cache lines of `bytes` from `p` (a hint: any address is safe).
+/// Plain SSE: inlined into every kernel, whatever its features.
+#[inline(always)]
+pub unsafe fn prefetch_row(p: *const u8, bytes: usize) {
+    // A plain loop: `step_by`'s iterator cost more than the prefetches (2–4 lines).
+    let mut line = 0;
+    while line < bytes {
+        _mm_prefetch(p.wrapping_add(line) as *const i8, _MM_HINT_T0);
+        line += 64;
+    }
+}
+
+/// `G` query heads (1..=4) sharing one kv head; `head_dim % 8 == 0`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attend_group<E: KvElem>(q: &[f32], d: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
+    let (k, v) = (k.as_ptr() as *const u8, v.as_ptr() as *const u8);
+    match E::KIND {
+        KvKind::F32 => attend_group_rows::<LoadF32>(q, d, k, v, stride, len, scale, scores, out, stats),
+        KvKind::F16 => attend_group_rows::<LoadF16>(q, d, k, v, stride, len, scale, scores, out, stats),
+        KvKind::Q8 => attend_group_rows::<LoadQ8>(q, d, k, v, stride, len, scale, scores, out, stats),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_group_rows<L: Load8>(q: &[f32], d: usize, k: *const u8, v: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
+    // Tiles of about 8 independent accumulators: enough FMA chains to hide latency,
+    // few enough to stay in the 16 registers.
+    match q.len() / d {
+        1 => attend_group_t::<L, 1, 8, 8>(q, d, k, v, stride, len, scale, scores, out, stats),
+        2 => attend_group_t::<L, 2, 4, 4>(q, d, k, v, stride, len, scale, scores, out, stats),
+        3 => attend_group_t::<L, 3, 3, 2>(q, d, k, v, stride, len, scale, scores, out, stats),
+        4 => attend_group_t::<L, 4, 2, 2>(q, d, k, v, stride, len, scale, scores, out, stats),
+        g => unreachable!("attend_group: {g} heads per pass"),
+    }
+}
+
+/// `G` heads; scores in tiles of `KJ` keys; values in tiles of `W` vectors of 8.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_group_t<L: Load8, const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, kp: *const u8, vp: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
+    let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
+    // Element offsets become byte offsets.
+    let (stride, row_bytes) = (stride * L::ELEM_BYTES, L::row_bytes(d));
+    // The loops below prefetch a fixed distance ahead, so the first keys and the
+    // first block of values would each wait on memory in turn: ask for them now.
+    for r in 0..SCORES_AHEAD.min(len) {
+        prefetch_row(kp.wrapping_add(r * stride), row_bytes);
+    }
+    for r in 0..VALUES_BLOCK.min(len) {
+        prefetch_row(vp.wrapping_add(r * stride), row_bytes);
+    }
+    // Scores: s[h][j] = scale · q_h · k_j.
+    let mut j = 0;
+    while j < len {
+        let kj = KJ.min(len - j);
+        // Cached rows are strided (all kv heads of a position sit together), which
+        // the hardware prefetcher follows poorly: ask for rows SCORES_AHEAD keys
+        // ahead (~a DRAM latency of work; 2 tiles ahead ran at 3.5 GB/s per thread).
+        for r in 0..KJ {
+            prefetch_row(kp.wrapping_add((j + SCORES_AHEAD + r) * stride), row_bytes);
+        }
+        let mut acc = [[_mm256_setzero_ps(); G]; KJ];
+        let mut i = 0;
+        while i < d {
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                // Past the last key, reread it: the lanes are dropped below.
+                let kv = L::load_at(kp.add((j + r.min(kj - 1)) * stride), i);
+                for (h, a) in acc_r.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * d + i)), kv, *a);
+                }
+            }
+            i += 8;
+        }
+        let lanes = G * KJ;
+        let flat = |l: usize| if l < lanes { acc[l / G][l % G] } else { _mm256_setzero_ps() };
+        const { assert!(G * KJ <= 12, "attend_group: lane sums for at most 12 (head, key) pairs") };
+        let mut sums = [0.0f32; 12];
+        let mut l = 0;
+        while l < lanes {
+            _mm_storeu_ps(sums.as_mut_ptr().add(l), hsum4(flat(l), flat(l + 1), flat(l + 2), flat(l + 3)));
+            l += 4;
+        }
+        for r in 0..kj {
+            for h in 0..G {
+                *sp.add(h * len + j + r) = sums[r * G + h] * scale;
+            }
+        }
+        j += kj;
+    }
+    attend_tail::<L, G, W>(sp, d, vp, stride, len, out, stats);
+}
+
+/// After the scores: softmax per head over `sp` (`G` rows of `len`), then each head's
+/// weighted sum of the value rows at `vp` (`stride` bytes apart) into `out`, and
+/// each head's (max, Σ) into `stats`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_tail<L: Load8, const G: usize, const W: usize>(sp: *mut f32, d: usize, vp: *const u8, stride: usize, len: usize, out: &mut [f32], stats: &mut [f32]) {
+    // Softmax per head, unnormalised: exp(s − max); 1/Σ applies to the output.
+    let mut inv = [0.0f32; G];
+    for (h, inv_h) in inv.iter_mut().enumerate() {
+        let s = std::slice::from_raw_parts_mut(sp.add(h * len), len);
+        let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut j = 0;
+        while j + 8 <= len {
+            vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s.as_ptr().add(j)));
+            j += 8;
+        }
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
+        let max = s[j..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let vmax = _mm256_set1_ps(max);
+        let mut vsum = _mm256_setzero_ps();
+        let mut j = 0;
+        while j + 8 <= len {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(j)), vmax));
+            _mm256_storeu_ps(s.as_mut_ptr().add(j), e);
+            vsum = _mm256_add_ps(vsum, e);
+            j += 8;
+        }
+        let mut sum = hsum(vsum);
+        for x in &mut s[j..] {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        *inv_h = 1.0 / sum;
+        stats[2 * h] = max;
+        stats[2 * h + 1] = sum;
+    }
+    // Values: out[h] = Σ_j p[h][j]·v_j, in blocks of VALUES_BLOCK keys whose rows
+    // stay in L1 across the column tiles (W vectors wide, then 1): each row comes
+    // from memory once, not once per tile.
+    let op = out.as_mut_ptr();
+    out.fill(0.0);
+    let mut j0 = 0;
+    while j0 < len {
+        let j1 = (j0 + VALUES_BLOCK).min(len);
+        let mut c = 0;
+        while c + 8 * W <= d {
+            values_tile::<L, G, W>(vp, sp, stride, len, j0..j1, c, op, d);
+            c += 8 * W;
+        }
+        while c < d {
+            values_tile::<L, G, 1>(vp, sp, stride, len, j0..j1, c, op, d);
+            c += 8;
+        }
+        j0 = j1;
+    }
+    for (h, o) in out.chunks_exact_mut(d).enumerate() {
+        o.iter_mut().for_each(|x| *x *= inv[h]);
+    }
+}
+
+/// [`attend_tail`] for `g` heads (1..=4) over cached [`KvQ8`] value rows
+/// (`stride` blocks apart), the scores already in `scores` (`g` rows of `len`).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attend_tail_q8(scores: &mut [f32], g: usize, d: usize, v: &[KvQ8], stride: usize, len: usize, out: &mut [f32], stats: &mut [f32]) {
+    let (sp, vp, stride) = (scores.as_mut_ptr(), v.as_ptr() as *const u8, stride * LoadQ8::ELEM_BYTES);
+    match g {
+        1 => attend_tail::<LoadQ8, 1, 8>(sp, d, vp, stride, len, out, stats),
+        2 => attend_tail::<LoadQ8, 2, 4>(sp, d, vp, stride, len, out, stats),
+        3 => attend_tail::<LoadQ8, 3, 2>(sp, d, vp, stride, len, out, stats),
+        4 => attend_tail::<LoadQ8, 4, 2>(sp, d, vp, stride, len, out, stats),
+        _ => unreachable!("attend_tail_q8: {g} heads per pass"),
+    }
+}
+
+/// Keys ahead the scores pass prefetches.
+const SCORES_AHEAD: usize = 24;
+
+/// Keys per block of the values pass: 32 rows of up to 128 f32 = 16 KiB, in L1.
+const VALUES_BLOCK: usize = 32;
+
+/// Adds keys `js`' weighted values into columns `c..c + 8·W` of every head's output.
+/// The first tile of a block also prefetches the next block's rows.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn values_tile<L: Load8, const G: usize, const W: usize>(vp: *const u8, sp: *const f32, stride: usize, len: usize, js: std::ops::Range<usize>, c: usize, op: *mut f32, d: usize) {
+    // `stride` in bytes; `c` in elements.
+    let mut acc: [[__m256; W]; G] = std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(op.add(h * d + c + 8 * w))));
+    for j in js {
+        if c == 0 {
+            prefetch_row(vp.wrapping_add((j + VALUES_BLOCK) * stride), L::row_bytes(d));
+        }
+        let row = vp.add(j * stride);
+        let vv: [__m256; W] = std::array::from_fn(|w| L::load_at(row, c + 8 * w));
+        for (h, acc_h) in acc.iter_mut().enumerate() {
+            let p = _mm256_broadcast_ss(&*sp.add(h * len + j));
+            for (a, x) in acc_h.iter_mut().zip(&vv) {
+                *a = _mm256_fmadd_ps(p, *x, *a);
+            }
+        }
+    }
+    for (h, acc_h) in acc.iter().enumerate() {
+        for (w, a) in acc_h.iter().enumerate() {
+            _mm256_storeu_ps(op.add(h * d + c + 8 * w), *a);
+        }
+    }
+}

@@ -1,0 +1,994 @@
+//! The x86-64 kernels: AVX2 + FMA + F16C for every format, AVX-512 VNNI where the CPU
+//! has it. Shared helpers and loads, the float and row-by-row int8 dots, the K-quant and
+//! low-bit rows, the probes and activation quantization live here; the 8-row
+//! interleaved kernels (`rows8`), their 512-bit pairs (`zmm`) and attention apart.
+
+use super::*;
+use std::arch::x86_64::*;
+
+mod attention;
+mod rows8;
+mod zmm;
+
+pub use attention::*;
+pub use rows8::*;
+pub use zmm::*;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps(v, 1);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// An f16 at `p` (unaligned) as f32, in one F16C instruction.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    let bits = std::ptr::read_unaligned(p as *const u16);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Loads 8 weights of one float format (or cached f32/f16 keys and values) as f32.
+/// One type per format, so the dot loop is compiled once per format with the load
+/// inlined (a `match` on the format inside the loop cost ~4x in decode).
+trait Load8 {
+    const ELEM_BYTES: usize;
+    unsafe fn load8(p: *const u8) -> __m256;
+    /// Values `i .. i + 8` of the cached row at `row` (`i` a multiple of 8).
+    #[inline(always)]
+    unsafe fn load_at(row: *const u8, i: usize) -> __m256 {
+        Self::load8(row.add(i * Self::ELEM_BYTES))
+    }
+    /// Bytes of a cached row of `d` values.
+    #[inline(always)]
+    fn row_bytes(d: usize) -> usize {
+        d * Self::ELEM_BYTES
+    }
+}
+/// Cached [`KvQ8`] rows: one "element" is a block of 32 values.
+struct LoadQ8;
+impl Load8 for LoadQ8 {
+    const ELEM_BYTES: usize = std::mem::size_of::<KvQ8>();
+    unsafe fn load8(_: *const u8) -> __m256 {
+        unreachable!("KvQ8 rows load through load_at")
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_at(row: *const u8, i: usize) -> __m256 {
+        let block = row.add(i / QK * Self::ELEM_BYTES);
+        let q = _mm_loadl_epi64(block.add(std::mem::offset_of!(KvQ8, qs) + i % QK) as *const __m128i);
+        _mm256_mul_ps(_mm256_broadcast_ss(&*(block as *const f32)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)))
+    }
+    #[inline(always)]
+    fn row_bytes(d: usize) -> usize {
+        d / QK * Self::ELEM_BYTES
+    }
+}
+struct LoadF32;
+struct LoadF16;
+struct LoadBf16;
+impl Load8 for LoadF32 {
+    const ELEM_BYTES: usize = 4;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        _mm256_loadu_ps(p as *const f32)
+    }
+}
+impl Load8 for LoadF16 {
+    const ELEM_BYTES: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+impl Load8 for LoadBf16 {
+    const ELEM_BYTES: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_float(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+    match format {
+        WeightFormat::F32 => dot_float_t::<LoadF32>(format, row, x),
+        WeightFormat::F16 => dot_float_t::<LoadF16>(format, row, x),
+        WeightFormat::Bf16 => dot_float_t::<LoadBf16>(format, row, x),
+        _ => dot_block_f32(format, row, x),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_float_t<L: Load8>(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+    let n = x.len();
+    let esize = L::ELEM_BYTES;
+    assert!(row.len() >= n * esize);
+    let (wp, xp) = (row.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        prefetch_ahead(wp.wrapping_add((i + 32) * esize), if esize == 4 { 2 } else { 1 });
+        for (k, a) in acc.iter_mut().enumerate() {
+            let j = i + 8 * k;
+            *a = _mm256_fmadd_ps(L::load8(wp.add(j * esize)), _mm256_loadu_ps(xp.add(j)), *a);
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(L::load8(wp.add(i * esize)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+        i += 8;
+    }
+    let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut total = hsum(sum);
+    if i < n {
+        total += scalar::dot_f32(format, &row[i * esize..n * esize], &x[i..]);
+    }
+    total
+}
+
+/// The 4 groups of 8 of 32 bytes in `v`, each widened to 8 f32 (signed or not).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen32(v: __m256i, signed: bool) -> [__m256; 4] {
+    let lo = _mm256_castsi256_si128(v);
+    let hi = _mm256_extracti128_si256(v, 1);
+    let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+    parts.map(|p| {
+        if signed {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p))
+        } else {
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p))
+        }
+    })
+}
+
+/// Weights `32·c .. 32·c + 32` of a row in a block format with f32 activations
+/// (MXFP4, MLX affine, FP8), dequantized in registers; `None` for an FP8 block that
+/// holds a NaN code (the caller takes the scalar decoder, which gives NaN).
+/// `K` is the format's kind ([`kind32`]), so each loop is compiled per format with
+/// this match folded away (a run-time match here cost 4× in decode).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode32<const K: u8>(format: WeightFormat, row: *const u8, c: usize) -> Option<[__m256; 4]> {
+    let bb = format.block_bytes();
+    match format {
+        WeightFormat::Mxfp4 | WeightFormat::Nvfp4 if K == KIND_MXFP4 || K == KIND_NVFP4 => {
+            // Doubled E2M1 values as i8 (llama.cpp's trick), value = level / 2, so the
+            // scales are halved. MXFP4: one E8M0 scale per 32; NVFP4: an E4M3 scale
+            // per 16, the first for the low nibbles (elements 0..16, the first two
+            // vectors), the second for the high ones.
+            let b = row.add(c * bb);
+            let (d, codes) = if K == KIND_MXFP4 { ([scalar::e8m0(*b); 2], b.add(1)) } else { ([*b, *b.add(1)].map(|e| scalar::E4M3[e as usize]), b.add(2)) };
+            let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(scalar::MXFP4_LEVELS.as_ptr() as *const __m128i));
+            let w = widen32(_mm256_shuffle_epi8(levels, nibbles32(codes)), true);
+            Some(std::array::from_fn(|k| _mm256_mul_ps(w[k], _mm256_set1_ps(d[k / 2] * 0.5))))
+        }
+        WeightFormat::A4 { group } | WeightFormat::A8 { group } if K == KIND_A4 || K == KIND_A8 => {
+            let g = group as usize;
+            let (b, sub) = (row.add(c * 32 / g * bb), c * 32 % g / 32);
+            let sc = _mm256_set1_ps(std::ptr::read_unaligned(b as *const f32));
+            let bias = _mm256_set1_ps(std::ptr::read_unaligned(b.add(4) as *const f32));
+            let q = if K == KIND_A4 {
+                nibbles32(b.add(8 + sub * 16))
+            } else {
+                _mm256_loadu_si256(b.add(8 + sub * 32) as *const __m256i)
+            };
+            Some(widen32(q, false).map(|qf| _mm256_fmadd_ps(qf, sc, bias)))
+        }
+        WeightFormat::Fp8 if K == KIND_FP8 => {
+            // E4M3 bits moved into an f16 (sign to bit 15, exponent and mantissa to
+            // bits 7..14) are the value × 2^-8, subnormals included (same exponent
+            // field, f16's bias 15 against E4M3's 7); F16C widens them; the block
+            // scale takes back the 2^8. NaN (S.1111.111) would read as 1.875·2^-8.
+            let b = row.add(c * bb);
+            let m7 = _mm256_set1_epi8(0x7F);
+            let q = _mm256_loadu_si256(b.add(4) as *const __m256i);
+            if _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_and_si256(q, m7), m7)) != 0 {
+                return None;
+            }
+            let d = _mm256_set1_ps(std::ptr::read_unaligned(b as *const f32) * 256.0);
+            Some(std::array::from_fn(|k| {
+                let w16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(b.add(4 + 8 * k) as *const __m128i));
+                let h = _mm_or_si128(_mm_slli_epi16::<8>(_mm_and_si128(w16, _mm_set1_epi16(0x80))), _mm_slli_epi16::<7>(_mm_and_si128(w16, _mm_set1_epi16(0x7F))));
+                _mm256_mul_ps(_mm256_cvtph_ps(h), d)
+            }))
+        }
+        _ => unreachable!("{format} is not decoded 32 at a time"),
+    }
+}
+
+/// Chunk `c`'s 32 weights through the scalar decoder (FP8 blocks with NaN codes).
+#[inline]
+unsafe fn decode32_scalar(format: WeightFormat, row: &[u8], c: usize) -> [__m256; 4] {
+    let bb = format.block_bytes();
+    let mut w = [0.0f32; 32];
+    scalar::dequantize_row(format, &row[c * bb..(c + 1) * bb], &mut w);
+    std::array::from_fn(|k| _mm256_loadu_ps(w.as_ptr().add(8 * k)))
+}
+
+/// Dot product of a row in a block format with f32 activations: weights are
+/// dequantized in registers, never written out.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_block_f32(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+    let (g, bb) = (format.block_elems(), format.block_bytes());
+    assert!(x.len().is_multiple_of(g) && row.len() >= x.len() / g * bb, "{format}: row is not whole blocks");
+    let xp = x.as_ptr();
+    // Four accumulators: one FMA chain would wait out its 4-cycle latency every 8
+    // elements (~2 elements per cycle: MLX 4-bit decoded at 3.3 GB/s that way).
+    let mut accs = [_mm256_setzero_ps(); 4];
+    if let Some(kind) = kind32(format) {
+        match kind {
+            KIND_MXFP4 => dot32_t::<KIND_MXFP4>(format, row, xp, x.len(), &mut accs),
+            KIND_A4 => dot32_t::<KIND_A4>(format, row, xp, x.len(), &mut accs),
+            KIND_A8 => dot32_t::<KIND_A8>(format, row, xp, x.len(), &mut accs),
+            KIND_NVFP4 => dot32_t::<KIND_NVFP4>(format, row, xp, x.len(), &mut accs),
+            _ => dot32_t::<KIND_FP8>(format, row, xp, x.len(), &mut accs),
+        }
+    } else {
+        // K-quants: dequantize one super-block to the stack, then FMA.
+        let mut w = [0.0f32; WeightFormat::BLOCK_ELEMS_MAX];
+        for bi in 0..x.len() / g {
+            scalar::dequantize_row(format, &row[bi * bb..(bi + 1) * bb], &mut w[..g]);
+            for k in 0..g / 8 {
+                let xv = _mm256_loadu_ps(xp.add(bi * g + 8 * k));
+                accs[k % 4] = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr().add(8 * k)), xv, accs[k % 4]);
+            }
+        }
+    }
+    hsum(_mm256_add_ps(_mm256_add_ps(accs[0], accs[1]), _mm256_add_ps(accs[2], accs[3])))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot32_t<const K: u8>(format: WeightFormat, row: &[u8], xp: *const f32, n: usize, accs: &mut [__m256; 4]) {
+    let bytes_per_chunk = 32 * format.block_bytes() / format.block_elems();
+    for c in 0..n / 32 {
+        prefetch_ahead(row.as_ptr().wrapping_add(c * bytes_per_chunk), 1);
+        let w = match decode32::<K>(format, row.as_ptr(), c) {
+            Some(w) => w,
+            None => decode32_scalar(format, row, c),
+        };
+        for (k, a) in accs.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xp.add(32 * c + 8 * k)), *a);
+        }
+    }
+}
+
+/// [`dot_block_f32`] for four tokens: each chunk of weights is dequantized once.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_block_f32_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+    let (g, bb) = (format.block_elems(), format.block_bytes());
+    let n = xs[0].len();
+    assert!(n.is_multiple_of(g) && row.len() >= n / g * bb && xs.iter().all(|x| x.len() == n), "{format}: row is not whole blocks");
+    match kind32(format) {
+        Some(KIND_MXFP4) => dot32_x4_t::<KIND_MXFP4>(format, row, xs),
+        Some(KIND_A4) => dot32_x4_t::<KIND_A4>(format, row, xs),
+        Some(KIND_A8) => dot32_x4_t::<KIND_A8>(format, row, xs),
+        Some(KIND_FP8) => dot32_x4_t::<KIND_FP8>(format, row, xs),
+        Some(KIND_NVFP4) => dot32_x4_t::<KIND_NVFP4>(format, row, xs),
+        _ => xs.map(|x| dot_block_f32(format, row, x)),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot32_x4_t<const K: u8>(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+    let n = xs[0].len();
+    let mut accs = [[_mm256_setzero_ps(); 2]; 4];
+    let bytes_per_chunk = 32 * format.block_bytes() / format.block_elems();
+    for c in 0..n / 32 {
+        prefetch_ahead(row.as_ptr().wrapping_add(c * bytes_per_chunk), 1);
+        let w = match decode32::<K>(format, row.as_ptr(), c) {
+            Some(w) => w,
+            None => decode32_scalar(format, row, c),
+        };
+        for (k, wk) in w.iter().enumerate() {
+            for (t, a) in accs.iter_mut().enumerate() {
+                a[k % 2] = _mm256_fmadd_ps(*wk, _mm256_loadu_ps(xs[t].as_ptr().add(32 * c + 8 * k)), a[k % 2]);
+            }
+        }
+    }
+    accs.map(|[a, b]| hsum(_mm256_add_ps(a, b)))
+}
+
+/// Σ x_i·y_i over 32 signed bytes, as 8 i32 lanes converted to f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256 {
+    let ax = _mm256_sign_epi8(x, x);
+    let sy = _mm256_sign_epi8(y, x);
+    let dot = _mm256_maddubs_epi16(ax, sy);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)))
+}
+
+/// 32 nibbles from 16 bytes: low nibbles in the low lane (elements 0..16), high
+/// nibbles in the high lane (16..32), each in 0..=15.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles32(p: *const u8) -> __m256i {
+    let tmp = _mm_loadu_si128(p as *const __m128i);
+    let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// `[w_d·x_d, w_m·x_sum, ..]` for a block whose f16 scale `d` (and, for Q4_1, min
+/// `m` right after it) start at `b`: both products in one vector op, since a q8
+/// block stores `d` and `sum` side by side.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scales(b: *const u8, xb: &BlockQ8) -> __m128 {
+    let wdm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(b as *const i32)));
+    let xds = _mm_castpd_ps(_mm_load_sd(&xb.d as *const f32 as *const f64));
+    _mm_mul_ps(wdm, xds)
+}
+
+/// One block's integer dot, as 8 f32 partial sums (before scaling).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_dot(format: WeightFormat, b: *const u8, xb: &BlockQ8) -> __m256 {
+    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+    let ones = _mm256_set1_epi16(1);
+    match format {
+        WeightFormat::Q8_0 => mul_sum_i8(_mm256_loadu_si256(b.add(2) as *const __m256i), y),
+        WeightFormat::Q4_0 => mul_sum_i8(_mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8)), y),
+        // q is unsigned 0..15, y signed: maddubs cannot saturate (15·127·2).
+        WeightFormat::Q4_1 => _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(nibbles32(b.add(4)), y), ones)),
+        _ => unreachable!("float formats take f32 activations"),
+    }
+}
+
+/// Two blocks per iteration into two accumulators (the FMA chain's latency, not
+/// the loads, bounded the one-accumulator loop); the scale products are vector ops.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_t(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
+    let bb = format.block_bytes();
+    assert!(row.len() >= x.len() * bb);
+    let wp = row.as_ptr();
+    let has_min = format == WeightFormat::Q4_1;
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut m0, mut m1) = (_mm_setzero_ps(), _mm_setzero_ps());
+    let n = x.len();
+    let mut i = 0;
+    while i + 2 <= n {
+        let (b0, b1) = (wp.add(i * bb), wp.add((i + 1) * bb));
+        prefetch_ahead(b0, 1);
+        let (s0, s1) = (scales(b0, &x[i]), scales(b1, &x[i + 1]));
+        acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s0), block_dot(format, b0, &x[i]), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s1), block_dot(format, b1, &x[i + 1]), acc1);
+        m0 = _mm_add_ps(m0, s0);
+        m1 = _mm_add_ps(m1, s1);
+        i += 2;
+    }
+    if i < n {
+        let b0 = wp.add(i * bb);
+        let s0 = scales(b0, &x[i]);
+        acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s0), block_dot(format, b0, &x[i]), acc0);
+        m0 = _mm_add_ps(m0, s0);
+    }
+    let mins = _mm_add_ps(m0, m1);
+    // Lane 1 holds Σ w_m·x_sum (Q4_1's offset term); other formats' lane 1 is junk.
+    let offset = if has_min { _mm_cvtss_f32(_mm_shuffle_ps(mins, mins, 1)) } else { 0.0 };
+    hsum(_mm256_add_ps(acc0, acc1)) + offset
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
+    match format {
+        // One copy per format, so `block_dot`'s match folds away.
+        WeightFormat::Q8_0 => dot_q8_t(WeightFormat::Q8_0, row, x),
+        WeightFormat::Q4_0 => dot_q8_t(WeightFormat::Q4_0, row, x),
+        WeightFormat::Q4_1 => dot_q8_t(WeightFormat::Q4_1, row, x),
+        WeightFormat::Q4K => dot_q8_k4::<false>(row, x),
+        WeightFormat::Q5K => dot_q8_k4::<true>(row, x),
+        WeightFormat::Q6K => dot_q8_q6k(row, x),
+        WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Nl | WeightFormat::Iq4Xs => low_bit_t(format, row, [x])[0],
+        // Q5_0/Q5_1 run interleaved (Q5_0x8/Q5_1x8); rows left over take the reference.
+        WeightFormat::Q5_0 | WeightFormat::Q5_1 => scalar::dot_q8(format, row, x),
+        _ => unreachable!("float formats take f32 activations"),
+    }
+}
+
+/// `k`·Σx_q of block `xb` in every 32-bit lane: its two 16-bit half sums, broadcast
+/// as one word from memory, by VPMADDWD against `k`. On a Zen 4, AVX2's batched
+/// Q4_0 ran 7–13 % slower with `k·Σx_q` broadcast from a general register instead,
+/// and 2–5 % faster this way than with Q4_0's −8·d as an m·x_sum FMA; the 512-bit
+/// kernels take the broadcast (6–8 % faster than the FMA; 5 % slower this way).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q_sum_times(xb: &BlockQ8, k: i16) -> __m256i {
+    let halves = _mm256_set1_epi32(std::ptr::read_unaligned(xb.half_sums.as_ptr() as *const i32));
+    _mm256_madd_epi16(halves, _mm256_set1_epi16(k))
+}
+
+/// How far ahead the kernels prefetch their weight stream (bytes), in passes of up to
+/// 4 tokens. From DRAM, 2 KiB ahead left them waiting on memory (Zen 4, 2 threads,
+/// 512 × 1024 Q4_0 matrices, a MoE expert's, streamed from 300 MB: 4 tokens 19–21
+/// GB/s at 2 KiB, 22–24 at 4 KiB). End to end the gain is small: MoE batch-32 decode
+/// (about 4 tokens per expert) 1.03× (3 of 6 alternating runs), SmolLM2 batch 1
+/// 1.02× (3 of 4).
+const PREFETCH_BYTES: usize = 4096;
+/// The same in passes of 8 tokens, whose activations crowd L1 (32 tokens' q8 blocks
+/// of a 576-wide input are 23 KiB), where 4 KiB ahead ran SmolLM2 batch 32 at 0.98×.
+const PREFETCH_BYTES_MANY: usize = 2048;
+
+/// Asks for `lines` cache lines `PREFETCH_BYTES` past `p` (a hint: any address is safe).
+#[inline(always)]
+unsafe fn prefetch_ahead(p: *const u8, lines: usize) {
+    prefetch_row(p.wrapping_add(PREFETCH_BYTES), 64 * lines);
+}
+
+/// [`prefetch_ahead`] in a pass of `T` tokens.
+#[inline(always)]
+unsafe fn prefetch_ahead_t<const T: usize>(p: *const u8, lines: usize) {
+    prefetch_row(p.wrapping_add(if T <= 4 { PREFETCH_BYTES } else { PREFETCH_BYTES_MANY }), 64 * lines);
+}
+
+
+/// e^x for 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, degree-5
+/// polynomial; ~1 ulp on [-87, 88]; below that, 0).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.376_26)), _mm256_set1_ps(-87.336_55));
+    let fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1] {
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+    }
+    let y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0)));
+    let pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let n8 = gate.len() / 8 * 8;
+    let one = _mm256_set1_ps(1.0);
+    let mut i = 0;
+    while i < n8 {
+        let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        let s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(s, _mm256_loadu_ps(up.as_ptr().add(i))));
+        i += 8;
+    }
+    crate::ops::silu_mul(&mut gate[n8..], &up[n8..]);
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn exp_weights(x: &mut [f32], shift: f32, scale: f32) -> f64 {
+    let n8 = x.len() / 8 * 8;
+    let (shift8, scale8) = (_mm256_set1_ps(shift), _mm256_set1_ps(scale));
+    let mut acc = [_mm256_setzero_pd(); 2];
+    let mut i = 0;
+    while i < n8 {
+        let e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr().add(i)), shift8), scale8));
+        _mm256_storeu_ps(x.as_mut_ptr().add(i), e);
+        acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        i += 8;
+    }
+    let lanes = std::mem::transmute::<[__m256d; 2], [f64; 8]>(acc);
+    lanes.iter().sum::<f64>() + crate::ops::exp_weights(&mut x[n8..], shift, scale)
+}
+
+
+/// Q4_K (and, with `FIVE`, Q5_K) against q8 activations: per 32-wide sub-block an
+/// integer dot, scaled by d·sc·x_d; the min term comes from the q8 block sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_k4<const FIVE: bool>(row: &[u8], x: &[BlockQ8]) -> f32 {
+    let bb = if FIVE { 176 } else { 144 };
+    let supers = x.len() / 8;
+    assert!(x.len().is_multiple_of(8) && row.len() >= supers * bb);
+    let low = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    let ones = _mm256_set1_epi16(1);
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut acc_m = 0.0f32;
+    for sb in 0..supers {
+        let b = row.as_ptr().add(sb * bb);
+        prefetch_ahead(b, 3);
+        let xs = &x[sb * 8..sb * 8 + 8];
+        let (d, dmin) = (f16_at(b), f16_at(b.add(2)));
+        let (sc, mn) = k4_scales(std::slice::from_raw_parts(b.add(4), 12));
+        let qs = b.add(if FIVE { 48 } else { 16 });
+        let qh = if FIVE { _mm256_loadu_si256(b.add(16) as *const __m256i) } else { _mm256_setzero_si256() };
+        for j in 0..4 {
+            let q = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
+            let mut q0 = _mm256_and_si256(q, low);
+            let mut q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+            if FIVE {
+                // Bit s of qh[l] is the fifth bit of sub-block s's weight l.
+                let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j as i32));
+                q0 = _mm256_or_si256(q0, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                q1 = _mm256_or_si256(q1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+            }
+            let (x0, x1) = (&xs[2 * j], &xs[2 * j + 1]);
+            let y0 = _mm256_loadu_si256(x0.qs.as_ptr() as *const __m256i);
+            let y1 = _mm256_loadu_si256(x1.qs.as_ptr() as *const __m256i);
+            let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q0, y0), ones));
+            let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q1, y1), ones));
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * j] as f32 * x0.d), p0, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * j + 1] as f32 * x1.d), p1, acc1);
+        }
+        let mut m = 0.0f32;
+        for s in 0..8 {
+            m += mn[s] as f32 * xs[s].sum;
+        }
+        acc_m += dmin * m;
+    }
+    hsum(_mm256_add_ps(acc0, acc1)) - acc_m
+}
+
+/// Q6_K against q8 activations: each q8 block covers two 16-wide scale groups,
+/// which are the low and high halves of the 8 i32 lanes of its integer dot.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_q6k(row: &[u8], x: &[BlockQ8]) -> f32 {
+    let supers = x.len() / 8;
+    assert!(x.len().is_multiple_of(8) && row.len() >= supers * 210);
+    let low = _mm256_set1_epi8(0x0F);
+    let three = _mm256_set1_epi8(3);
+    let m32 = _mm256_set1_epi8(32);
+    let ones = _mm256_set1_epi16(1);
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for sb in 0..supers {
+        let b = row.as_ptr().add(sb * 210);
+        prefetch_ahead(b, 4);
+        let xs = &x[sb * 8..sb * 8 + 8];
+        let d = f16_at(b.add(208));
+        let sc = std::slice::from_raw_parts(b.add(192) as *const i8, 16);
+        for h in 0..2 {
+            let ql0 = _mm256_loadu_si256(b.add(64 * h) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(b.add(64 * h + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+            let hi = |shift: i32| _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), three), 4);
+            let qs = [
+                _mm256_or_si256(_mm256_and_si256(ql0, low), hi(0)),
+                _mm256_or_si256(_mm256_and_si256(ql1, low), hi(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), hi(4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), hi(6)),
+            ];
+            for (k, q) in qs.into_iter().enumerate() {
+                let blk = 4 * h + k;
+                let xb = &xs[blk];
+                let q = _mm256_sub_epi8(q, m32);
+                let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                // |q| ≤ 32: maddubs of |q| and sign-adjusted y cannot saturate.
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q)), ones);
+                let dx = d * xb.d;
+                let (sa, sb) = (dx * sc[2 * blk] as f32, dx * sc[2 * blk + 1] as f32);
+                let scale = _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb);
+                if k % 2 == 0 {
+                    acc0 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc0);
+                } else {
+                    acc1 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc1);
+                }
+            }
+        }
+    }
+    hsum(_mm256_add_ps(acc0, acc1))
+}
+
+/// The 32 two-bit values of q8 block `k` of a Q2_K / Q3_K super-block (`q`: the 32
+/// bytes of `qs` its half reads, shifted by 2·(k % 4)) as bytes 0..3.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k2_low(q: __m256i, k: usize) -> __m256i {
+    _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (k % 4) as i32)), _mm256_set1_epi8(3))
+}
+
+/// From 16 per-16-element i16 scales (one super-block's), the pair q8 block `k` uses
+/// in PMADDWD after PMADDUBSW: 16-bit lanes 0–7 (its first 16 elements) take scale
+/// 2k, lanes 8–15 take 2k + 1.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scale_pair(scales: __m256i, k: usize) -> __m256i {
+    // Every 32-bit lane holds scales 2k and 2k + 1; each 128-bit half keeps one.
+    let both = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(k as i32));
+    _mm256_shuffle_epi8(both, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3))
+}
+
+/// Q2_K against `T` tokens' q8 activations (T = 1: decode; 4: the 2-bit values
+/// unpacked once for four tokens). Per q8 block (two 16-element groups): the values
+/// as unsigned bytes, PMADDUBSW with x, then PMADDWD with the groups' 4-bit scales
+/// (`scale_pair`) gives 8 i32 sums already scaled; the min term is the same with 1 in
+/// place of the values and the mins as scales. Both then take d·x_d (dmin·x_d) in
+/// float, since every q8 block has its own x_d.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q2k_t<const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
+    let supers = xs[0].len() / 8;
+    assert!(xs[0].len().is_multiple_of(8) && xs.iter().all(|x| x.len() == xs[0].len()) && row.len() >= supers * 84);
+    let (ones8, low) = (_mm256_set1_epi8(1), _mm_set1_epi8(0x0F));
+    let (mut acc, mut acc_m) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
+    for sb in 0..supers {
+        let b = row.as_ptr().add(sb * 84);
+        prefetch_ahead_t::<T>(b, 2);
+        let (d, dmin) = (f16_at(b.add(80)), f16_at(b.add(82)));
+        let sc = _mm_loadu_si128(b as *const __m128i);
+        let scales = _mm256_cvtepu8_epi16(_mm_and_si128(sc, low));
+        let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), low));
+        for k in 0..8 {
+            let v = k2_low(_mm256_loadu_si256(b.add(16 + 32 * (k / 4)) as *const __m256i), k);
+            let (s_k, m_k) = (scale_pair(scales, k), scale_pair(mins, k));
+            for t in 0..T {
+                let xb = &xs[t][8 * sb + k];
+                let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, y), s_k);
+                let q = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, y), m_k);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), _mm256_cvtepi32_ps(p), acc[t]);
+                acc_m[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xb.d), _mm256_cvtepi32_ps(q), acc_m[t]);
+            }
+        }
+    }
+    std::array::from_fn(|t| hsum(_mm256_sub_ps(acc[t], acc_m[t])))
+}
+
+/// A Q3_K super-block's 16 scales (bytes 96..108: 4 low bits, then 2 high bits per
+/// scale from bytes 104..108), less 32, as i16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3k_scales(b: *const u8) -> __m256i {
+    let low4 = _mm_set1_epi8(0x0F);
+    let lo = _mm_loadl_epi64(b.add(96) as *const __m128i);
+    let low = _mm_unpacklo_epi64(_mm_and_si128(lo, low4), _mm_and_si128(_mm_srli_epi16(lo, 4), low4));
+    // Scale k's high bits: byte k % 4 of the last u32, shifted by 2·(k / 4).
+    let h = _mm_set1_epi32(std::ptr::read_unaligned(b.add(104) as *const i32));
+    let high = _mm_and_si128(_mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+    let six = _mm_or_si128(low, _mm_slli_epi16(high, 4));
+    _mm256_sub_epi16(_mm256_cvtepu8_epi16(six), _mm256_set1_epi16(32))
+}
+
+/// Q3_K against `T` tokens: Q2_K's low bits plus 4 × the mask bit, an unsigned 0..7
+/// for PMADDUBSW; the −4 comes off the 16-bit pair sums (4·Σ x_q pairs; |pair| ≤
+/// 2·4·127), then PMADDWD with the signed 6-bit scales.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3k_t<const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
+    let supers = xs[0].len() / 8;
+    assert!(xs[0].len().is_multiple_of(8) && xs.iter().all(|x| x.len() == xs[0].len()) && row.len() >= supers * 110);
+    let (one, four) = (_mm256_set1_epi8(1), _mm256_set1_epi8(4));
+    let mut acc = [_mm256_setzero_ps(); T];
+    for sb in 0..supers {
+        let b = row.as_ptr().add(sb * 110);
+        prefetch_ahead_t::<T>(b, 2);
+        let d = f16_at(b.add(108));
+        let scales = q3k_scales(b);
+        let hm = _mm256_loadu_si256(b as *const __m256i);
+        for k in 0..8 {
+            let low = k2_low(_mm256_loadu_si256(b.add(32 + 32 * (k / 4)) as *const __m256i), k);
+            // Mask bit 4·half + j of each byte: k's own bit, k = 4·half + j.
+            let high = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(k as i32)), one);
+            let v = _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+            let s_k = scale_pair(scales, k);
+            for t in 0..T {
+                let xb = &xs[t][8 * sb + k];
+                let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                let pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(v, y), _mm256_maddubs_epi16(four, y));
+                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, s_k));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), p, acc[t]);
+            }
+        }
+    }
+    std::array::from_fn(|t| hsum(acc[t]))
+}
+
+/// IQ4_NL (`XS` false: blocks of 32, f16 d then 16 bytes) or IQ4_XS (super-blocks of
+/// 256, 136 bytes, a 6-bit scale per 32) against `T` tokens: the 4-bit indices become
+/// their int8 levels through one PSHUFB per 32 (once for all tokens), then the Q8
+/// sign trick (|w| unsigned, x takes w's sign; |w| ≤ 127, so pair sums fit 16 bits).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_t<const XS: bool, const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
+    let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(scalar::IQ4_LEVELS.as_ptr() as *const __m128i));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    // 32 weights at `qs` (scale `dw`) against block `i` of every token.
+    let mut block = |qs: *const u8, dw: f32, i: usize| {
+        let w = _mm256_shuffle_epi8(levels, nibbles32(qs));
+        let aw = _mm256_sign_epi8(w, w);
+        for t in 0..T {
+            let xb = &xs[t][i];
+            let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(y, w)), ones));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), p, acc[t]);
+        }
+    };
+    let blocks = xs[0].len();
+    assert!(xs.iter().all(|x| x.len() == blocks));
+    if XS {
+        assert!(blocks.is_multiple_of(8) && row.len() >= blocks / 8 * 136);
+        for sb in 0..blocks / 8 {
+            let b = row.as_ptr().add(sb * 136);
+            prefetch_ahead_t::<T>(b, 3);
+            let (d, blk) = (f16_at(b), std::slice::from_raw_parts(b, 136));
+            for ib in 0..8 {
+                block(b.add(8 + 16 * ib), d * scalar::iq4xs_scale(blk, ib) as f32, 8 * sb + ib);
+            }
+        }
+    } else {
+        assert!(row.len() >= blocks * 18);
+        for i in 0..blocks {
+            let b = row.as_ptr().add(i * 18);
+            prefetch_ahead_t::<T>(b, 1);
+            block(b.add(2), f16_at(b), i);
+        }
+    }
+    std::array::from_fn(|t| hsum(acc[t]))
+}
+
+/// The 2-, 3- and 4-bit row kernels (Q2_K, Q3_K, IQ4_NL, IQ4_XS) for `T` tokens.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn low_bit_t<const T: usize>(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
+    match format {
+        WeightFormat::Q2K => q2k_t(row, xs),
+        WeightFormat::Q3K => q3k_t(row, xs),
+        WeightFormat::Iq4Nl => iq4_t::<false, T>(row, xs),
+        WeightFormat::Iq4Xs => iq4_t::<true, T>(row, xs),
+        _ => unreachable!("{format} is not a low-bit row format"),
+    }
+}
+
+/// Four tokens against one weight row: each weight block is loaded and unpacked
+/// once for all four (prefill and batched decode are compute-bound on the unpack).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_x4(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
+    if matches!(format, WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Nl | WeightFormat::Iq4Xs) {
+        return low_bit_t(format, row, xs);
+    }
+    if matches!(format, WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q5_0 | WeightFormat::Q5_1) {
+        return xs.map(|x| dot_q8(format, row, x));
+    }
+    let bb = format.block_bytes();
+    let blocks = xs[0].len();
+    assert!(row.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
+    let wp = row.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut acc_m = [0.0f32; 4];
+    let eight = _mm256_set1_epi8(8);
+    let ones = _mm256_set1_epi16(1);
+    for i in 0..blocks {
+        let b = wp.add(i * bb);
+        let dw = f16_at(b);
+        match format {
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
+                let q = if format == WeightFormat::Q8_0 {
+                    _mm256_loadu_si256(b.add(2) as *const __m256i)
+                } else {
+                    _mm256_sub_epi8(nibbles32(b.add(2)), eight)
+                };
+                // sign(q) applied to y once per token; |q| shared by all four.
+                let aq = _mm256_sign_epi8(q, q);
+                for k in 0..4 {
+                    let xb = &xs[k][i];
+                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                    let dot = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q));
+                    let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, ones));
+                    acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), s, acc[k]);
+                }
+            }
+            WeightFormat::Q4_1 => {
+                let m = f16_at(b.add(2));
+                let q = nibbles32(b.add(4));
+                for k in 0..4 {
+                    let xb = &xs[k][i];
+                    acc_m[k] += m * xb.sum;
+                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                    let s = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
+                    acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), _mm256_cvtepi32_ps(s), acc[k]);
+                }
+            }
+            _ => unreachable!("float formats take f32 activations"),
+        }
+    }
+    [hsum(acc[0]) + acc_m[0], hsum(acc[1]) + acc_m[1], hsum(acc[2]) + acc_m[2], hsum(acc[3]) + acc_m[3]]
+}
+
+/// Four tokens against one float-format weight row (weights loaded once).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_float_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+    match format {
+        WeightFormat::F32 => dot_float_x4_t::<LoadF32>(format, row, xs),
+        WeightFormat::F16 => dot_float_x4_t::<LoadF16>(format, row, xs),
+        WeightFormat::Bf16 => dot_float_x4_t::<LoadBf16>(format, row, xs),
+        f if kind32(f).is_some() => dot_block_f32_x4(format, row, xs),
+        _ => xs.map(|x| dot_block_f32(format, row, x)),
+    }
+}
+
+/// 4 interleaved float rows (`F16x4`, `BF16x4`) against one token: per 16-column
+/// piece (128 bytes, one stream), the activations are loaded once for the 4 rows;
+/// two accumulators per row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f32; 4] {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn t<L: Load8>(group: &[u8], x: &[f32]) -> [f32; 4] {
+        let n = x.len();
+        assert!(n.is_multiple_of(16) && group.len() >= 8 * n, "rows4: {n} columns, {} bytes", group.len());
+        let (gp, xp) = (group.as_ptr(), x.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+        for piece in 0..n / 16 {
+            let p = gp.add(128 * piece);
+            prefetch_ahead(p, 2);
+            let (x0, x1) = (_mm256_loadu_ps(xp.add(16 * piece)), _mm256_loadu_ps(xp.add(16 * piece + 8)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_fmadd_ps(L::load8(p.add(32 * r)), x0, a[0]);
+                a[1] = _mm256_fmadd_ps(L::load8(p.add(32 * r + 16)), x1, a[1]);
+            }
+        }
+        let mut out = [0.0f32; 4];
+        for (o, a) in out.iter_mut().zip(&acc) {
+            *o = hsum(_mm256_add_ps(a[0], a[1]));
+        }
+        out
+    }
+    match format {
+        WeightFormat::F16x4 => t::<LoadF16>(group, x),
+        WeightFormat::Bf16x4 => t::<LoadBf16>(group, x),
+        _ => unreachable!("{format} does not interleave 4 float rows"),
+    }
+}
+
+/// [`dot_f32_rows4`] for two tokens: each piece's 8 weight vectors are converted
+/// once for both; one accumulator per (token, row).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32_rows4_x2(format: WeightFormat, group: &[u8], xs: [&[f32]; 2]) -> [[f32; 4]; 2] {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn t<L: Load8>(group: &[u8], xs: [&[f32]; 2]) -> [[f32; 4]; 2] {
+        let n = xs[0].len();
+        assert!(n.is_multiple_of(16) && group.len() >= 8 * n && xs[1].len() == n, "rows4: {n} columns, {} bytes", group.len());
+        let gp = group.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+        for piece in 0..n / 16 {
+            let p = gp.add(128 * piece);
+            prefetch_ahead(p, 2);
+            let x: [[__m256; 2]; 2] = std::array::from_fn(|t| [_mm256_loadu_ps(xs[t].as_ptr().add(16 * piece)), _mm256_loadu_ps(xs[t].as_ptr().add(16 * piece + 8))]);
+            for r in 0..4 {
+                let (w0, w1) = (L::load8(p.add(32 * r)), L::load8(p.add(32 * r + 16)));
+                for t in 0..2 {
+                    acc[t][r] = _mm256_fmadd_ps(w1, x[t][1], _mm256_fmadd_ps(w0, x[t][0], acc[t][r]));
+                }
+            }
+        }
+        let mut out = [[0.0f32; 4]; 2];
+        for t in 0..2 {
+            for r in 0..4 {
+                out[t][r] = hsum(acc[t][r]);
+            }
+        }
+        out
+    }
+    match format {
+        WeightFormat::F16x4 => t::<LoadF16>(group, xs),
+        WeightFormat::Bf16x4 => t::<LoadBf16>(group, xs),
+        _ => unreachable!("{format} does not interleave 4 float rows"),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_float_x4_t<L: Load8>(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+    let n = xs[0].len();
+    let esize = L::ELEM_BYTES;
+    assert!(row.len() >= n * esize && xs.iter().all(|x| x.len() == n));
+    let wp = row.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 8 <= n {
+        let w = L::load8(wp.add(i * esize));
+        for k in 0..4 {
+            acc[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[k].as_ptr().add(i)), acc[k]);
+        }
+        i += 8;
+    }
+    let mut out = [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])];
+    if i < n {
+        for k in 0..4 {
+            out[k] += scalar::dot_f32(format, &row[i * esize..n * esize], &xs[k][i..]);
+        }
+    }
+    out
+}
+
+/// See [`Isa::mac_probe`]: 12 accumulators; per round, 12 × (broadcast, PMADDUBSW,
+/// 16-bit add) = 384 int8 products, or 4 × 12 × (load, FMA) = 384 f32 ones.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn mac_probe(kind: MacKind, rounds: usize, input: &ProbeInput) -> f32 {
+    match kind {
+        MacKind::Int8 => {
+            let yp = input.words.as_ptr();
+            let w: [__m256i; 6] = std::array::from_fn(|k| _mm256_set1_epi8(probe_weight(k)));
+            let mut acc = [_mm256_setzero_si256(); 12];
+            for r in 0..rounds {
+                let base = yp.add((r & 7) * 8);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let yk = _mm256_set1_epi32(*base.add(k % 6) as i32);
+                    *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(w[k % 6], yk));
+                }
+            }
+            let s = acc.iter().fold(_mm256_setzero_si256(), |s, a| _mm256_add_epi32(s, _mm256_madd_epi16(*a, _mm256_set1_epi16(1))));
+            hsum(_mm256_cvtepi32_ps(s))
+        }
+        MacKind::F32 => {
+            let xp = input.floats.as_ptr();
+            let w: [__m256; 4] = std::array::from_fn(|k| _mm256_set1_ps(0.25 * probe_weight(k) as f32));
+            let mut acc = [_mm256_setzero_ps(); 12];
+            for r in 0..rounds {
+                for q in 0..4 {
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(w[(k + q) & 3], _mm256_loadu_ps(xp.add(probe_float_at(r, q, k))), *a);
+                    }
+                }
+            }
+            hsum(acc.iter().fold(_mm256_setzero_ps(), |s, a| _mm256_add_ps(s, *a)))
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * 32, "q8 quantize: length mismatch");
+    let sign_mask = _mm256_set1_ps(-0.0);
+    for (bi, block) in out.iter_mut().enumerate() {
+        let p = x.as_ptr().add(bi * 32);
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        let mut m = _mm256_andnot_ps(sign_mask, v[0]);
+        for vk in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign_mask, *vk));
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        let amax = _mm_cvtss_f32(m4);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        // Round half away from zero, as f32::round in the scalar twin.
+        let mut ints = [_mm256_setzero_si256(); 4];
+        for k in 0..4 {
+            let s = _mm256_mul_ps(v[k], id);
+            let half = _mm256_or_ps(_mm256_and_ps(s, sign_mask), _mm256_set1_ps(0.5));
+            let r = _mm256_round_ps(_mm256_add_ps(s, half), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            ints[k] = _mm256_cvtps_epi32(r);
+        }
+        // Σq of elements 0..16 and 16..32, then the whole block's.
+        let (a, b) = (_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+        let fold = |v: __m256i| _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s4 = _mm_hadd_epi32(fold(a), fold(b));
+        let s4 = _mm_hadd_epi32(s4, s4);
+        let (sum_a, sum_b) = (_mm_cvtsi128_si32(s4), _mm_extract_epi32(s4, 1));
+        let total = sum_a + sum_b;
+        // Pack i32 → i16 → i8; packs interleave 128-bit lanes, the permute restores order.
+        let i16a = _mm256_packs_epi32(ints[0], ints[1]);
+        let i16b = _mm256_packs_epi32(ints[2], ints[3]);
+        let i8s = _mm256_packs_epi16(i16a, i16b);
+        let i8s = _mm256_permutevar8x32_epi32(i8s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(block.qs.as_mut_ptr() as *mut __m256i, i8s);
+        block.d = d;
+        block.sum = d * total as f32;
+        block.half_sums = [sum_a as i16, sum_b as i16];
+    }
+}

@@ -1,0 +1,250 @@
+//! Grouped-query attention (llama, qwen, mixtral; spec §1.3): q/k/v projections with
+//! optional biases and q/k norms, RoPE, the f16/q8/f32 head-major cache, attention of
+//! each kv group's query heads in one pass (split over key ranges when there are few
+//! items), and the output projection.
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::kv::{KvCache, KvStore, TokenCaches};
+use crate::linear::Linear;
+use crate::load::{Loader, Sel};
+use crate::profile::ProfileKind;
+use crate::shard::attention_heads;
+use crate::step::{Run, Workspace, PER_TOKEN_PARALLEL_MIN};
+use std::ops::Range;
+use tessera_kernels::pool::SharedMut;
+use tessera_kernels::{matmul_group, ops, Isa, KvElem, KvQ8, ThreadPool};
+
+/// One layer's grouped-query attention on this rank.
+pub(crate) struct Gqa {
+    /// This rank's query heads and the kv heads they read (all of them on one rank).
+    pub(crate) q_heads: Range<usize>,
+    pub(crate) kv_heads: Range<usize>,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+}
+
+impl Gqa {
+    /// Layer `i`'s attention on tensor-parallel rank `tpr` of `tp`: its query heads' rows
+    /// of q/k/v (the kv heads they read), their columns of o (whose bias the first rank keeps).
+    pub(crate) fn load(ld: &Loader, cfg: &ModelConfig, i: usize, tpr: usize, tp: usize) -> Result<Gqa> {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        let h = cfg.hidden;
+        let hd = cfg.head_dim;
+        let (qh, kvh) = attention_heads(cfg.heads, cfg.kv_heads, tpr, tp);
+        let (q_rows, kv_rows) = (qh.start * hd..qh.end * hd, kvh.start * hd..kvh.end * hd);
+        let proj = |name: &str, rows: usize, sel: Range<usize>| -> Result<Linear> {
+            let mut l = ld.part(&p(&format!("self_attn.{name}.weight")), None, rows, h, &Sel::rows(sel.clone(), h))?;
+            if cfg.qkv_bias {
+                l.bias = Some(ld.vector(&p(&format!("self_attn.{name}.bias")), rows)?[sel].to_vec());
+            }
+            Ok(l)
+        };
+        let q_dim = cfg.heads * hd;
+        let kv_dim = cfg.kv_heads * hd;
+        let mut o = ld.part(&p("self_attn.o_proj.weight"), None, h, q_dim, &Sel::cols(h, q_rows.clone()))?;
+        if cfg.o_bias && tpr == 0 {
+            o.bias = Some(ld.vector(&p("self_attn.o_proj.bias"), h)?);
+        }
+        Ok(Gqa {
+            q: proj("q_proj", q_dim, q_rows)?,
+            k: proj("k_proj", kv_dim, kv_rows.clone())?,
+            v: proj("v_proj", kv_dim, kv_rows)?,
+            o,
+            q_heads: qh,
+            kv_heads: kvh,
+            q_norm: cfg.qk_norm.then(|| ld.vector(&p("self_attn.q_norm.weight"), hd)).transpose()?,
+            k_norm: cfg.qk_norm.then(|| ld.vector(&p("self_attn.k_norm.weight"), hd)).transpose()?,
+        })
+    }
+
+    /// Grouped-query attention over `ws.xn`; output projection into `ws.proj`.
+    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
+        let (c, n) = (run.cfg, run.n);
+        let (h, hd) = (c.hidden, c.head_dim);
+        let q_dim = self.q_heads.len() * hd;
+        let kv_dim = self.kv_heads.len() * hd;
+        let t0 = ws.clock();
+        let xn = &ws.xn[..n * h];
+        // q, k and v share their input: one region, one activation quantization.
+        let (wq, wk, wv) = (self.q.weights(run.ckpt), self.k.weights(run.ckpt), self.v.weights(run.ckpt));
+        let (q, k, v) = (&mut ws.q[..n * q_dim], &mut ws.k[..n * kv_dim], &mut ws.v[..n * kv_dim]);
+        matmul_group(run.pool, run.isa, &[wq, wk, wv], xn, n, &mut [&mut *q, &mut *k, &mut *v], &mut ws.mm);
+        if let Some(b) = &self.v.bias {
+            ops::add_bias(v, b);
+        }
+        // Per token: q and k biases, q/k norms (when both are present), RoPE.
+        let half = c.rope.dim / 2;
+        let (cos, sin) = (&ws.cos, &ws.sin);
+        let qk_norm = self.q_norm.is_some() && self.k_norm.is_some();
+        run.pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (q, q_dim), (k, kv_dim), &|t, q, k| {
+            for (y, l, norm) in [(&mut *q, &self.q, &self.q_norm), (&mut *k, &self.k, &self.k_norm)] {
+                if let Some(b) = &l.bias {
+                    ops::add_assign(y, b);
+                }
+                if let (Some(w), true) = (norm, qk_norm) {
+                    ops::rms_norm_heads(y, w, c.rms_eps);
+                }
+                let (cos, sin) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+                for head in y.chunks_exact_mut(hd) {
+                    ops::rope_head(head, cos, sin, c.rope.interleaved);
+                }
+            }
+        });
+        for (ci, ch) in run.chunks.iter().enumerate() {
+            let (a, b) = (ws.chunk_start[ci], ws.chunk_start[ci + 1]);
+            let cache = &mut caches[ch.cache];
+            let pos0 = cache.len;
+            let (kvh, cap) = (self.kv_heads.len(), cache.capacity);
+            cache.k[li].write_heads(pos0, &ws.k[a * kv_dim..b * kv_dim], kvh, hd, cap);
+            cache.v[li].write_heads(pos0, &ws.v[a * kv_dim..b * kv_dim], kvh, hd, cap);
+        }
+        ws.charge_work(ProfileKind::AttnProj, t0, self.q.bytes() + self.k.bytes() + self.v.bytes(), Linear::macs_of(n, [&self.q, &self.k, &self.v]));
+        let t0 = ws.clock();
+        let at = TokenCaches { caches, chunks: run.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
+        let shape = HeadShape { q_heads: self.q_heads.clone(), kv_heads: self.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
+        attention(run.pool, run.isa, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim], &mut ws.attn_part, &mut ws.attn_stats);
+        // Each token reads its cached keys and values.
+        let row_bytes = caches[0].dtype.key_row_bytes(kv_dim) + caches[0].dtype.value_row_bytes(kv_dim);
+        let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * row_bytes).sum();
+        ws.charge(ProfileKind::Attention, t0, kv_read);
+        let t0 = ws.clock();
+        run.linear(&self.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
+        ws.charge_work(ProfileKind::AttnProj, t0, self.o.bytes(), self.o.macs(n));
+    }
+}
+
+/// A rank's attention heads: query heads `q_heads` (global indices) read kv heads
+/// `global / group`, of which this rank caches `kv_heads`.
+struct HeadShape {
+    q_heads: Range<usize>,
+    kv_heads: Range<usize>,
+    group: usize,
+    head_dim: usize,
+}
+
+/// Key ranges of at least this many positions are worth a work item of their own
+/// (four 8-key groups). Batch-1 decode has as many items as kv groups (3 on SmolLM2: one
+/// thread does two while the other waits); splitting from 64 keys (it was 256: ranges of
+/// 128) decoded 1.02–1.04× faster over contexts of 16–144 (4 of 4 alternating runs) and
+/// 1.03–1.08× at 200–328, attention alone 0.39 against 0.42–0.46 ms a token.
+const ATTN_SPLIT_KEYS_MIN: usize = 32;
+/// With few (token, kv group) items, each is split over key ranges until there are
+/// about this many items per thread (batch-1 decode of a model with 3 kv heads on 2
+/// threads would otherwise leave one thread a whole group behind the other).
+const ATTN_ITEMS_PER_THREAD: usize = 4;
+
+/// Split-attention scratch: items per thread at most (`ATTN_ITEMS_PER_THREAD` when
+/// splitting, plus the unsplit items, which are fewer).
+pub(crate) const ATTN_SPLIT_SLOTS_PER_THREAD: usize = 2 * ATTN_ITEMS_PER_THREAD;
+
+/// Causal attention of the step's `n` queries, each over its own sequence's cache.
+/// Threads split the (token, head) pairs; each uses its own score row.
+#[allow(clippy::too_many_arguments)]
+fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32], part: &mut [f32], stats: &mut [f32]) {
+    let hd = shape.head_dim;
+    let heads = shape.q_heads.len();
+    let q_dim = heads * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let threads = pool.n_threads();
+    let ctx = scores.len() / threads;
+    // Work items are (token, kv group): the group's query heads share one read of
+    // the keys and values, which are the cost here (measured on SmolLM2 batch-1
+    // decode, 2 threads: 3 whole groups beat 9 single heads, 0.56 against 0.66–0.76
+    // ms per token). Few items are split over key ranges, merged after.
+    let start = shape.q_heads.start;
+    let piece = shape.group;
+    let first = start / piece;
+    let pieces = (shape.q_heads.end - 1) / piece + 1 - first;
+    let items = n * pieces;
+    let len_max = (0..n).map(|t| at.of(t).2).max().unwrap_or(0);
+    let splits = if threads == 1 || items >= ATTN_ITEMS_PER_THREAD * threads {
+        1
+    } else {
+        // About ATTN_ITEMS_PER_THREAD ranges for every thread, as many for each: 3 groups
+        // on 2 threads make 12 ranges, not 9 with one thread a range behind (SmolLM2
+        // after 2000 tokens: decode 1.005–1.16×, 6 of 6 alternating runs),
+        // or 6 where the keys make no more than 9 ranges of ATTN_SPLIT_KEYS_MIN.
+        let want = (ATTN_ITEMS_PER_THREAD * threads).div_ceil(items);
+        let most = (want + threads - 1).min(len_max / ATTN_SPLIT_KEYS_MIN).min(ATTN_SPLIT_SLOTS_PER_THREAD * threads / items);
+        (1..=most).rev().find(|s| (items * s).is_multiple_of(threads)).unwrap_or(want.min(most)).max(1)
+    };
+    // Item `i`'s query heads (global, clipped to this rank's) and output offsets.
+    let heads_of = |i: usize| {
+        let (t, p) = (i / pieces, first + i % pieces);
+        let (h0, h1) = ((p * piece).max(start), ((p + 1) * piece).min(shape.q_heads.end));
+        (t, h0, h1, t * q_dim + (h0 - start) * hd, t * q_dim + (h1 - start) * hd)
+    };
+    let slot = piece * hd;
+    assert!(splits == 1 || items * splits * slot <= part.len(), "attention split scratch: {items}×{splits} items");
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    let part_ptr = SharedMut(part.as_mut_ptr());
+    let stats_ptr = SharedMut(stats.as_mut_ptr());
+    let scores_ptr = SharedMut(scores.as_mut_ptr());
+    pool.parallel_for(items * splits, 1, &|tid, range| {
+        // SAFETY: thread `tid` owns score row `tid`, and the output heads (or the
+        // partial slots) of the items it is given.
+        let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
+        for job in range {
+            let (item, s) = (job / splits, job % splits);
+            let (t, h0, h1, a, b) = heads_of(item);
+            let kvh = h0 / shape.group - shape.kv_heads.start;
+            let (k_cache, v_cache, len) = at.of(t);
+            // Whole 8-key groups per range (a q8 cache's keys are grouped so).
+            let chunk = len.div_ceil(splits).next_multiple_of(8);
+            let (j0, j1) = ((s * chunk).min(len), ((s + 1) * chunk).min(len));
+            let (o, st) = if splits == 1 {
+                (unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) }, None)
+            } else {
+                let st = unsafe { std::slice::from_raw_parts_mut(stats_ptr.ptr().add(job * 2 * piece), 2 * (h1 - h0)) };
+                if j0 == j1 {
+                    // An empty range weighs nothing in the merge.
+                    st.chunks_exact_mut(2).for_each(|x| x.copy_from_slice(&[f32::NEG_INFINITY, 0.0]));
+                    continue;
+                }
+                (unsafe { std::slice::from_raw_parts_mut(part_ptr.ptr().add(job * slot), b - a) }, Some(st))
+            };
+            // Head-major cache: kv head `kvh`'s positions are one run of `hd`-wide rows.
+            let off = (kvh * at.capacity(t) + j0) * hd;
+            match (k_cache, v_cache) {
+                (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
+                (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
+                (KvStore::Q8Keys { bytes, groups_per_head, group_bytes }, KvStore::Q8(v)) => {
+                    // Ranges start on 8-key groups (`chunk` is a multiple of 8).
+                    let k_at = (kvh * groups_per_head + j0 / 8) * group_bytes;
+                    isa.attend_group_q8(&q[a..b], hd, &bytes[k_at..], &v[off / KvQ8::VALUES..], hd / KvQ8::VALUES, j1 - j0, scale, sc, o, st)
+                }
+                _ => unreachable!("keys and values share one element type"),
+            }
+        }
+    });
+    if splits == 1 {
+        return;
+    }
+    // Merge each item's ranges: weights exp(max_s − max*)·sum_s on normalised outputs.
+    for item in 0..items {
+        let (_, h0, h1, a, _) = heads_of(item);
+        for h in 0..h1 - h0 {
+            let stat = |s: usize| (stats[(item * splits + s) * 2 * piece + 2 * h], stats[(item * splits + s) * 2 * piece + 2 * h + 1]);
+            let m = (0..splits).map(|s| stat(s).0).fold(f32::NEG_INFINITY, f32::max);
+            let o = &mut out[a + h * hd..a + (h + 1) * hd];
+            o.fill(0.0);
+            let mut total = 0.0;
+            for s in 0..splits {
+                let (ms, ls) = stat(s);
+                if ls == 0.0 {
+                    continue;
+                }
+                let w = (ms - m).exp() * ls;
+                total += w;
+                let p = &part[(item * splits + s) * slot + h * hd..][..hd];
+                ops::axpy(o, w, p);
+            }
+            o.iter_mut().for_each(|x| *x /= total);
+        }
+    }
+}

@@ -1,0 +1,55 @@
+//! Attention blocks, one file each: grouped-query attention (`gqa`) and multi-head latent
+//! attention (`mla`). A new kind is a new file and one arm of [`Attn`].
+
+pub(crate) mod gqa;
+pub(crate) mod mla;
+
+use crate::kv::KvCache;
+use crate::linear::Linear;
+use crate::step::{Run, Workspace};
+
+/// One layer's attention block. Built once per layer at load: the size difference
+/// between the arms costs nothing on the hot path.
+pub(crate) enum Attn {
+    Gqa(gqa::Gqa),
+    Mla(mla::Mla),
+}
+
+impl Attn {
+    /// Every weight matrix of the block (one token reads each whole).
+    pub(crate) fn linears(&self) -> Vec<&Linear> {
+        match self {
+            Attn::Gqa(g) => vec![&g.q, &g.k, &g.v, &g.o],
+            Attn::Mla(m) => {
+                let mut v = vec![&m.q, &m.kv_a, &m.embed_q, &m.unembed_out, &m.o];
+                if let Some((qa, _)) = &m.q_a {
+                    v.push(qa);
+                }
+                v
+            }
+        }
+    }
+
+    /// The matrices that are only ever multiplied whole, in the order a token reads them
+    /// (placed in the weight arena at load; MLA's per-head matrices are sliced by head
+    /// and stay where they are).
+    pub(crate) fn streamed_mut(&mut self) -> Vec<&mut Linear> {
+        match self {
+            Attn::Gqa(g) => vec![&mut g.q, &mut g.k, &mut g.v, &mut g.o],
+            Attn::Mla(m) => {
+                let mut v: Vec<&mut Linear> = m.q_a.as_mut().map(|(qa, _)| qa).into_iter().collect();
+                v.extend([&mut m.q, &mut m.kv_a, &mut m.o]);
+                v
+            }
+        }
+    }
+
+    /// Attention of the step's tokens over `ws.xn` (appending their keys and values to
+    /// `caches` at layer `li`); the output projection lands in `ws.proj`.
+    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
+        match self {
+            Attn::Gqa(g) => g.forward(run, ws, caches, li),
+            Attn::Mla(m) => m.forward(run, run.cfg.mla.as_ref().expect("MLA config"), ws, caches, li),
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! The sparse MoE block (spec §1.6): route every token, sort its slots by expert, run
+//! only the experts with tokens (each over all of its tokens at once; all of them in two
+//! regions up to `EXPERT_SLOTS_FUSED_MAX` slots), combine with the routing weights, add
+//! the shared experts. Under EP a rank holds a range of experts; under TP a width slice
+//! of every expert.
+
+use crate::config::{ModelConfig, MoeConfig};
+use crate::error::{LoadError, Result};
+use crate::ffn::mlp::Mlp;
+use crate::ffn::routing::route;
+use crate::linear::Linear;
+use crate::load::{Loader, Sel};
+use crate::names::stored_name;
+use crate::profile::ProfileKind;
+use crate::shard::{split_units, ExpertSplit, ShardSpec};
+use crate::step::{Run, Workspace};
+use std::ops::Range;
+use tessera_kernels::{matmul_jobs, ops, RowsJob};
+
+/// Expert slots (tokens × top-k) up to which a MoE layer runs all its experts in two
+/// parallel regions (decode and small batches, where per-region costs show); larger
+/// steps run expert by expert. 256 = batch 32 × top-8; DeepSeek-V3's fused buffers at
+/// this size: 256 × (2·7168 + 2·2048) × 4 B ≈ 19 MB.
+pub const EXPERT_SLOTS_FUSED_MAX: usize = 256;
+
+/// One layer's sparse MoE on this rank.
+pub(crate) struct Moe {
+    pub(crate) router: Linear,
+    pub(crate) correction_bias: Option<Vec<f32>>,
+    /// The experts this rank holds (all, width-sliced, under TP; a range under EP);
+    /// `gate[i]` is expert `experts.start + i`.
+    pub(crate) experts: Range<usize>,
+    pub(crate) gate: Vec<Linear>,
+    pub(crate) up: Vec<Linear>,
+    pub(crate) down: Vec<Linear>,
+    pub(crate) shared: Option<Mlp>,
+}
+
+impl Loader<'_> {
+    /// Routed experts: per-expert HF tensors, or stacked (MLX `switch_mlp`, GGUF `_exps`).
+    /// Routed experts `owned`, each sliced to columns `width` of its width.
+    fn experts(&self, prefix: &str, names: [&str; 3], m: &MoeConfig, hidden: usize, owned: Range<usize>, width: Range<usize>) -> Result<[Vec<Linear>; 3]> {
+        let (e, w) = (m.experts, m.expert_width);
+        let shapes = [(w, hidden), (w, hidden), (hidden, w)];
+        let per_expert = self.find(&format!("{prefix}.experts.0.{}.weight", names[0])).is_some();
+        if self.sharded {
+            let sels = [Sel::rows(width.clone(), hidden), Sel::rows(width.clone(), hidden), Sel::cols(hidden, width.clone())];
+            let stacked = ["gate_proj", "up_proj", "down_proj"];
+            let mut out: [Vec<Linear>; 3] = Default::default();
+            for (k, (rows, cols)) in shapes.iter().enumerate() {
+                for i in owned.clone() {
+                    let per_expert_name = format!("{prefix}.experts.{i}.{}.weight", names[k]);
+                    out[k].push(if per_expert || self.presliced {
+                        self.part(&per_expert_name, None, *rows, *cols, &sels[k])?
+                    } else {
+                        let sel = Sel { stack: Some(i..i + 1), ..sels[k].clone() };
+                        let from = self.record.as_ref().map_or(0, |r| r.borrow().len());
+                        let stacked_base = format!("{prefix}.switch_mlp.{}", stacked[k]);
+                        let l = self.part(&format!("{stacked_base}.weight"), Some(e), *rows, *cols, &sel)?;
+                        // A shard stores each expert under its own HF name (with its
+                        // scales and biases when quantized).
+                        if let Some(rec) = &self.record {
+                            let base = format!("{prefix}.experts.{i}.{}", names[k]);
+                            for t in &mut rec.borrow_mut()[from..] {
+                                let stored_base = stored_name(self.c.kind, &stacked_base);
+                                if let Some(suffix) = t.name.strip_prefix(&stored_base) {
+                                    t.name = format!("{base}{suffix}");
+                                }
+                                t.shape.remove(0);
+                            }
+                        }
+                        l
+                    });
+                }
+            }
+            return Ok(out);
+        }
+        if per_expert {
+            let mut out: [Vec<Linear>; 3] = Default::default();
+            for (k, (rows, cols)) in shapes.iter().enumerate() {
+                for i in 0..e {
+                    out[k].push(self.linear(&format!("{prefix}.experts.{i}.{}.weight", names[k]), *rows, *cols, false)?);
+                }
+            }
+            // More experts on disk than the config says means they disagree.
+            let extra = format!("{prefix}.experts.{e}.{}.weight", names[0]);
+            if let Some(t) = self.find(&extra) {
+                return Err(LoadError::tensor(self.c.file_of(t), &t.name, format!("the checkpoint has more experts than the config's {e}")));
+            }
+            return Ok(out);
+        }
+        let stacked = ["gate_proj", "up_proj", "down_proj"];
+        let stacked_name = format!("{prefix}.switch_mlp.{}.weight", stacked[0]);
+        if self.find(&stacked_name).is_none() {
+            return Err(LoadError::MissingTensor {
+                path: self.c.path.clone(),
+                tensor: stored_name(self.c.kind, &format!("{prefix}.experts.0.{}.weight", names[0])),
+                hint: format!(
+                    " (the {} config makes this layer MoE, but it has neither per-expert tensors nor stacked `{}`)",
+                    self.arch,
+                    stored_name(self.c.kind, &stacked_name)
+                ),
+            });
+        }
+        let mut out: [Vec<Linear>; 3] = Default::default();
+        for (k, (rows, cols)) in shapes.iter().enumerate() {
+            out[k] = self.stacked(&format!("{prefix}.switch_mlp.{}.weight", stacked[k]), e, *rows, *cols)?;
+        }
+        Ok(out)
+    }
+}
+
+impl Moe {
+    /// Layer `i`'s MoE block as `spec` places it: every expert sliced in width (`Width`),
+    /// or whole experts `owned` (`Experts`); router (and DeepSeek's correction bias)
+    /// whole on every rank; shared experts split like a dense MLP over the MoE group.
+    pub(crate) fn load(ld: &Loader, cfg: &ModelConfig, spec: &ShardSpec, i: usize) -> Result<Moe> {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        let h = cfg.hidden;
+        let m = cfg.moe.as_ref().expect("MoE layers have a MoE config");
+        let (prefix, names) = match cfg.arch {
+            crate::config::Arch::Mixtral => (p("block_sparse_moe"), ["w1", "w3", "w2"]),
+            _ => (p("mlp"), ["gate_proj", "up_proj", "down_proj"]),
+        };
+        let (owned, width) = match &spec.experts {
+            ExpertSplit::Width => {
+                let unit = ld.block_of(&format!("{prefix}.experts.0.{}.weight", names[2]), m.expert_width)
+                    .max(ld.block_of(&format!("{prefix}.switch_mlp.down_proj.weight"), m.expert_width));
+                (0..m.experts, split_units(m.expert_width, unit, spec.moe_rank, spec.moe_size))
+            }
+            ExpertSplit::Experts { owned } => (owned.clone(), 0..m.expert_width),
+        };
+        let [gate, up, down] = ld.experts(&prefix, names, m, h, owned.clone(), width)?;
+        let correction_bias = match cfg.arch {
+            crate::config::Arch::DeepseekV3 => Some(ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.experts)?),
+            _ => None,
+        };
+        let router = ld.part(&format!("{prefix}.gate.weight"), None, m.experts, h, &Sel::all(m.experts, h))?;
+        Ok(Moe {
+            router,
+            correction_bias,
+            experts: owned,
+            gate,
+            up,
+            down,
+            shared: (m.shared_width > 0)
+                .then(|| Mlp::load_split(ld, &format!("{prefix}.shared_experts"), m.shared_width, h, false, spec.moe_rank, spec.moe_size))
+                .transpose()?,
+        })
+    }
+
+    /// This rank's routed experts on the step's slots in two parallel regions (every
+    /// active expert's gate and up, then every down) instead of two per expert; adds
+    /// each slot's weighted output into `ws.moe_out`. Returns the expert bytes read.
+    fn experts_fused(&self, run: &Run, ws: &mut Workspace) -> usize {
+        let h = run.cfg.hidden;
+        let width = self.gate.first().map_or(0, |l| l.rows);
+        let starts = &ws.expert_count;
+        ws.moe_active.clear();
+        ws.moe_active.extend(self.experts.clone().filter(|&ex| starts[ex] < starts[ex + 1]).map(|ex| ex as u32));
+        let active = &ws.moe_active;
+        // A tensor-parallel rank may hold no columns of narrow experts: nothing to add.
+        let Some(&last) = active.last().filter(|_| width > 0) else { return 0 };
+        // Slots of this rank's experts are contiguous in expert order.
+        let (s0, s1) = (starts[active[0] as usize], starts[last as usize + 1]);
+        for (j, &(t, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
+            let t = t as usize;
+            ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&ws.xn[t * h..(t + 1) * h]);
+        }
+        let slots = s1 - s0;
+        let local = |i: usize| active[i] as usize - self.experts.start;
+        let slots_of = |i: usize| starts[active[i] as usize] - s0..starts[active[i] as usize + 1] - s0;
+        let (gate, up) = (&mut ws.moe_gate[..slots * width], &mut ws.moe_up[..slots * width]);
+        let gate_up = |i: usize| {
+            let l = if i.is_multiple_of(2) { &self.gate[local(i / 2)] } else { &self.up[local(i / 2)] };
+            RowsJob { w: l.weights(run.ckpt), rows: slots_of(i / 2), out: i % 2 }
+        };
+        matmul_jobs(run.pool, run.isa, &ws.moe_in[..slots * h], h, 2 * active.len(), &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
+        run.silu_rows(slots, width, gate, up);
+        let down = |i: usize| RowsJob { w: self.down[local(i)].weights(run.ckpt), rows: slots_of(i), out: 0 };
+        matmul_jobs(run.pool, run.isa, gate, width, active.len(), &down, &mut [&mut ws.moe_proj[..slots * h]], &mut ws.mm);
+        for (j, &(t, wt)) in ws.expert_slots[s0..s1].iter().enumerate() {
+            let t = t as usize;
+            ops::axpy(&mut ws.moe_out[t * h..(t + 1) * h], wt, &ws.moe_proj[j * h..(j + 1) * h]);
+        }
+        (0..active.len()).map(|i| [&self.gate, &self.up, &self.down].iter().map(|ls| ls[local(i)].bytes()).sum::<usize>()).sum()
+    }
+
+    /// Sparse MoE over `ws.xn`, into `ws.proj`: route every token, group tokens by
+    /// expert, run each chosen expert once over its tokens, combine with the routing
+    /// weights, add shared experts.
+    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace) {
+        let cfg = run.cfg.moe.as_ref().expect("MoE config");
+        let (n, h) = (run.n, run.cfg.hidden);
+        let (e, k) = (cfg.experts, cfg.top_k);
+        let t0 = ws.clock();
+        run.linear(&self.router, &ws.xn[..n * h], n, &mut ws.router_logits[..n * e], &mut ws.mm);
+        let scratch = ws.route_scratch.as_mut().expect("workspace sized for MoE");
+        for t in 0..n {
+            route(
+                cfg,
+                &ws.router_logits[t * e..(t + 1) * e],
+                self.correction_bias.as_deref(),
+                scratch,
+                &mut ws.route_ids[t * k..(t + 1) * k],
+                &mut ws.route_weights[t * k..(t + 1) * k],
+            );
+        }
+        // Counting sort of (token, weight) slots by expert: starts[e]..starts[e+1].
+        let starts = &mut ws.expert_count[..e + 1];
+        starts.fill(0);
+        for &id in &ws.route_ids[..n * k] {
+            starts[id as usize + 1] += 1;
+        }
+        for i in 0..e {
+            starts[i + 1] += starts[i];
+        }
+        for t in 0..n {
+            for j in 0..k {
+                let id = ws.route_ids[t * k + j] as usize;
+                // starts[id] advances as slots are placed, then is shifted back.
+                ws.expert_slots[starts[id]] = (t as u32, ws.route_weights[t * k + j]);
+                starts[id] += 1;
+            }
+        }
+        for i in (1..=e).rev() {
+            starts[i] = starts[i - 1];
+        }
+        starts[0] = 0;
+        ws.charge_work(ProfileKind::Router, t0, self.router.bytes(), self.router.macs(n));
+        let t0 = ws.clock();
+        let mut expert_bytes = 0;
+        ws.moe_out[..n * h].fill(0.0);
+        let fused = n * k <= EXPERT_SLOTS_FUSED_MAX && self.gate.iter().chain(&self.up).chain(&self.down).all(|l| l.bias.is_none());
+        if fused {
+            expert_bytes = self.experts_fused(run, ws);
+        }
+        // Experts this rank does not hold contribute on their owners' ranks (summed by
+        // the MoE group's all-reduce).
+        for ex in self.experts.clone().filter(|_| !fused) {
+            let (a, b) = (ws.expert_count[ex], ws.expert_count[ex + 1]);
+            if a == b {
+                continue;
+            }
+            let cnt = b - a;
+            for (j, &(t, _)) in ws.expert_slots[a..b].iter().enumerate() {
+                let t = t as usize;
+                ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&ws.xn[t * h..(t + 1) * h]);
+            }
+            let local = ex - self.experts.start;
+            let (gate, up, down) = (&self.gate[local], &self.up[local], &self.down[local]);
+            expert_bytes += gate.bytes() + up.bytes() + down.bytes();
+            run.swiglu([gate, up, down], &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.proj[..cnt * h], &mut ws.mm);
+            for (j, &(t, wt)) in ws.expert_slots[a..b].iter().enumerate() {
+                let t = t as usize;
+                ops::axpy(&mut ws.moe_out[t * h..(t + 1) * h], wt, &ws.proj[j * h..(j + 1) * h]);
+            }
+        }
+        // Every local expert has one shape: its products times the slots routed here.
+        let local_slots = ws.expert_count[self.experts.end] - ws.expert_count[self.experts.start];
+        let expert_macs = match (self.gate.first(), self.up.first(), self.down.first()) {
+            (Some(g), Some(u), Some(d)) => Linear::macs_of(local_slots, [g, u, d]),
+            _ => [0, 0],
+        };
+        ws.charge_work(ProfileKind::Experts, t0, expert_bytes, expert_macs);
+        match &self.shared {
+            Some(s) => {
+                let t0 = ws.clock();
+                run.swiglu([&s.gate, &s.up, &s.down], &ws.xn[..n * h], n, &mut ws.gate, &mut ws.up, &mut ws.proj[..n * h], &mut ws.mm);
+                ops::add_assign(&mut ws.proj[..n * h], &ws.moe_out[..n * h]);
+                ws.charge_work(ProfileKind::SharedExperts, t0, s.gate.bytes() + s.up.bytes() + s.down.bytes(), Linear::macs_of(n, [&s.gate, &s.up, &s.down]));
+            }
+            None => ws.proj[..n * h].copy_from_slice(&ws.moe_out[..n * h]),
+        }
+    }
+}

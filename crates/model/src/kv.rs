@@ -1,0 +1,236 @@
+//! Per-sequence caches: the GQA key/value cache (f16, q8 or f32, head-major) and MLA's
+//! latent cache, each layer's store sized to the whole context and backed by memory
+//! only as positions are written; and which cache each token of a step attends with.
+
+use crate::memory::LazyZeroed;
+use crate::step::SeqChunk;
+use half::{f16, slice::HalfFloatSliceExt};
+use std::ops::Range;
+use tessera_kernels::{put_q8_0x8_row, KvElem, KvQ8, WeightFormat};
+
+/// Element type of a GQA key/value cache. f16 (the default, as llama.cpp's) halves
+/// the bytes attention reads and the memory a long context takes; q8 (blocks of 32
+/// values in 8 bits, as llama.cpp's `q8_0` cache: keys as GGUF Q8_0 rows interleaved 8
+/// positions to a group, 34 bytes per 32 values, so the scores are an integer matrix
+/// product; values as [`KvQ8`], 36 bytes) takes little over half of f16's bytes, for
+/// long contexts and many sequences; f32 keeps exact float32 attention (the mlx-lm
+/// float32 reference tests use it). MLA's latent cache is small and stays f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    F32,
+    #[default]
+    F16,
+    Q8,
+}
+
+impl KvDtype {
+    /// Bytes a cached key row of `values` values takes (q8: whole Q8_0 blocks).
+    pub fn key_row_bytes(self, values: usize) -> usize {
+        match self {
+            KvDtype::Q8 => values.div_ceil(KvQ8::VALUES) * WeightFormat::Q8_0.block_bytes(),
+            _ => self.value_row_bytes(values),
+        }
+    }
+
+    /// Bytes a cached value row of `values` values takes (q8: whole [`KvQ8`] blocks).
+    pub fn value_row_bytes(self, values: usize) -> usize {
+        match self {
+            KvDtype::F32 => 4 * values,
+            KvDtype::F16 => 2 * values,
+            KvDtype::Q8 => values.div_ceil(KvQ8::VALUES) * std::mem::size_of::<KvQ8>(),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Q8 => "q8",
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(KvDtype::F32),
+            "f16" => Ok(KvDtype::F16),
+            "q8" | "q8_0" => Ok(KvDtype::Q8),
+            _ => Err(format!("KV-cache type {s:?}: expected f16, q8 or f32")),
+        }
+    }
+}
+
+/// One layer's cached keys or values, sized to the whole context but backed by memory
+/// only as positions are written ([`LazyZeroed`]).
+/// Offsets and lengths count values (a q8 cache holds `values / 32` blocks).
+pub(crate) enum KvStore {
+    F32(LazyZeroed<f32>),
+    F16(LazyZeroed<f16>),
+    Q8(LazyZeroed<KvQ8>),
+    /// q8 keys: per kv head, positions in groups of 8 interleaved GGUF Q8_0 rows
+    /// ([`WeightFormat::Q8_0x8`]), `groups_per_head` groups of `group_bytes`.
+    Q8Keys { bytes: LazyZeroed<u8>, groups_per_head: usize, group_bytes: usize },
+}
+
+impl KvStore {
+    /// The keys of a q8 cache: `kv_heads` heads of `capacity` positions (whole groups of
+    /// 8), each row `head_dim` values.
+    pub(crate) fn q8_keys(capacity: usize, kv_heads: usize, head_dim: usize) -> KvStore {
+        assert!(head_dim.is_multiple_of(KvQ8::VALUES), "q8 KV cache: head_dim {head_dim} is not whole blocks");
+        let (groups_per_head, group_bytes) = (capacity.div_ceil(8), 8 * head_dim / KvQ8::VALUES * WeightFormat::Q8_0.block_bytes());
+        KvStore::Q8Keys { bytes: LazyZeroed::new(kv_heads * groups_per_head * group_bytes), groups_per_head, group_bytes }
+    }
+
+    /// A cache of `n` values (for q8, a multiple of 32: the caller checks head sizes).
+    pub(crate) fn new(dtype: KvDtype, n: usize) -> KvStore {
+        match dtype {
+            KvDtype::F32 => KvStore::F32(LazyZeroed::new(n)),
+            KvDtype::F16 => KvStore::F16(LazyZeroed::new(n)),
+            KvDtype::Q8 => {
+                assert!(n.is_multiple_of(KvQ8::VALUES), "q8 KV cache of {n} values: not whole blocks");
+                KvStore::Q8(LazyZeroed::new(n / KvQ8::VALUES))
+            }
+        }
+    }
+
+    /// Writes `x` at value `at`, rounding to f16 or to 8-bit blocks as the cache stores.
+    pub(crate) fn write(&mut self, at: usize, x: &[f32]) {
+        match self {
+            KvStore::F32(v) => v[at..at + x.len()].copy_from_slice(x),
+            KvStore::F16(v) => v[at..at + x.len()].convert_from_f32_slice(x),
+            KvStore::Q8(v) => {
+                let b = KvQ8::VALUES;
+                assert!(at.is_multiple_of(b) && x.len().is_multiple_of(b), "q8 KV write of {} values at {at}: not whole blocks", x.len());
+                KvQ8::quantize(x, &mut v[at / b..(at + x.len()) / b]);
+            }
+            KvStore::Q8Keys { .. } => unreachable!("q8 keys are written by write_heads"),
+        }
+    }
+
+    /// Writes `x` as row `pos` of a position-major cache (MLA's latent rows).
+    pub(crate) fn write_row(&mut self, pos: usize, x: &[f32]) {
+        let row = x.len();
+        self.populate_new_pages(pos * row..(pos + 1) * row);
+        self.write(pos * row, x);
+    }
+
+    /// Backs the pages elements `run` start with memory before they are written
+    /// ([`LazyZeroed::populate_new_pages`]: one call per run, not a fault per page).
+    pub(crate) fn populate_new_pages(&self, run: Range<usize>) {
+        match self {
+            KvStore::F32(v) => v.populate_new_pages(run),
+            KvStore::F16(v) => v.populate_new_pages(run),
+            KvStore::Q8(v) => v.populate_new_pages(run.start / KvQ8::VALUES..run.end.div_ceil(KvQ8::VALUES)),
+            KvStore::Q8Keys { .. } => unreachable!("q8 keys are populated by write_heads"),
+        }
+    }
+
+    /// Writes `x` (tokens × heads × `head_dim`) at positions `pos0..` of a head-major
+    /// cache (`[head][capacity][head_dim]`): each kv group's keys and values are then one
+    /// contiguous run, which attention streams (a position-major row interleaves every
+    /// head, so one group read a third of each row on SmolLM2).
+    pub(crate) fn write_heads(&mut self, pos0: usize, x: &[f32], kv_heads: usize, head_dim: usize, capacity: usize) {
+        let end = pos0 + x.len() / (kv_heads * head_dim);
+        if end == pos0 {
+            return;
+        }
+        if let KvStore::Q8Keys { bytes, groups_per_head, group_bytes } = self {
+            let (gph, gb) = (*groups_per_head, *group_bytes);
+            let group = |h: usize, pos: usize| (h * gph + pos / 8) * gb;
+            for h in 0..kv_heads {
+                bytes.populate_new_pages(group(h, pos0)..group(h, end - 1) + gb);
+            }
+            for (i, token) in x.chunks_exact(kv_heads * head_dim).enumerate() {
+                for (h, src) in token.chunks_exact(head_dim).enumerate() {
+                    let at = group(h, pos0 + i);
+                    put_q8_0x8_row(&mut bytes[at..at + gb], (pos0 + i) % 8, src);
+                }
+            }
+            return;
+        }
+        for h in 0..kv_heads {
+            self.populate_new_pages((h * capacity + pos0) * head_dim..(h * capacity + end) * head_dim);
+        }
+        for (i, token) in x.chunks_exact(kv_heads * head_dim).enumerate() {
+            for (h, src) in token.chunks_exact(head_dim).enumerate() {
+                self.write((h * capacity + pos0 + i) * head_dim, src);
+            }
+        }
+    }
+
+    /// The f32 rows of a cache that is always f32 (MLA's).
+    pub(crate) fn f32s(&self) -> &[f32] {
+        match self {
+            KvStore::F32(v) => v,
+            _ => unreachable!("MLA caches are created f32"),
+        }
+    }
+}
+
+/// Per-sequence cache, `[layer][position][row]`. GQA: keys (after RoPE and k-norm)
+/// and values, `kv_heads · head_dim` each. MLA: the normed latent `c` (`kv_lora_rank`)
+/// in `k` and the roped shared key `k_pe` (`qk_rope_head_dim`) in `v`.
+pub struct KvCache {
+    pub(crate) k: Vec<KvStore>,
+    pub(crate) v: Vec<KvStore>,
+    pub(crate) dtype: KvDtype,
+    pub(crate) len: usize,
+    pub(crate) capacity: usize,
+    pub(crate) k_row: usize,
+    pub(crate) v_row: usize,
+}
+
+impl KvCache {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// Forget everything (a new sequence).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+    /// Drop cached tokens past `len` (e.g. to reuse a shared prompt prefix).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+    /// Values cached per token per layer.
+    pub fn floats_per_token_per_layer(&self) -> usize {
+        self.k_row + self.v_row
+    }
+    /// Element type of the (GQA) keys and values.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+}
+
+/// Which cache and position each token of a step attends with (its own sequence's
+/// cache, up to and including its own position: the causal mask).
+pub(crate) struct TokenCaches<'a> {
+    pub(crate) caches: &'a [KvCache],
+    pub(crate) chunks: &'a [SeqChunk<'a>],
+    pub(crate) tok_chunk: &'a [u32],
+    pub(crate) tok_pos: &'a [u32],
+    pub(crate) layer: usize,
+}
+
+impl TokenCaches<'_> {
+    /// (keys, values, visible length) for token `t`.
+    #[inline]
+    pub(crate) fn of(&self, t: usize) -> (&KvStore, &KvStore, usize) {
+        let cache = &self.caches[self.chunks[self.tok_chunk[t] as usize].cache];
+        (&cache.k[self.layer], &cache.v[self.layer], self.tok_pos[t] as usize + 1)
+    }
+
+    /// Positions token `t`'s cache holds at most (a head's run in a head-major cache).
+    #[inline]
+    pub(crate) fn capacity(&self, t: usize) -> usize {
+        self.caches[self.chunks[self.tok_chunk[t] as usize].cache].capacity
+    }
+}

@@ -1,0 +1,619 @@
+//! `Model`: one rank's part of a decoder-only transformer — the layer stack, how it
+//! loads, the `forward_stage` skeleton that calls each layer's blocks, and the bytes and
+//! multiply-adds a token costs. Every architecture goes through it: llama, qwen2, qwen3
+//! (spec §1, §2.1–2.2), the MoE families qwen3_moe and mixtral (§2.3–2.4), deepseek_v3 /
+//! kimi_k2 with MLA attention and DeepSeekMoE (§2.5–2.6), from HF or GGUF checkpoints.
+//!
+//! One step runs `T` tokens of one or more sequences: embeddings → for each layer
+//! (RMSNorm → attention block ([`crate::attention`]) → residual → RMSNorm → FFN block
+//! ([`crate::ffn`]) → residual) → final norm → LM head. All buffers a step needs live in
+//! a [`Workspace`] sized at load from [`StepLimits`]; a step allocates nothing.
+
+use crate::attention::{gqa::Gqa, mla::Mla, Attn};
+use crate::checkpoint::Checkpoint;
+use crate::config::{FfnKind, ModelConfig};
+use crate::error::{LoadError, Result};
+use crate::ffn::{mlp::Mlp, moe::Moe, Ffn};
+use crate::kv::{KvCache, KvDtype, KvStore};
+use crate::linear::Linear;
+use crate::load::{place_in_arena, vector, Loader, RecordedTensor, Sel};
+use crate::memory::{huge_pages_wanted, WeightBuffer};
+use crate::profile::ProfileKind;
+use crate::shard::{split, CollGroup, Collectives, ExpertSplit, ShardSpec};
+use crate::step::{LogitsFor, Run, SeqChunk, StageIo, StageOutput, StepError, StepLimits, Workspace, PER_TOKEN_PARALLEL_MIN};
+use std::ops::Range;
+use std::sync::Arc;
+use tessera_kernels::{matmul_streaming, ops, scalar, Isa, KvElem, KvQ8, ThreadPool, WeightFormat, KV_Q8_HEAD_DIM_MAX};
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    attn: Attn,
+    ffn: Ffn,
+}
+
+/// Logits from this size up are stored past the caches (a batch's: 32 rows of SmolLM2's
+/// 49152 are 6 MiB); one row (batch-1 decode, 192 KiB) stays in cache for the sampler.
+const LOGITS_STREAMED_BYTES_MIN: usize = 2 << 20;
+
+/// One rank's part of a model (the whole model on one rank), ready to run steps.
+pub struct Model {
+    pub cfg: ModelConfig,
+    /// What this rank holds (everything on one rank).
+    pub spec: ShardSpec,
+    ckpt: Arc<Checkpoint>,
+    /// Embedding rows `vocab` (first stage; and last stage when tied).
+    embed: Option<Linear>,
+    /// LM head rows `vocab` (last stage); the embedding itself when tied.
+    head: Option<Linear>,
+    tied: bool,
+    /// This rank's slice of the vocabulary (vocabulary-parallel embedding and head).
+    vocab: Range<usize>,
+    /// Final norm (last stage).
+    norm: Option<Vec<f32>>,
+    /// Layers `spec.layers`.
+    layers: Vec<Layer>,
+    inv_freq: Vec<f32>,
+    isa: Isa,
+    bytes_loaded: usize,
+    /// The buffer every streamed matrix lives in (see `place_in_arena`); `None` when
+    /// nothing moved (no repacking, no huge pages).
+    weights_arena: Option<Arc<WeightBuffer>>,
+}
+
+impl Model {
+    /// Builds the model over an opened checkpoint: checks every tensor's presence,
+    /// dtype and shape against the config, reads the small ones (norms, biases) into
+    /// memory and leaves the matrices in the memory map.
+    pub fn load(ckpt: Arc<Checkpoint>, cfg: ModelConfig) -> Result<Model> {
+        let spec = ShardSpec::whole(cfg.layers);
+        Self::load_shard(ckpt, cfg, spec)
+    }
+
+    /// Builds this rank's shard: its layers, its heads, its slice of every MLP and of
+    /// the vocabulary, its experts. A sharded load reads exactly those bytes (see
+    /// [`Self::bytes_loaded`]) with positioned reads.
+    pub fn load_shard(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<Model> {
+        Self::load_with(ckpt, cfg, spec, false, false).map(|(m, _)| m)
+    }
+
+    /// Loads this rank's shard and also returns every tensor part it read, to be
+    /// written as a standalone checkpoint (`tessera shard`).
+    pub fn load_recording(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<(Model, Vec<RecordedTensor>)> {
+        Self::load_with(ckpt, cfg, spec, false, true)
+    }
+
+    /// Loads a checkpoint written by `tessera shard` for exactly this rank and placement:
+    /// its tensors already have this rank's shapes.
+    pub fn load_presliced(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<Model> {
+        Self::load_with(ckpt, cfg, spec, true, false).map(|(m, _)| m)
+    }
+
+    fn load_with(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec, presliced: bool, record: bool) -> Result<(Model, Vec<RecordedTensor>)> {
+        let bad = |why: String| LoadError::format(&ckpt.path, format!("placement does not fit this model: {why}"));
+        if spec.layers_total != cfg.layers || spec.layers.end > cfg.layers || spec.layers.is_empty() {
+            return Err(bad(format!("stage layers {:?} of a {}-layer model", spec.layers, cfg.layers)));
+        }
+        let heads_total = cfg.heads;
+        if spec.tp_size == 0 || spec.tp_rank >= spec.tp_size || spec.tp_size > heads_total {
+            return Err(bad(format!("tensor-parallel rank {} of {} for {heads_total} attention heads", spec.tp_rank, spec.tp_size)));
+        }
+        if let ExpertSplit::Experts { owned } = &spec.experts {
+            let e = cfg.moe.as_ref().map_or(0, |m| m.experts);
+            if owned.end > e || (owned.is_empty() && e > 0) {
+                return Err(bad(format!("experts {owned:?} of {e}")));
+            }
+        }
+        let ld = Loader {
+            c: &ckpt,
+            arch: cfg.arch.name(),
+            sharded: !spec.is_whole() || record || presliced,
+            bytes_read: std::cell::Cell::new(0),
+            presliced,
+            record: record.then(|| std::cell::RefCell::new(Vec::new())),
+        };
+        let (h, v) = (cfg.hidden, cfg.vocab);
+        let (tp, tpr) = (spec.tp_size, spec.tp_rank);
+        let vocab = split(v, tpr, tp);
+        let head_present = ld.find("lm_head.weight").is_some();
+        let tied = cfg.tie_embeddings.unwrap_or(!head_present);
+        let need_embed = spec.first_stage() || (tied && spec.last_stage());
+        let embed = need_embed
+            .then(|| ld.part("model.embed_tokens.weight", None, v, h, &Sel::rows(vocab.clone(), h)))
+            .transpose()?;
+        let mut head = match (spec.last_stage(), tied) {
+            (false, _) => None,
+            (true, true) => embed.clone(),
+            (true, false) => Some(ld.part("lm_head.weight", None, v, h, &Sel::rows(vocab.clone(), h))?),
+        };
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for i in spec.layers.clone() {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            let attn = match &cfg.mla {
+                None => Attn::Gqa(Gqa::load(&ld, &cfg, i, tpr, tp)?),
+                Some(m) => Attn::Mla(Mla::load(&ld, &cfg, m, i, split(cfg.heads, tpr, tp), tpr == 0)?),
+            };
+            let ffn = match cfg.layer_ffn[i] {
+                FfnKind::Dense => Ffn::Dense(Mlp::load_split(&ld, &p("mlp"), cfg.intermediate, h, cfg.mlp_bias, tpr, tp)?),
+                FfnKind::Moe => Ffn::Moe(Moe::load(&ld, &cfg, &spec, i)?),
+            };
+            layers.push(Layer {
+                attn_norm: ld.vector(&p("input_layernorm.weight"), h)?,
+                ffn_norm: ld.vector(&p("post_attention_layernorm.weight"), h)?,
+                attn,
+                ffn,
+            });
+        }
+        // A layer past the configured count means config and tensors disagree.
+        let extra = format!("model.layers.{}.input_layernorm.weight", cfg.layers);
+        if let Some(t) = ld.find(&extra) {
+            // DeepSeek-V3's layer 61 is the multi-token-prediction module: skipped, as mlx does.
+            let is_mtp = cfg.arch == crate::config::Arch::DeepseekV3 && ld.find(&format!("model.layers.{}.eh_proj.weight", cfg.layers)).is_some();
+            if !is_mtp {
+                return Err(LoadError::tensor(
+                    ckpt.file_of(t),
+                    &t.name,
+                    format!("the checkpoint has more layers than the config's {}", cfg.layers),
+                ));
+            }
+        }
+        let mut inv_freq = cfg.rope.inv_freq();
+        // llama.cpp stores llama3 scaling as per-frequency divisors.
+        if let Some(t) = ld.find("rope_freqs.weight") {
+            let div = vector(&ckpt, t, inv_freq.len())?;
+            for (f, d) in inv_freq.iter_mut().zip(div) {
+                *f /= d;
+            }
+        }
+        let norm = spec.last_stage().then(|| ld.vector("model.norm.weight", h)).transpose()?;
+        // Matrices only ever multiplied (not the embedding, read by rows; not MLA's
+        // per-head matrices, sliced by head) are placed in one arena, in the order a
+        // token reads them, on huge pages where the OS has them (`memory`: streaming is
+        // ~1.2× faster there), taking the kernels' interleaved layout on the way. A head
+        // tied to the embedding gets its own repacked copy: one more head-sized buffer
+        // buys a head read at the interleaved kernels' speed every token. One kernel
+        // flavour decides both which layouts to repack into and what runs them.
+        let isa = Isa::detect();
+        let repack = std::env::var("TESSERA_REPACK").map_or(true, |v| v != "0");
+        let on = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
+        let (mlx_int8, fp8_q8) = (on("TESSERA_MLX_INT8"), on("TESSERA_FP8_Q8"));
+        let huge = huge_pages_wanted();
+        let mut todo: Vec<&mut Linear> = Vec::new();
+        for l in &mut layers {
+            todo.extend(l.attn.streamed_mut());
+            todo.extend(l.ffn.streamed_mut());
+        }
+        if let Some(h) = head.as_mut() {
+            todo.push(h);
+        }
+        // Repacked matrices need a new buffer anyway; the others move only to reach
+        // huge pages.
+        let moves: Vec<(&mut Linear, Option<WeightFormat>)> = todo
+            .into_iter()
+            .filter_map(|l| {
+                let to = if repack { l.interleaved(isa).or_else(|| l.int8_layout(isa, &ckpt, mlx_int8, fp8_q8)) } else { None };
+                (to.is_some() || (huge && l.bytes() > 0)).then_some((l, to))
+            })
+            .collect();
+        let weights_arena = place_in_arena(moves, &ckpt, huge);
+        let bytes_loaded = ld.bytes_read.get();
+        let recorded = ld.record.map(|r| r.into_inner()).unwrap_or_default();
+        Ok((Model { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa, bytes_loaded, weights_arena, ckpt }, recorded))
+    }
+
+    /// Bytes this shard read from the checkpoint files while loading (0 for a whole
+    /// model viewed in its memory map).
+    pub fn bytes_loaded(&self) -> usize {
+        self.bytes_loaded
+    }
+
+    /// (bytes, bytes on huge pages) of the buffer the streamed matrices live in.
+    pub fn weights_arena_bytes(&self) -> (usize, usize) {
+        self.weights_arena.as_ref().map_or((0, 0), |a| (a.len(), a.huge_page_bytes()))
+    }
+
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.ckpt
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Use a specific kernel flavour (tests compare SIMD and scalar end to end).
+    pub fn set_isa(&mut self, isa: Isa) {
+        self.isa = isa;
+    }
+
+    pub fn is_tied(&self) -> bool {
+        self.tied
+    }
+
+    /// Every weight matrix this rank holds (experts included), for inspection and
+    /// load-time prefetch.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out: Vec<&Linear> = self.embed.iter().collect();
+        if let Some(h) = self.head.as_ref().filter(|_| !self.tied || self.embed.is_none()) {
+            out.push(h);
+        }
+        for l in &self.layers {
+            out.extend(l.attn.linears());
+            out.extend(l.ffn.linears());
+        }
+        out
+    }
+
+    /// Every matrix one decoded token reads, with the fraction of it read: attention,
+    /// dense MLPs, routers, `top_k` of the experts per MoE layer (on average; this rank
+    /// holds `gate.len()` of them), shared experts, the head, and one embedding row.
+    fn each_per_token_linear(&self, mut f: impl FnMut(&Linear, f64)) {
+        for l in &self.layers {
+            for m in l.attn.linears() {
+                f(m, 1.0);
+            }
+            l.ffn.each_per_token_linear(&self.cfg, &mut f);
+        }
+        if let Some(head) = &self.head {
+            f(head, 1.0);
+        }
+        if let Some(e) = &self.embed {
+            f(e, 1.0 / e.rows.max(1) as f64);
+        }
+    }
+
+    /// (bytes, parameters) of weights read to decode one token (see
+    /// [`Self::each_per_token_linear`]). Bytes bound decode speed: tok/s ≤ bandwidth /
+    /// bytes.
+    pub fn per_token_reads(&self) -> (usize, usize) {
+        let (mut bytes, mut params) = (0usize, 0usize);
+        self.each_per_token_linear(|l, frac| {
+            bytes += (l.bytes() as f64 * frac) as usize;
+            params += (l.rows as f64 * l.cols as f64 * frac) as usize;
+        });
+        (bytes, params)
+    }
+
+    /// Multiply-adds of one token's matrix products, split by how the kernels compute
+    /// them: (with 8-bit activations, with f32 activations). They bound batched decode
+    /// and prefill, where each weight byte serves many tokens: tok/s ≤ peak MAC/s ÷
+    /// MACs. The embedding row is a copy, not a product.
+    pub fn macs_per_token(&self) -> (usize, usize) {
+        let (mut int8, mut f32) = (0usize, 0usize);
+        self.each_per_token_linear(|l, frac| {
+            if self.embed.as_ref().is_some_and(|e| std::ptr::eq(e, l)) {
+                return;
+            }
+            let [a, b] = l.macs(1);
+            int8 += (a as f64 * frac) as usize;
+            f32 += (b as f64 * frac) as usize;
+        });
+        (int8, f32)
+    }
+
+    /// Bytes of weights read to decode one token (see [`Self::per_token_reads`]).
+    pub fn bytes_per_token(&self) -> usize {
+        self.per_token_reads().0
+    }
+
+    /// Floats this rank's KV cache holds per token of context, its layers together.
+    pub fn kv_floats_per_token(&self) -> usize {
+        let (k, v) = self.kv_rows();
+        self.layers.len() * (k + v)
+    }
+
+    /// Bytes of cache per token of context in `dtype` (MLA's latent cache: f32).
+    pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
+        let (k, v) = self.kv_rows();
+        let dtype = if self.cfg.mla.is_some() { KvDtype::F32 } else { dtype };
+        self.layers.len() * (dtype.key_row_bytes(k) + dtype.value_row_bytes(v))
+    }
+
+    /// Cache row widths: this rank's kv heads (GQA), or the latent and rope key (MLA,
+    /// shared by all heads, so every TP rank caches it whole).
+    fn kv_rows(&self) -> (usize, usize) {
+        match (&self.cfg.mla, self.layers.first().map(|l| &l.attn)) {
+            (Some(m), _) => (m.kv_lora_rank, m.rope_dim),
+            (None, Some(Attn::Gqa(g))) => {
+                let row = g.kv_heads.len() * self.cfg.head_dim;
+                (row, row)
+            }
+            _ => (0, 0),
+        }
+    }
+
+    /// Whether keys and values can be cached as `dtype`: q8 blocks need head sizes in
+    /// whole blocks of 32 (MLA's latent cache is f32 whatever is asked).
+    pub fn check_kv_cache(&self, dtype: KvDtype) -> std::result::Result<(), String> {
+        let hd = self.cfg.head_dim;
+        if dtype == KvDtype::Q8 && self.cfg.mla.is_none() && (!hd.is_multiple_of(KvQ8::VALUES) || hd > KV_Q8_HEAD_DIM_MAX) {
+            return Err(format!("a q8 KV cache stores blocks of {} values in heads up to {KV_Q8_HEAD_DIM_MAX} wide; this model's heads are {hd} wide: use --kv-cache f16", KvQ8::VALUES));
+        }
+        Ok(())
+    }
+
+    /// A cache of `limits.context_max` tokens; keys and values in `dtype` (MLA: f32).
+    /// `dtype` must pass [`Self::check_kv_cache`].
+    pub fn new_cache(&self, limits: StepLimits, dtype: KvDtype) -> KvCache {
+        let (k_row, v_row) = self.kv_rows();
+        let dtype = if self.cfg.mla.is_some() { KvDtype::F32 } else { dtype };
+        // Layers of other pipeline stages get no storage.
+        let owned = |l: usize| self.spec.layers.contains(&l);
+        let store = |l: usize, row: usize| KvStore::new(dtype, if owned(l) { limits.context_max * row } else { 0 });
+        let key_store = |l: usize| match dtype {
+            KvDtype::Q8 => KvStore::q8_keys(if owned(l) { limits.context_max } else { 0 }, k_row / self.cfg.head_dim, self.cfg.head_dim),
+            _ => store(l, k_row),
+        };
+        KvCache {
+            k: (0..self.cfg.layers).map(key_store).collect(),
+            v: (0..self.cfg.layers).map(|l| store(l, v_row)).collect(),
+            dtype,
+            len: 0,
+            capacity: limits.context_max,
+            k_row,
+            v_row,
+        }
+    }
+
+    /// Runs `tokens` (the next tokens of the sequence in `cache`) and writes logits
+    /// for the requested rows into `logits` (`rows × vocab`).
+    pub fn forward(
+        &self,
+        pool: &ThreadPool,
+        ws: &mut Workspace,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        want: LogitsFor,
+        logits: &mut [f32],
+    ) -> std::result::Result<(), StepError> {
+        let chunk = [SeqChunk { cache: 0, tokens, logits: want }];
+        self.forward_batch(pool, ws, std::slice::from_mut(cache), &chunk, logits)
+    }
+
+    /// One step over several sequences at once (batched decode, or a prefill chunk
+    /// beside decodes): every weight is read once for all their tokens. `chunks[i]`
+    /// appends its tokens to `caches[chunks[i].cache]` (each cache at most once per
+    /// step). Logits rows are written in chunk order: one per `Last` chunk, one per
+    /// token of an `All` chunk. Whole model on one rank.
+    pub fn forward_batch(
+        &self,
+        pool: &ThreadPool,
+        ws: &mut Workspace,
+        caches: &mut [KvCache],
+        chunks: &[SeqChunk<'_>],
+        logits: &mut [f32],
+    ) -> std::result::Result<(), StepError> {
+        self.forward_stage(pool, ws, caches, chunks, StageIo { input: None, output: StageOutput::Logits(logits) }, &crate::shard::Alone)
+    }
+
+    /// This rank's part of one step: its pipeline stage's layers, its heads, its
+    /// slice of every MLP, its experts. The first stage embeds `chunks`' tokens
+    /// (`io.input` is `None`); later stages take the previous stage's hidden states
+    /// `[n, hidden]`. The last stage writes logits (gathered over the TP group);
+    /// others write hidden states for the next stage. Collective calls happen in the
+    /// same order on every rank of a group.
+    pub fn forward_stage(
+        &self,
+        pool: &ThreadPool,
+        ws: &mut Workspace,
+        caches: &mut [KvCache],
+        chunks: &[SeqChunk<'_>],
+        io: StageIo<'_>,
+        coll: &dyn Collectives,
+    ) -> std::result::Result<(), StepError> {
+        let c = &self.cfg;
+        let n: usize = chunks.iter().map(|ch| ch.tokens.len()).sum();
+        if chunks.is_empty() || chunks.iter().any(|ch| ch.tokens.is_empty()) {
+            return Err(StepError::Empty);
+        }
+        if n > ws.limits.tokens_per_step_max {
+            return Err(StepError::TooManyTokens { tokens: n, max: ws.limits.tokens_per_step_max });
+        }
+        if chunks.len() > ws.chunks_max {
+            return Err(StepError::TooManySequences { sequences: chunks.len(), max: ws.chunks_max });
+        }
+        let mut logit_rows = 0;
+        for (i, ch) in chunks.iter().enumerate() {
+            let cache = caches.get(ch.cache).ok_or(StepError::NoSuchCache { index: ch.cache, caches: caches.len() })?;
+            if chunks[..i].iter().any(|o| o.cache == ch.cache) {
+                return Err(StepError::CacheTwice { index: ch.cache });
+            }
+            let max = cache.capacity.min(ws.limits.context_max);
+            if cache.len + ch.tokens.len() > max {
+                return Err(StepError::ContextFull { used: cache.len, tokens: ch.tokens.len(), max });
+            }
+            if let Some((index, &id)) = ch.tokens.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab) {
+                return Err(StepError::BadToken { id, index, vocab: c.vocab });
+            }
+            logit_rows += match ch.logits {
+                LogitsFor::Last => 1,
+                LogitsFor::All => ch.tokens.len(),
+            };
+        }
+        let h = c.hidden;
+        match (&io.input, self.spec.first_stage()) {
+            (None, true) => {}
+            (Some(x), false) if x.len() == n * h => {}
+            _ => return Err(StepError::StageInput { first_stage: self.spec.first_stage(), need: n * h }),
+        }
+        match &io.output {
+            StageOutput::Logits(l) if self.spec.last_stage() && l.len() == logit_rows * c.vocab => {}
+            StageOutput::Logits(l) if self.spec.last_stage() => {
+                return Err(StepError::LogitsBuffer { got: l.len(), need: logit_rows * c.vocab })
+            }
+            StageOutput::Hidden(o) if !self.spec.last_stage() && o.len() == n * h => {}
+            StageOutput::Discard if self.spec.last_stage() && self.spec.tp_size == 1 => {}
+            _ => return Err(StepError::StageOutput { last_stage: self.spec.last_stage(), need: n * h }),
+        }
+        assert!(ws.threads >= pool.n_threads(), "workspace sized for fewer threads than the pool has");
+        let ckpt = &*self.ckpt;
+        let tp = self.spec.tp_size;
+        let fail = |e: String| StepError::Collective(e);
+
+        // Per token: its chunk and absolute position; RoPE angles; the input rows.
+        let half = c.rope.dim / 2;
+        let mut t = 0;
+        for (ci, ch) in chunks.iter().enumerate() {
+            let pos0 = caches[ch.cache].len;
+            ws.chunk_start[ci] = t;
+            for j in 0..ch.tokens.len() {
+                ws.tok_chunk[t] = ci as u32;
+                ws.tok_pos[t] = (pos0 + j) as u32;
+                let p = (pos0 + j) as f32;
+                for (i, &f) in self.inv_freq.iter().enumerate() {
+                    let a = p * f;
+                    ws.cos[t * half + i] = a.cos();
+                    ws.sin[t * half + i] = a.sin();
+                }
+                t += 1;
+            }
+        }
+        ws.chunk_start[chunks.len()] = n;
+        let t_embed = ws.clock();
+        match io.input {
+            Some(x) => ws.x[..n * h].copy_from_slice(x),
+            None => {
+                // Vocabulary-parallel embedding: rows outside this rank's slice are zero,
+                // and the TP sum assembles them.
+                let embed = self.embed.as_ref().expect("first stage holds the embedding").weights(ckpt);
+                let mut t = 0;
+                for ch in chunks {
+                    for &id in ch.tokens {
+                        let row = &mut ws.x[t * h..(t + 1) * h];
+                        if self.vocab.contains(&(id as usize)) {
+                            scalar::dequantize_row(embed.format, embed.row(id as usize - self.vocab.start), row);
+                        } else {
+                            row.fill(0.0);
+                        }
+                        t += 1;
+                    }
+                }
+            }
+        }
+        ws.charge(ProfileKind::Embed, t_embed, n * self.embed.as_ref().map_or(0, |e| e.bytes() / e.rows.max(1)));
+        if io.input.is_none() && tp > 1 {
+            let t0 = ws.clock();
+            coll.all_reduce_sum(CollGroup::Tp, &mut ws.x[..n * h], 0, "embed").map_err(fail)?;
+            ws.charge(ProfileKind::Collectives, t0, 0);
+        }
+        if let Some(p) = ws.profile.as_mut() {
+            p.steps += 1;
+        }
+
+        let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, chunks };
+        // The previous layer's FFN output, not yet added to the residual: the add joins
+        // the next layer's norm in one pass over the tokens.
+        let mut ffn_pending = false;
+        for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()) {
+            let t0 = ws.clock();
+            residual(pool, n, h, &mut ws.x, ffn_pending.then_some(&ws.proj[..]), Some((&layer.attn_norm, c.rms_eps, &mut ws.xn)));
+            ws.charge(ProfileKind::Norms, t0, 0);
+            layer.attn.forward(&run, ws, caches, li);
+            if tp > 1 {
+                let t0 = ws.clock();
+                coll.all_reduce_sum(CollGroup::Tp, &mut ws.proj[..n * h], li, "attn out").map_err(fail)?;
+                ws.charge(ProfileKind::Collectives, t0, 0);
+            }
+            let t0 = ws.clock();
+            residual(pool, n, h, &mut ws.x, Some(&ws.proj), Some((&layer.ffn_norm, c.rms_eps, &mut ws.xn)));
+            ws.charge(ProfileKind::Norms, t0, 0);
+            layer.ffn.forward(&run, ws);
+            if let Some((group, op)) = layer.ffn.partial_over(&self.spec) {
+                let t0 = ws.clock();
+                coll.all_reduce_sum(group, &mut ws.proj[..n * h], li, op).map_err(fail)?;
+                ws.charge(ProfileKind::Collectives, t0, 0);
+            }
+            ffn_pending = true;
+        }
+        if ffn_pending {
+            let t0 = ws.clock();
+            residual(pool, n, h, &mut ws.x, Some(&ws.proj), None);
+            ws.charge(ProfileKind::Norms, t0, 0);
+        }
+        for ch in chunks {
+            caches[ch.cache].len += ch.tokens.len();
+        }
+
+        let logits = match io.output {
+            StageOutput::Hidden(out) => {
+                out.copy_from_slice(&ws.x[..n * h]);
+                return Ok(());
+            }
+            StageOutput::Discard => return Ok(()),
+            StageOutput::Logits(l) => l,
+        };
+        // Final norm of the rows that give logits, gathered contiguously into `xn`.
+        let norm = self.norm.as_ref().expect("last stage holds the final norm");
+        let mut row = 0;
+        for (ci, ch) in chunks.iter().enumerate() {
+            let (a, b) = (ws.chunk_start[ci], ws.chunk_start[ci + 1]);
+            let first = match ch.logits {
+                LogitsFor::Last => b - 1,
+                LogitsFor::All => a,
+            };
+            for t in first..b {
+                ops::rms_norm(&ws.x[t * h..(t + 1) * h], norm, c.rms_eps, &mut ws.xn[row * h..(row + 1) * h]);
+                row += 1;
+            }
+        }
+        let head = self.head.as_ref().expect("last stage holds the head");
+        if tp == 1 {
+            let t0 = ws.clock();
+            let xn = &ws.xn[..logit_rows * h];
+            if std::mem::size_of_val(logits) >= LOGITS_STREAMED_BYTES_MIN && head.bias.is_none() {
+                // Read only after the whole product, and larger than L2: see `matmul_streaming`.
+                matmul_streaming(pool, self.isa, head.weights(ckpt), xn, logit_rows, logits, &mut ws.mm);
+            } else {
+                head.forward(pool, self.isa, ckpt, xn, logit_rows, logits, &mut ws.mm);
+            }
+            ws.charge_work(ProfileKind::LmHead, t0, head.bytes(), head.macs(logit_rows));
+            return Ok(());
+        }
+        // Vocabulary-parallel head: each rank computes its slice of every row, padded to
+        // the largest slice, and an all-gather assembles full rows. Buffers grow only
+        // for `All` logits wider than the decode batch (not the decode hot path).
+        let vmax = split(c.vocab, 0, tp).len();
+        let part_len = logit_rows * vmax;
+        let mine = self.vocab.len();
+        if ws.logits_part.len() < part_len {
+            ws.logits_local.resize(logit_rows * vmax, 0.0);
+            ws.logits_part.resize(part_len, 0.0);
+            ws.logits_gather.resize(part_len * tp, 0.0);
+        }
+        let t0 = ws.clock();
+        head.forward(pool, self.isa, ckpt, &ws.xn[..logit_rows * h], logit_rows, &mut ws.logits_local[..logit_rows * mine], &mut ws.mm);
+        ws.charge_work(ProfileKind::LmHead, t0, head.bytes(), head.macs(logit_rows));
+        for r in 0..logit_rows {
+            ws.logits_part[r * vmax..r * vmax + mine].copy_from_slice(&ws.logits_local[r * mine..(r + 1) * mine]);
+            ws.logits_part[r * vmax + mine..(r + 1) * vmax].fill(0.0);
+        }
+        let t0 = ws.clock();
+        coll.all_gather(CollGroup::Tp, &ws.logits_part[..part_len], &mut ws.logits_gather[..part_len * tp], usize::MAX, "logits")
+            .map_err(fail)?;
+        ws.charge(ProfileKind::Collectives, t0, 0);
+        for k in 0..tp {
+            let vr = split(c.vocab, k, tp);
+            for r in 0..logit_rows {
+                let src = &ws.logits_gather[k * part_len + r * vmax..k * part_len + r * vmax + vr.len()];
+                logits[r * c.vocab + vr.start..r * c.vocab + vr.end].copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Per token of `n` (rows of `h` in `x`): `x += add` where given, then `norm`'s output
+/// (weights, epsilon, destination rows) from the new `x` where given.
+fn residual(pool: &ThreadPool, n: usize, h: usize, x: &mut [f32], add: Option<&[f32]>, norm: Option<(&[f32], f32, &mut [f32])>) {
+    let (w, eps, out, out_len) = match norm {
+        Some((w, eps, out)) => (w, eps, out, h),
+        None => (&[][..], 0.0, &mut [][..], 0),
+    };
+    pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (x, h), (out, out_len), &|t, x, xn| {
+        if let Some(a) = add {
+            ops::add_assign(x, &a[t * h..(t + 1) * h]);
+        }
+        if out_len > 0 {
+            ops::rms_norm(x, w, eps, xn);
+        }
+    });
+}

@@ -1,0 +1,145 @@
+//! The per-module profile of a step: time, bytes read, calls and multiply-adds per
+//! module kind, charged through the `Workspace`, and its wire form (to gather every
+//! rank's on rank 0).
+
+use crate::step::Workspace;
+
+/// Where a step's time goes, by module kind: measured with a clock read around each
+/// module in the real step (no extra synchronisation: the step is synchronous already).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProfileKind {
+    Embed,
+    Norms,
+    AttnProj,
+    Attention,
+    Router,
+    Experts,
+    SharedExperts,
+    DenseMlp,
+    LmHead,
+    Collectives,
+    Pipeline,
+}
+
+impl ProfileKind {
+    pub const ALL: [ProfileKind; 11] = [
+        ProfileKind::Embed,
+        ProfileKind::Norms,
+        ProfileKind::AttnProj,
+        ProfileKind::Attention,
+        ProfileKind::Router,
+        ProfileKind::Experts,
+        ProfileKind::SharedExperts,
+        ProfileKind::DenseMlp,
+        ProfileKind::LmHead,
+        ProfileKind::Collectives,
+        ProfileKind::Pipeline,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            ProfileKind::Embed => "embedding",
+            ProfileKind::Norms => "norms + residual",
+            ProfileKind::AttnProj => "attention projections",
+            ProfileKind::Attention => "attention (scores, softmax, values)",
+            ProfileKind::Router => "router",
+            ProfileKind::Experts => "routed experts",
+            ProfileKind::SharedExperts => "shared experts",
+            ProfileKind::DenseMlp => "dense MLP",
+            ProfileKind::LmHead => "LM head",
+            ProfileKind::Collectives => "collectives",
+            ProfileKind::Pipeline => "pipeline transfers (waits for other stages included)",
+        }
+    }
+}
+
+/// Accumulated time, bytes read and calls per [`ProfileKind`].
+#[derive(Clone, Debug, Default)]
+pub struct Profile {
+    pub nanos: [u64; ProfileKind::ALL.len()],
+    pub bytes: [u64; ProfileKind::ALL.len()],
+    pub calls: [u64; ProfileKind::ALL.len()],
+    /// Multiply-adds of the matrix products, [int8, f32] (see [`crate::linear::Linear::macs`]): at
+    /// batch sizes where a step is compute-bound these, not the bytes, set its ideal time.
+    pub macs: [[u64; 2]; ProfileKind::ALL.len()],
+    pub steps: u64,
+}
+
+impl Profile {
+    /// Size of [`Profile::to_bytes`]: five counters per kind, then the step count.
+    pub const WIRE_BYTES: usize = (5 * ProfileKind::ALL.len() + 1) * 8;
+
+    #[inline]
+    fn add(&mut self, kind: ProfileKind, since: std::time::Instant, bytes: usize, macs: [u64; 2]) {
+        let i = kind as usize;
+        self.nanos[i] += since.elapsed().as_nanos() as u64;
+        self.bytes[i] += bytes as u64;
+        self.calls[i] += 1;
+        self.macs[i][0] += macs[0];
+        self.macs[i][1] += macs[1];
+    }
+
+    /// Little-endian u64s: nanos, bytes, calls, int8 and f32 multiply-adds per kind,
+    /// then steps (to gather the ranks' profiles on rank 0).
+    pub fn to_bytes(&self) -> [u8; Profile::WIRE_BYTES] {
+        let mut out = [0u8; Profile::WIRE_BYTES];
+        let (int8, f32) = (self.macs.map(|m| m[0]), self.macs.map(|m| m[1]));
+        let words = self.nanos.iter().chain(&self.bytes).chain(&self.calls).chain(&int8).chain(&f32).chain(std::iter::once(&self.steps));
+        for (chunk, w) in out.chunks_exact_mut(8).zip(words) {
+            chunk.copy_from_slice(&w.to_le_bytes());
+        }
+        out
+    }
+
+    /// The inverse of [`Profile::to_bytes`]; `None` for a slice of the wrong length.
+    pub fn from_bytes(b: &[u8]) -> Option<Profile> {
+        if b.len() != Profile::WIRE_BYTES {
+            return None;
+        }
+        let mut words = b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
+        let mut p = Profile::default();
+        for arr in [&mut p.nanos, &mut p.bytes, &mut p.calls] {
+            arr.iter_mut().for_each(|x| *x = words.next().expect("sized above"));
+        }
+        for k in 0..2 {
+            p.macs.iter_mut().for_each(|m| m[k] = words.next().expect("sized above"));
+        }
+        p.steps = words.next().expect("sized above");
+        Some(p)
+    }
+}
+
+impl Workspace {
+    /// Starts collecting a [`Profile`] of every following step (replacing any).
+    pub fn start_profile(&mut self) {
+        self.profile = Some(Profile::default());
+    }
+    /// Weight and KV-cache bytes read by every step run on this workspace (a batched
+    /// step's distinct experts, not a token's share; see [`Profile::bytes`]).
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+    /// Stops profiling and returns what was collected.
+    pub fn take_profile(&mut self) -> Option<Profile> {
+        self.profile.take()
+    }
+    /// The start of a timed piece of work: `Some(now)` while profiling, else `None` (no
+    /// clock read). Public for work outside the model's step that belongs in its profile
+    /// (the rank runtime's pipeline transfers).
+    #[inline]
+    pub fn clock(&self) -> Option<std::time::Instant> {
+        self.profile.as_ref().map(|_| std::time::Instant::now())
+    }
+    /// Charges the time since `since` (from [`Workspace::clock`]) and `bytes` read to `kind`.
+    #[inline]
+    pub fn charge(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize) {
+        self.charge_work(kind, since, bytes, [0, 0]);
+    }
+    /// [`Workspace::charge`] for matrix products: also their multiply-adds ([`crate::linear::Linear::macs`]).
+    #[inline]
+    pub fn charge_work(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize, macs: [u64; 2]) {
+        self.bytes_read += bytes as u64;
+        if let (Some(p), Some(t)) = (self.profile.as_mut(), since) {
+            p.add(kind, t, bytes, macs);
+        }
+    }
+}
