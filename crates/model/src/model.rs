@@ -9,11 +9,14 @@
 //! ([`crate::ffn`]) → residual) → final norm → LM head. All buffers a step needs live in
 //! a [`Workspace`] sized at load from [`StepLimits`]; a step allocates nothing.
 
-use crate::attention::{gqa::Gqa, mla::Mla, Attn};
+use crate::attention::gqa::{Gqa, ATTN_SPLIT_SLOTS_PER_THREAD};
+use crate::attention::{mla::Mla, Attn};
 use crate::checkpoint::Checkpoint;
 use crate::config::{FfnKind, ModelConfig};
 use crate::error::{LoadError, Result};
-use crate::ffn::{mlp::Mlp, moe::Moe, Ffn};
+use crate::ffn::moe::{Moe, EXPERT_SLOTS_FUSED_MAX};
+use crate::ffn::routing::RouteScratch;
+use crate::ffn::{mlp::Mlp, Ffn};
 use crate::kv::{KvCache, KvDtype, KvStore};
 use crate::linear::Linear;
 use crate::load::{place_in_arena, vector, Loader, RecordedTensor, Sel};
@@ -23,7 +26,7 @@ use crate::shard::{split, CollGroup, Collectives, ExpertSplit, ShardSpec};
 use crate::step::{LogitsFor, Run, SeqChunk, StageIo, StageOutput, StepError, StepLimits, Workspace, PER_TOKEN_PARALLEL_MIN};
 use std::ops::Range;
 use std::sync::Arc;
-use tessera_kernels::{matmul_streaming, ops, scalar, Isa, KvElem, KvQ8, ThreadPool, WeightFormat, KV_Q8_HEAD_DIM_MAX};
+use tessera_kernels::{matmul_streaming, ops, scalar, Isa, KvElem, KvQ8, MatmulScratch, ThreadPool, WeightFormat, ATTEND_GROUP_MAX, KV_Q8_HEAD_DIM_MAX};
 
 struct Layer {
     attn_norm: Vec<f32>,
@@ -354,6 +357,78 @@ impl Model {
         }
     }
 
+    /// A workspace for steps within `limits` on a pool of up to `threads` threads.
+    pub fn new_workspace(&self, limits: StepLimits, threads: usize) -> Workspace {
+        let c = &self.cfg;
+        let t = limits.tokens_per_step_max;
+        let (q_dim, kv_dim, attn_dim, head_in, head_out, lat) = match &c.mla {
+            None => (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.heads * c.head_dim, 0, 0, 0),
+            Some(m) => {
+                let r = m.kv_lora_rank;
+                (
+                    c.heads * (m.nope_dim + m.rope_dim),
+                    r + m.rope_dim,
+                    c.heads * m.v_dim,
+                    m.nope_dim.max(r).max(m.q_lora_rank.unwrap_or(0)),
+                    r.max(m.v_dim),
+                    c.heads * r,
+                )
+            }
+        };
+        let moe = c.moe.as_ref().filter(|_| c.layer_ffn.contains(&FfnKind::Moe));
+        let ffn_width = c.intermediate.max(moe.map_or(0, |m| m.expert_width.max(m.shared_width)));
+        let widest = [c.hidden, q_dim, attn_dim, ffn_width, head_in, head_out].into_iter().max().unwrap_or(1);
+        let fused_slots = moe.map_or(0, |m| (t * m.top_k).min(EXPERT_SLOTS_FUSED_MAX));
+        let moe_rows = if moe.is_some() { t.max(fused_slots) * c.hidden } else { 0 };
+        // Decode-batch rows of vocabulary-parallel logits (TP > 1 only).
+        let tp_gather = self.spec.tp_size;
+        let (head_rows, vmax) = if tp_gather > 1 { (limits.sequences_per_step_max, split(c.vocab, 0, tp_gather).len()) } else { (0, 0) };
+        Workspace {
+            limits,
+            x: vec![0.0; t * c.hidden],
+            xn: vec![0.0; t * c.hidden],
+            q: vec![0.0; t * q_dim],
+            k: vec![0.0; t * kv_dim],
+            v: vec![0.0; t * kv_dim],
+            attn: vec![0.0; t * attn_dim],
+            proj: vec![0.0; t * c.hidden],
+            gate: vec![0.0; t * ffn_width],
+            up: vec![0.0; t * ffn_width],
+            cos: vec![0.0; t * c.rope.dim / 2],
+            sin: vec![0.0; t * c.rope.dim / 2],
+            // Per thread: one pass of grouped heads' scores (GQA), or one MLA head's.
+            scores: vec![0.0; threads * limits.context_max * (c.heads / c.kv_heads.max(1)).clamp(1, ATTEND_GROUP_MAX)],
+            threads,
+            mm: MatmulScratch::new(t.max(fused_slots), widest),
+            head_in: vec![0.0; t * head_in],
+            head_out: vec![0.0; t * head_out],
+            q_lat: vec![0.0; t * lat],
+            out_lat: vec![0.0; t * lat],
+            router_logits: vec![0.0; moe.map_or(0, |m| t * m.experts)],
+            route_ids: vec![0; moe.map_or(0, |m| t * m.top_k)],
+            route_weights: vec![0.0; moe.map_or(0, |m| t * m.top_k)],
+            route_scratch: moe.map(RouteScratch::new),
+            expert_count: vec![0; moe.map_or(0, |m| m.experts + 1)],
+            expert_slots: vec![(0, 0.0); moe.map_or(0, |m| t * m.top_k)],
+            moe_in: vec![0.0; moe_rows],
+            moe_out: vec![0.0; moe_rows],
+            attn_part: vec![0.0; if c.mla.is_some() { 0 } else { threads * ATTN_SPLIT_SLOTS_PER_THREAD * (c.heads / c.kv_heads.max(1)).max(1) * c.head_dim }],
+            attn_stats: vec![0.0; if c.mla.is_some() { 0 } else { threads * ATTN_SPLIT_SLOTS_PER_THREAD * 2 * (c.heads / c.kv_heads.max(1)).max(1) }],
+            moe_gate: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
+            moe_up: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
+            moe_proj: vec![0.0; fused_slots * c.hidden],
+            moe_active: Vec::with_capacity(moe.map_or(0, |m| m.experts)),
+            tok_chunk: vec![0; t],
+            tok_pos: vec![0; t],
+            chunk_start: vec![0; limits.sequences_per_step_max + 1],
+            chunks_max: limits.sequences_per_step_max,
+            logits_local: vec![0.0; head_rows * vmax],
+            logits_part: vec![0.0; head_rows * vmax],
+            logits_gather: vec![0.0; head_rows * vmax * tp_gather],
+            profile: None,
+            bytes_read: 0,
+        }
+    }
     /// Runs `tokens` (the next tokens of the sequence in `cache`) and writes logits
     /// for the requested rows into `logits` (`rows × vocab`).
     pub fn forward(

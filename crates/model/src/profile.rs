@@ -1,8 +1,6 @@
 //! The per-module profile of a step: time, bytes read, calls and multiply-adds per
-//! module kind, charged through the `Workspace`, and its wire form (to gather every
-//! rank's on rank 0).
-
-use crate::step::Workspace;
+//! module kind (charged through `Workspace::charge`), and its wire form (to gather
+//! every rank's on rank 0).
 
 /// Where a step's time goes, by module kind: measured with a clock read around each
 /// module in the real step (no extra synchronisation: the step is synchronous already).
@@ -69,7 +67,7 @@ impl Profile {
     pub const WIRE_BYTES: usize = (5 * ProfileKind::ALL.len() + 1) * 8;
 
     #[inline]
-    fn add(&mut self, kind: ProfileKind, since: std::time::Instant, bytes: usize, macs: [u64; 2]) {
+    pub(crate) fn add(&mut self, kind: ProfileKind, since: std::time::Instant, bytes: usize, macs: [u64; 2]) {
         let i = kind as usize;
         self.nanos[i] += since.elapsed().as_nanos() as u64;
         self.bytes[i] += bytes as u64;
@@ -105,41 +103,5 @@ impl Profile {
         }
         p.steps = words.next().expect("sized above");
         Some(p)
-    }
-}
-
-impl Workspace {
-    /// Starts collecting a [`Profile`] of every following step (replacing any).
-    pub fn start_profile(&mut self) {
-        self.profile = Some(Profile::default());
-    }
-    /// Weight and KV-cache bytes read by every step run on this workspace (a batched
-    /// step's distinct experts, not a token's share; see [`Profile::bytes`]).
-    pub fn bytes_read(&self) -> u64 {
-        self.bytes_read
-    }
-    /// Stops profiling and returns what was collected.
-    pub fn take_profile(&mut self) -> Option<Profile> {
-        self.profile.take()
-    }
-    /// The start of a timed piece of work: `Some(now)` while profiling, else `None` (no
-    /// clock read). Public for work outside the model's step that belongs in its profile
-    /// (the rank runtime's pipeline transfers).
-    #[inline]
-    pub fn clock(&self) -> Option<std::time::Instant> {
-        self.profile.as_ref().map(|_| std::time::Instant::now())
-    }
-    /// Charges the time since `since` (from [`Workspace::clock`]) and `bytes` read to `kind`.
-    #[inline]
-    pub fn charge(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize) {
-        self.charge_work(kind, since, bytes, [0, 0]);
-    }
-    /// [`Workspace::charge`] for matrix products: also their multiply-adds ([`crate::linear::Linear::macs`]).
-    #[inline]
-    pub fn charge_work(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize, macs: [u64; 2]) {
-        self.bytes_read += bytes as u64;
-        if let (Some(p), Some(t)) = (self.profile.as_mut(), since) {
-            p.add(kind, t, bytes, macs);
-        }
     }
 }

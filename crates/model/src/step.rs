@@ -3,15 +3,11 @@
 //! buffer of a step lives in, and `Run`, the fixed context the blocks' forwards share.
 
 use crate::checkpoint::Checkpoint;
-use crate::config::{FfnKind, ModelConfig};
-use crate::attention::gqa::ATTN_SPLIT_SLOTS_PER_THREAD;
-use crate::ffn::moe::EXPERT_SLOTS_FUSED_MAX;
+use crate::config::ModelConfig;
 use crate::ffn::routing::RouteScratch;
 use crate::linear::Linear;
-use crate::model::Model;
-use crate::profile::Profile;
-use crate::shard::split;
-use tessera_kernels::{Isa, MatmulScratch, ThreadPool, ATTEND_GROUP_MAX};
+use crate::profile::{Profile, ProfileKind};
+use tessera_kernels::{Isa, MatmulScratch, ThreadPool};
 
 /// Which rows of a step produce logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,80 +126,6 @@ pub struct Workspace {
     pub(crate) bytes_read: u64,
 }
 
-impl Model {
-    /// A workspace for steps within `limits` on a pool of up to `threads` threads.
-    pub fn new_workspace(&self, limits: StepLimits, threads: usize) -> Workspace {
-        let c = &self.cfg;
-        let t = limits.tokens_per_step_max;
-        let (q_dim, kv_dim, attn_dim, head_in, head_out, lat) = match &c.mla {
-            None => (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.heads * c.head_dim, 0, 0, 0),
-            Some(m) => {
-                let r = m.kv_lora_rank;
-                (
-                    c.heads * (m.nope_dim + m.rope_dim),
-                    r + m.rope_dim,
-                    c.heads * m.v_dim,
-                    m.nope_dim.max(r).max(m.q_lora_rank.unwrap_or(0)),
-                    r.max(m.v_dim),
-                    c.heads * r,
-                )
-            }
-        };
-        let moe = c.moe.as_ref().filter(|_| c.layer_ffn.contains(&FfnKind::Moe));
-        let ffn_width = c.intermediate.max(moe.map_or(0, |m| m.expert_width.max(m.shared_width)));
-        let widest = [c.hidden, q_dim, attn_dim, ffn_width, head_in, head_out].into_iter().max().unwrap_or(1);
-        let fused_slots = moe.map_or(0, |m| (t * m.top_k).min(EXPERT_SLOTS_FUSED_MAX));
-        let moe_rows = if moe.is_some() { t.max(fused_slots) * c.hidden } else { 0 };
-        // Decode-batch rows of vocabulary-parallel logits (TP > 1 only).
-        let tp_gather = self.spec.tp_size;
-        let (head_rows, vmax) = if tp_gather > 1 { (limits.sequences_per_step_max, split(c.vocab, 0, tp_gather).len()) } else { (0, 0) };
-        Workspace {
-            limits,
-            x: vec![0.0; t * c.hidden],
-            xn: vec![0.0; t * c.hidden],
-            q: vec![0.0; t * q_dim],
-            k: vec![0.0; t * kv_dim],
-            v: vec![0.0; t * kv_dim],
-            attn: vec![0.0; t * attn_dim],
-            proj: vec![0.0; t * c.hidden],
-            gate: vec![0.0; t * ffn_width],
-            up: vec![0.0; t * ffn_width],
-            cos: vec![0.0; t * c.rope.dim / 2],
-            sin: vec![0.0; t * c.rope.dim / 2],
-            // Per thread: one pass of grouped heads' scores (GQA), or one MLA head's.
-            scores: vec![0.0; threads * limits.context_max * (c.heads / c.kv_heads.max(1)).clamp(1, ATTEND_GROUP_MAX)],
-            threads,
-            mm: MatmulScratch::new(t.max(fused_slots), widest),
-            head_in: vec![0.0; t * head_in],
-            head_out: vec![0.0; t * head_out],
-            q_lat: vec![0.0; t * lat],
-            out_lat: vec![0.0; t * lat],
-            router_logits: vec![0.0; moe.map_or(0, |m| t * m.experts)],
-            route_ids: vec![0; moe.map_or(0, |m| t * m.top_k)],
-            route_weights: vec![0.0; moe.map_or(0, |m| t * m.top_k)],
-            route_scratch: moe.map(RouteScratch::new),
-            expert_count: vec![0; moe.map_or(0, |m| m.experts + 1)],
-            expert_slots: vec![(0, 0.0); moe.map_or(0, |m| t * m.top_k)],
-            moe_in: vec![0.0; moe_rows],
-            moe_out: vec![0.0; moe_rows],
-            attn_part: vec![0.0; if c.mla.is_some() { 0 } else { threads * ATTN_SPLIT_SLOTS_PER_THREAD * (c.heads / c.kv_heads.max(1)).max(1) * c.head_dim }],
-            attn_stats: vec![0.0; if c.mla.is_some() { 0 } else { threads * ATTN_SPLIT_SLOTS_PER_THREAD * 2 * (c.heads / c.kv_heads.max(1)).max(1) }],
-            moe_gate: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
-            moe_up: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
-            moe_proj: vec![0.0; fused_slots * c.hidden],
-            moe_active: Vec::with_capacity(moe.map_or(0, |m| m.experts)),
-            tok_chunk: vec![0; t],
-            tok_pos: vec![0; t],
-            chunk_start: vec![0; limits.sequences_per_step_max + 1],
-            chunks_max: limits.sequences_per_step_max,
-            logits_local: vec![0.0; head_rows * vmax],
-            logits_part: vec![0.0; head_rows * vmax],
-            logits_gather: vec![0.0; head_rows * vmax * tp_gather],
-            profile: None,
-            bytes_read: 0,
-        }
-    }
-}
 
 /// A pipeline stage's input and output for one step.
 pub struct StageIo<'a> {
@@ -241,5 +163,41 @@ impl Run<'_> {
 
     pub(crate) fn linear(&self, l: &Linear, x: &[f32], n: usize, y: &mut [f32], mm: &mut MatmulScratch) {
         l.forward(self.pool, self.isa, self.ckpt, x, n, y, mm);
+    }
+}
+
+impl Workspace {
+    /// Starts collecting a [`Profile`] of every following step (replacing any).
+    pub fn start_profile(&mut self) {
+        self.profile = Some(Profile::default());
+    }
+    /// Weight and KV-cache bytes read by every step run on this workspace (a batched
+    /// step's distinct experts, not a token's share; see [`Profile::bytes`]).
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+    /// Stops profiling and returns what was collected.
+    pub fn take_profile(&mut self) -> Option<Profile> {
+        self.profile.take()
+    }
+    /// The start of a timed piece of work: `Some(now)` while profiling, else `None` (no
+    /// clock read). Public for work outside the model's step that belongs in its profile
+    /// (the rank runtime's pipeline transfers).
+    #[inline]
+    pub fn clock(&self) -> Option<std::time::Instant> {
+        self.profile.as_ref().map(|_| std::time::Instant::now())
+    }
+    /// Charges the time since `since` (from [`Workspace::clock`]) and `bytes` read to `kind`.
+    #[inline]
+    pub fn charge(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize) {
+        self.charge_work(kind, since, bytes, [0, 0]);
+    }
+    /// [`Workspace::charge`] for matrix products: also their multiply-adds ([`crate::linear::Linear::macs`]).
+    #[inline]
+    pub fn charge_work(&mut self, kind: ProfileKind, since: Option<std::time::Instant>, bytes: usize, macs: [u64; 2]) {
+        self.bytes_read += bytes as u64;
+        if let (Some(p), Some(t)) = (self.profile.as_mut(), since) {
+            p.add(kind, t, bytes, macs);
+        }
     }
 }
