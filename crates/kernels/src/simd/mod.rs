@@ -1,10 +1,34 @@
 //! Run-time selected SIMD kernels. `Isa::detect()` picks the best flavour this CPU
 //! supports; every entry point falls back to [`crate::scalar`] where a flavour has no
 //! kernel of its own (which LLVM auto-vectorises for the baseline SIMD of the target).
-//! x86-64: AVX2 + FMA + F16C for every format. aarch64: NEON with the dot-product
-//! extension (every Apple M-series core) for every format. K-quants with f32 activations
-//! (never chosen at load: they compute on q8 activations) dequantize through the scalar
-//! decoder.
+//! This file is the dispatch (`Isa`, detection, the safe entry points, the multiply
+//! probe); the bodies are per ISA: `x86/` (`mod.rs` the shared loads and row dots,
+//! `rows8` the 8-row interleaved int8 kernels, `zmm` their 512-bit pairs, `attention`)
+//! and `arm.rs`.
+//!
+//! - x86-64: AVX2 + FMA + F16C for every format; with AVX-512 VNNI (`Isa::Avx512Vnni`)
+//!   `vpdpbusd` in the interleaved int8 kernels, 512-bit over two 8-row groups when
+//!   eight tokens or more share them (`PAIRS_TOKENS_MIN`); Q8_0's weights offset by 128
+//!   once per chunk rather than a sign per token. Bit-identical to AVX2: integer offsets
+//!   (Q4_0's −8, Q5_0's −16, that +128) come off the integer sums via `BlockQ8::q_sum`.
+//! - aarch64: NEON with the dot-product extension (every Apple M-series core) for every
+//!   format and attention; the 8-row kernels are one `rows8_t::<T>` per layout family
+//!   for one token and for four, each chunk unpacked once for all.
+//! - `TESSERA_ISA=scalar` forces the reference, `TESSERA_ISA=avx2` keeps a VNNI CPU on AVX2.
+//!
+//! Weight streams of batched passes are software-prefetched (x86, `prefetch_ahead`):
+//! 4 KiB ahead in passes of 2–4 tokens, 2 KiB in passes of 8, whose activations crowd
+//! L1; one-token passes of the 4- and 8-bit interleaved layouts leave their in-order
+//! stream to the hardware prefetcher (asking as well ran slower).
+//!
+//! GQA attention takes the query heads of one kv group in one pass (each key and value
+//! row read once for the group; f16 rows widened in registers, `KvQ8` blocks widened and
+//! scaled); over a q8 cache (`attend_group_q8`) the keys are `Q8_0x8` groups of 8
+//! positions and the scores are the matmul kernels' integer product against the query
+//! heads quantized to 8 bits; one softmax-and-values tail per ISA. `Isa::mac_probe` is
+//! the matmul kernels' multiply step alone, so the bench can measure the compute
+//! ceiling it is held against. K-quants with f32 activations (never chosen at load:
+//! they compute on q8 activations) dequantize through the scalar decoder.
 
 use crate::format::WeightFormat;
 use crate::q8::{BlockQ8, KvQ8, QK};
