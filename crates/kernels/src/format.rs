@@ -68,6 +68,19 @@
 
 use std::fmt;
 
+/// How activations become 8-bit blocks for the integer kernels. Either way the kernels
+/// see blocks of 32 ([`crate::q8::BlockQ8`]); the schemes differ in how the scales are
+/// chosen and rounded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActivationBlocks {
+    /// llama.cpp's q8_0 / q8_1: per 32 values d = amax / 127, values rounded half away
+    /// from zero, d and d·Σq stored as f16 (the legacy formats, IQ4_NL).
+    Per32,
+    /// llama.cpp's q8_K: per 256 values d = −max / 127 of the signed largest, values
+    /// rounded half to even and capped at 127, d kept as f32 (the K-quants, IQ4_XS).
+    Per256,
+}
+
 /// How a row of weights is stored. All formats store little-endian.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
@@ -283,6 +296,18 @@ impl WeightFormat {
                 | WeightFormat::Nvfp4x8
                 | WeightFormat::A8x8
         )
+    }
+
+    /// How matmul quantizes the activations this format multiplies (`None`: f32
+    /// activations): the scheme llama.cpp picks for the format (its `vec_dot_type`), so
+    /// both engines multiply the same integers by the same scales.
+    pub fn activation_blocks(self) -> Option<ActivationBlocks> {
+        use WeightFormat::*;
+        match self {
+            Q2K | Q3K | Q4K | Q5K | Q6K | Iq4Xs | Q2Kx8 | Q3Kx8 | Q4Kx8 | Q5Kx8 | Q6Kx8 | Iq4Xsx8 => Some(ActivationBlocks::Per256),
+            _ if self.int8_activations() => Some(ActivationBlocks::Per32),
+            _ => None,
+        }
     }
 
     /// Rows stored together (8 or 4 for the interleaved formats): matmul computes them

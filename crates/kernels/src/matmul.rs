@@ -5,7 +5,7 @@
 //! reused from L1 for every token, so prefill and multi-token expert batches stream
 //! the weights once (the GEMM path), and decode is a pure streaming matvec.
 
-use crate::format::WeightFormat;
+use crate::format::{ActivationBlocks, WeightFormat};
 use crate::pool::{SharedMut, ThreadPool};
 use crate::q8::{BlockQ8, QK};
 use crate::simd::Isa;
@@ -149,8 +149,7 @@ fn matmul_group_to(
         unit_starts[i + 1] = unit_starts[i] + w.rows / unit_rows(isa, w, n_tokens);
     }
     let total = unit_starts[ws.len()];
-    let q8 = ws.iter().any(|w| w.format.int8_activations());
-    let xq = quantize_rows(pool, isa, x, n_tokens, cols, q8, scratch);
+    let xq = quantize_rows(pool, isa, x, n_tokens, cols, ws.iter().find_map(|w| w.format.activation_blocks()), scratch);
     // ~8 chunks per thread; an 8-row group is already 8 rows of work, so its chunks
     // may be as small as 2 groups (a 576-row projection is 72 groups: 9 chunks of 8
     // would leave one thread a chunk behind the other).
@@ -167,25 +166,27 @@ fn matmul_group_to(
     });
 }
 
-/// `x` (`n_rows × cols`) as q8 blocks in `scratch` when `q8` (else empty): one region
-/// over the rows, or inline for a single row (cheaper than a region).
-fn quantize_rows<'s>(pool: &ThreadPool, isa: Isa, x: &[f32], n_rows: usize, cols: usize, q8: bool, scratch: &'s mut MatmulScratch) -> &'s [BlockQ8] {
-    if !q8 {
+/// `x` (`n_rows × cols`) as q8 blocks in `scratch` in `scheme` (none: empty): one region
+/// over the rows, or inline for a single row (cheaper than a region). Matrices that
+/// share an input take the first integer one's scheme (a checkpoint mixing schemes in
+/// one group still computes correctly: every kernel takes blocks of either).
+fn quantize_rows<'s>(pool: &ThreadPool, isa: Isa, x: &[f32], n_rows: usize, cols: usize, scheme: Option<ActivationBlocks>, scratch: &'s mut MatmulScratch) -> &'s [BlockQ8] {
+    let Some(scheme) = scheme else {
         return &[];
-    }
+    };
     let blocks = cols / QK;
     let need = n_rows * blocks;
     assert!(need <= scratch.q8.len(), "matmul scratch sized for {} q8 blocks; this call needs {need} ({n_rows} rows × {cols})", scratch.q8.len());
     let xq = &mut scratch.q8[..need];
     if n_rows == 1 {
-        isa.quantize_q8(x, xq);
+        isa.quantize_activations(scheme, x, xq);
     } else {
         let xq_ptr = SharedMut(xq.as_mut_ptr());
         pool.parallel_for(n_rows, 1, &|_, rows| {
             for t in rows {
                 // SAFETY: each row's blocks are written by exactly one thread.
                 let out = unsafe { std::slice::from_raw_parts_mut(xq_ptr.ptr().add(t * blocks), blocks) };
-                isa.quantize_q8(&x[t * cols..(t + 1) * cols], out);
+                isa.quantize_activations(scheme, &x[t * cols..(t + 1) * cols], out);
             }
         });
     }
@@ -233,7 +234,7 @@ pub fn matmul_jobs<'w>(
     for (o, y) in outs.iter_mut().zip(ys.iter_mut()) {
         *o = SharedMut(y.as_mut_ptr());
     }
-    let mut q8 = false;
+    let mut scheme = None;
     let mut total = 0;
     let mut all_grouped = true;
     scratch.unit_starts.clear();
@@ -242,14 +243,14 @@ pub fn matmul_jobs<'w>(
         let rpg = j.w.format.rows_per_group();
         assert!(j.w.cols == cols && j.w.rows.is_multiple_of(rpg), "matmul_jobs: job {i} is {}×{} in groups of {rpg}, input width {cols}", j.w.rows, j.w.cols);
         assert!(j.rows.end <= n_rows && j.out < ys.len() && ys[j.out].len() >= j.rows.end * j.w.rows, "matmul_jobs: job {i} rows {:?} or output {} out of bounds", j.rows, j.out);
-        q8 |= j.w.format.int8_activations();
+        scheme = scheme.or(j.w.format.activation_blocks());
         all_grouped &= rpg > 1;
         scratch.unit_starts.push(total);
         total += j.w.rows / unit_rows(isa, &j.w, j.rows.len());
     }
     scratch.unit_starts.push(total);
     let starts = std::mem::take(&mut scratch.unit_starts);
-    let xq = quantize_rows(pool, isa, x, n_rows, cols, q8, scratch);
+    let xq = quantize_rows(pool, isa, x, n_rows, cols, scheme, scratch);
     let grain = pool.grain(total, 8, if all_grouped { 2 } else { 8 });
     let blocks = cols / QK;
     pool.parallel_for(total, grain, &|_, chunk| {

@@ -1,9 +1,15 @@
-//! Activations quantized to 8 bits, per block of 32, for integer dot products with
-//! the GGUF block formats and K-quants (as llama.cpp does with q8_0/q8_1; it uses 256-wide
-//! q8_K blocks for the K-quants). The scale stays
-//! f32 (llama.cpp rounds it to f16): a little more accurate for the same speed.
+//! Activations quantized to 8 bits for integer dot products with the GGUF block formats
+//! and K-quants, exactly as llama.cpp quantizes them ([`ActivationBlocks`]): q8_0/q8_1
+//! per 32 with f16 scales for the legacy formats, q8_K per 256 with an f32 scale for the
+//! K-quants. Both are held as blocks of 32 ([`BlockQ8`]; a q8_K block is 8 of them with
+//! one scale), so every kernel takes either.
+
+use crate::format::ActivationBlocks;
 
 pub const QK: usize = 32;
+
+/// Values per q8_K super-block ([`ActivationBlocks::Per256`]).
+pub const QK_K: usize = 256;
 
 #[derive(Clone, Copy, Debug, Default)]
 #[repr(C)]
@@ -19,6 +25,14 @@ pub struct BlockQ8 {
 }
 
 impl BlockQ8 {
+    /// Stores scale `d` and `d·Σq` as llama.cpp's q8_0/q8_1 blocks hold them: rounded to
+    /// f16 (the values were quantized with the unrounded `d`).
+    #[inline(always)]
+    pub fn set_scale(&mut self, d: f32, q_sum: i32) {
+        self.d = half::f16::from_f32(d).to_f32();
+        self.sum = half::f16::from_f32(d * q_sum as f32).to_f32();
+    }
+
     /// Σq over the block (exact): the kernels fold an integer offset of the weights
     /// (Q4_0's −8, Q5_0's −16, VNNI's +128 on Q8_0) into their integer sums with it.
     #[inline(always)]
@@ -57,7 +71,46 @@ impl KvQ8 {
     }
 }
 
-/// Scalar quantization of one row; `x.len()` must be a multiple of 32.
+/// One row in `scheme`: `x.len()` a multiple of 32 (of 256 for `Per256`).
+pub fn quantize_row(scheme: ActivationBlocks, x: &[f32], out: &mut [BlockQ8]) {
+    match scheme {
+        ActivationBlocks::Per32 => quantize_row_scalar(x, out),
+        ActivationBlocks::Per256 => quantize_row_per256(x, out),
+    }
+}
+
+/// llama.cpp's `quantize_row_q8_K_ref`: per 256 values, the one of largest magnitude
+/// (`max`, signed) maps to −127, `d = 1 / (−127 / max)`, values rounded half to even
+/// (its `nearest_int`) and capped at 127; an all-zero block is zeros.
+pub fn quantize_row_per256(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * QK, "q8 quantize: length mismatch");
+    assert!(x.len().is_multiple_of(QK_K), "q8_K quantize: {} values are not whole blocks of {QK_K}", x.len());
+    for (blocks, xs) in out.chunks_exact_mut(QK_K / QK).zip(x.chunks_exact(QK_K)) {
+        let (mut amax, mut max) = (0.0f32, 0.0f32);
+        for &v in xs {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let iscale = if amax == 0.0 { 0.0 } else { -127.0 / max };
+        let d = if amax == 0.0 { 0.0 } else { 1.0 / iscale };
+        for (block, xb) in blocks.iter_mut().zip(xs.chunks_exact(QK)) {
+            let mut half = [0i32; 2];
+            for (i, (q, &v)) in block.qs.iter_mut().zip(xb).enumerate() {
+                let r = ((iscale * v).round_ties_even() as i32).min(127);
+                *q = r as i8;
+                half[i / 16] += r;
+            }
+            block.d = d;
+            block.sum = d * (half[0] + half[1]) as f32;
+            block.half_sums = half.map(|h| h as i16);
+        }
+    }
+}
+
+/// Scalar quantization of one row in [`ActivationBlocks::Per32`]; `x.len()` must be a
+/// multiple of 32.
 pub fn quantize_row_scalar(x: &[f32], out: &mut [BlockQ8]) {
     assert_eq!(x.len(), out.len() * QK, "q8 quantize: length mismatch");
     for (block, xs) in out.iter_mut().zip(x.chunks_exact(QK)) {
@@ -70,8 +123,7 @@ pub fn quantize_row_scalar(x: &[f32], out: &mut [BlockQ8]) {
             *q = r as i8;
             half[i / 16] += r;
         }
-        block.d = d;
-        block.sum = d * (half[0] + half[1]) as f32;
+        block.set_scale(d, half[0] + half[1]);
         block.half_sums = half.map(|h| h as i16);
     }
 }

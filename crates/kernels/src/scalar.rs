@@ -387,9 +387,13 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
             let min = format == WeightFormat::Q5_1;
             for (b, xb) in row.chunks_exact(format.block_bytes()).zip(x) {
                 let isum: i32 = (0..QK).map(|j| q5_at(b, min, j) * xb.qs[j] as i32).sum();
-                // Q5_0: w = d·(q − 16), the −16·d a per-block offset like Q4_1's m.
-                let m = if min { f16_at(b, 2) } else { -16.0 * f16_at(b, 0) };
-                acc += f16_at(b, 0) * xb.d * isum as f32 + m * xb.sum;
+                // Q5_0: w = d·(q − 16), the −16 taken off the integer sum (as llama.cpp);
+                // Q5_1: its m times the activations' d·Σq (q8_1's s).
+                if min {
+                    acc += f16_at(b, 0) * xb.d * isum as f32 + f16_at(b, 2) * xb.sum;
+                } else {
+                    acc += f16_at(b, 0) * xb.d * (isum - 16 * xb.q_sum()) as f32;
+                }
             }
         }
         WeightFormat::Q4_1 => {
@@ -773,17 +777,24 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
         }
         return acc;
     }
+    // Q4_0x8's −8 and Q5_0x8's −16 come off the integer sum (as the SIMD kernels and
+    // llama.cpp take them); MLX-A8x8's +128 joins its bias as a float m, as its kernels do.
+    let int_offset = match format {
+        WeightFormat::Q4_0x8 => -8,
+        WeightFormat::Q5_0x8 => -16,
+        _ => 0,
+    };
     for (blk, xb) in group.chunks_exact(bb).zip(x) {
         for (r, a) in acc.iter_mut().enumerate() {
             let d = rows8_d(format, blk, r, 0);
-            let mut isum = 0i32;
+            let mut isum = int_offset * xb.q_sum();
             let mut off = 0.0;
             for i in 0..32 {
                 let (q, o) = rows8_q(format, blk, r, i);
                 isum += q * xb.qs[i] as i32;
                 off = o;
             }
-            let m = off * d + rows8_min(format, blk, r);
+            let m = if int_offset != 0 { rows8_min(format, blk, r) } else { off * d + rows8_min(format, blk, r) };
             *a += d * xb.d * isum as f32 + m * xb.sum;
         }
     }

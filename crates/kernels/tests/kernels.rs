@@ -2,7 +2,7 @@
 //! data with odd sizes; matmul against naive loops.
 
 use half::{bf16, f16};
-use tessera_kernels::q8::{quantize_row_scalar, BlockQ8};
+use tessera_kernels::q8::{quantize_row, quantize_row_scalar, BlockQ8};
 use tessera_kernels::{matmul, matmul_jobs, scalar, Isa, KvQ8, MatmulScratch, RowsJob, ThreadPool, WeightFormat, WeightRows};
 
 /// SplitMix64: deterministic test data without a dependency.
@@ -113,12 +113,22 @@ fn random_vec(rng: &mut Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.f32() * 2.0).collect()
 }
 
-/// `n` rows of `cols` random activations quantized to q8 blocks (scalar reference).
+/// `x` as q8 blocks whose fields agree exactly (`sum = d·Σq` unrounded; the quantizer
+/// rounds it to f16, as llama.cpp's q8_1): a kernel given them can be held to the exact
+/// dot of the values they stand for.
+fn quantize_exact(x: &[f32], out: &mut [BlockQ8]) {
+    quantize_row_scalar(x, out);
+    for b in out.iter_mut() {
+        b.sum = b.d * b.q_sum() as f32;
+    }
+}
+
+/// `n` rows of `cols` random activations quantized to q8 blocks (`quantize_exact`).
 fn random_q8_rows(rng: &mut Rng, n: usize, cols: usize) -> Vec<Vec<BlockQ8>> {
     (0..n)
         .map(|_| {
             let mut q = vec![BlockQ8::default(); cols / 32];
-            quantize_row_scalar(&random_vec(rng, cols), &mut q);
+            quantize_exact(&random_vec(rng, cols), &mut q);
             q
         })
         .collect()
@@ -280,7 +290,7 @@ fn quantized_dot_simd_matches_scalar_and_exact() {
             let row = random_row(&mut rng, format, cols);
             let x = random_vec(&mut rng, cols);
             let mut xq = vec![BlockQ8::default(); cols / 32];
-            quantize_row_scalar(&x, &mut xq);
+            quantize_exact(&x, &mut xq);
             let want = scalar::dot_q8(format, &row, &xq);
             let got = isa.dot_q8(format, &row, &xq);
             let mut w = vec![0.0; cols];
@@ -289,6 +299,14 @@ fn quantized_dot_simd_matches_scalar_and_exact() {
             // terms' magnitudes, not with the (possibly cancelling) result.
             let terms: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
             assert!((got - want).abs() <= 1e-5 * (1.0 + terms), "{format} blocks={blocks}: simd {got} vs scalar {want} (terms {terms})");
+            // Independent of both: the exact dot of the dequantized weights with the values
+            // the 8-bit blocks stand for (only rounding of the f32 sums apart).
+            let xd: Vec<f32> = xq.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
+            let exact_q8: f64 = w.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let mag: f64 = w.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+            for (name, v) in [("simd", got), ("scalar", want)] {
+                assert!((v as f64 - exact_q8).abs() <= 1e-5 * mag + 1e-6, "{format} blocks={blocks}: {name} {v} vs exact {exact_q8}");
+            }
             // 8-bit activations: error ≤ ~0.5/127 of |w|·|x| per element.
             let exact = scalar::dot_f32(format, &row, &x);
             let bound: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum::<f32>() * 0.01 + 1e-6;
@@ -315,8 +333,9 @@ fn matmul_matches_naive_loops_for_every_format_and_thread_count() {
                     for r in 0..rows {
                         let xs = &x[t * cols..(t + 1) * cols];
                         let want = if format.int8_activations() {
+                            // As matmul quantizes for this format (per 32 or per 256).
                             let mut xq = vec![BlockQ8::default(); cols / 32];
-                            quantize_row_scalar(xs, &mut xq);
+                            quantize_row(format.activation_blocks().unwrap(), xs, &mut xq);
                             scalar::dot_q8(format, w.row(r), &xq)
                         } else {
                             scalar::dot_f32(format, w.row(r), xs)
@@ -478,7 +497,7 @@ fn interleaved_rows_are_the_source_rows() {
             const TOKENS: usize = 15;
             let x = random_vec(&mut rng, TOKENS * cols);
             let mut xq = vec![BlockQ8::default(); cols / 32];
-            quantize_row_scalar(&x[..cols], &mut xq);
+            quantize_exact(&x[..cols], &mut xq);
             let xq8 = random_q8_rows(&mut rng, 8, cols);
             let xs8: [&[BlockQ8]; 8] = std::array::from_fn(|t| &xq8[t][..]);
             for g in 0..rows / 8 {
@@ -527,6 +546,18 @@ fn interleaved_rows_are_the_source_rows() {
 /// Attention of one head over a cache (scores, softmax with the vector exp, weighted
 /// values) against the scalar twin (libm exp), on odd head sizes and lengths, with
 /// scores spread wide enough that the softmax is far from uniform.
+/// Attention of one head in f64, written out: an independent reference for the scalar
+/// path and for the SIMD flavours where they fall back to it (head widths that are not
+/// multiples of 8).
+fn naive_attention(q: &[f32], k: &[f32], v: &[f32], stride: usize, len: usize, scale: f32) -> Vec<f64> {
+    let d = q.len();
+    let s: Vec<f64> = (0..len).map(|j| (0..d).map(|i| q[i] as f64 * k[j * stride + i] as f64).sum::<f64>() * scale as f64).collect();
+    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+    let total: f64 = p.iter().sum();
+    (0..d).map(|i| (0..len).map(|j| p[j] * v[j * stride + i] as f64).sum::<f64>() / total).collect()
+}
+
 #[test]
 fn attend_simd_matches_scalar() {
     let isa = Isa::detect();
@@ -542,6 +573,11 @@ fn attend_simd_matches_scalar() {
         isa.attend(&q, &k, &v, stride, len, scale, &mut s1, &mut o1);
         for (a, b) in o0.iter().zip(&o1) {
             assert!((a - b).abs() <= 2e-6 * (1.0 + a.abs()), "d={d} len={len}: {a} vs {b}");
+        }
+        for (i, (want, (a, b))) in naive_attention(&q, &k, &v, stride, len, scale).iter().zip(o0.iter().zip(&o1)).enumerate() {
+            for (name, got) in [("scalar", a), ("simd", b)] {
+                assert!((*got as f64 - want).abs() <= 4e-6 * (1.0 + want.abs()), "d={d} len={len} [{i}]: {name} {got} vs naive {want}");
+            }
         }
     }
 }
@@ -583,6 +619,10 @@ fn attend_group_matches_per_head_scalar() {
             }
         }
         for h in 0..g {
+            let naive = naive_attention(&q[h * d..(h + 1) * d], &k, &v, stride, len, scale);
+            for (i, (want, got)) in naive.iter().zip(&out[h * d..(h + 1) * d]).enumerate() {
+                assert!((*got as f64 - want).abs() <= 4e-6 * (1.0 + want.abs()), "g={g} d={d} len={len} head {h} [{i}]: {got} vs naive {want}");
+            }
             let (mut s0, mut o0) = (vec![0.0; len], vec![0.0; d]);
             scalar::attend(&q[h * d..(h + 1) * d], &k, &v, stride, len, scale, &mut s0, &mut o0);
             for (a, b) in o0.iter().zip(&out[h * d..(h + 1) * d]) {
@@ -907,8 +947,10 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
 }
 
 /// The two-group pass equals the one-group kernel on each group, on whatever ISA this
-/// CPU picks (a 512-bit pass on AVX-512 VNNI, else two calls). Matmul over pairs (16
-/// rows, 13–15 tokens) is in `interleaved_rows_are_the_source_rows`.
+/// CPU picks (a 512-bit pass on AVX-512 VNNI, else two calls), and both agree with the
+/// exact f64 dot of the groups' dequantized rows with the q8 activations (an independent
+/// reference, so the test says something where the pass is the two calls). Matmul over
+/// pairs (16 rows, 13–15 tokens) is in `interleaved_rows_are_the_source_rows`.
 #[test]
 fn group_pairs_equal_single_groups() {
     let isa = Isa::detect();
@@ -926,8 +968,18 @@ fn group_pairs_equal_single_groups() {
             let got = isa.dot_q8_rows16_x4(packed_format, &packed[2 * pair * group_bytes..2 * (pair + 1) * group_bytes], xs);
             for half in 0..2 {
                 let want = isa.dot_q8_rows8_x4(packed_format, w.group8(2 * pair + half), xs);
+                let mut rows_f32 = vec![0.0; 8 * cols];
+                tessera_kernels::scalar::dequantize_rows8(packed_format, w.group8(2 * pair + half), &mut rows_f32);
                 for t in 0..4 {
                     assert_eq!(got[t][8 * half..8 * half + 8], want[t], "{packed_format} pair {pair} half {half} token {t}");
+                    let xd: Vec<f32> = xq[t].iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
+                    for r in 0..8 {
+                        let row = &rows_f32[r * cols..(r + 1) * cols];
+                        let exact: f64 = row.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let mag: f64 = row.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                        let g = got[t][8 * half + r] as f64;
+                        assert!((g - exact).abs() <= 1e-5 * mag + 1e-6, "{packed_format} pair {pair} half {half} row {r} token {t}: {g} vs exact {exact}");
+                    }
                 }
             }
         }
@@ -1068,9 +1120,12 @@ fn scalar_row(format: WeightFormat, cols: usize, data: &[u8], row: usize) -> Vec
 fn check_converted_rows8(rng: &mut Rng, f: WeightFormat, dst: WeightRows<'_>, source_row: &dyn Fn(usize) -> Vec<f32>, weight_tol: f32) {
     let (isa, rows, cols) = (Isa::detect(), dst.rows, dst.cols);
     let x = random_vec(rng, 5 * cols);
-    let mut xq = vec![BlockQ8::default(); 5 * cols / 32];
+    // Exact blocks for the kernels against the exact dot; matmul's own (f16 sums, as
+    // llama.cpp's) for matmul against the scalar kernel on the same blocks.
+    let (mut xq, mut xq_matmul) = (vec![BlockQ8::default(); 5 * cols / 32], vec![BlockQ8::default(); 5 * cols / 32]);
     for t in 0..5 {
-        quantize_row_scalar(&x[t * cols..(t + 1) * cols], &mut xq[t * cols / 32..(t + 1) * cols / 32]);
+        quantize_exact(&x[t * cols..(t + 1) * cols], &mut xq[t * cols / 32..(t + 1) * cols / 32]);
+        quantize_row(f.activation_blocks().unwrap(), &x[t * cols..(t + 1) * cols], &mut xq_matmul[t * cols / 32..(t + 1) * cols / 32]);
     }
     let xq_of = |t: usize| &xq[t * cols / 32..(t + 1) * cols / 32];
     for g in 0..rows / 8 {
@@ -1096,7 +1151,7 @@ fn check_converted_rows8(rng: &mut Rng, f: WeightFormat, dst: WeightRows<'_>, so
         matmul(&pool, isa, dst, &x, 5, &mut y, &mut scratch);
         for t in 0..5 {
             for g in 0..rows / 8 {
-                let want = scalar::dot_q8_rows8(f, dst.group8(g), xq_of(t));
+                let want = scalar::dot_q8_rows8(f, dst.group8(g), &xq_matmul[t * cols / 32..(t + 1) * cols / 32]);
                 for r in 0..8 {
                     let got = y[t * rows + 8 * g + r];
                     assert!((got - want[r]).abs() <= 1e-4 * (1.0 + want[r].abs()), "{f} matmul token {t} row {}: {got} vs {}", 8 * g + r, want[r]);

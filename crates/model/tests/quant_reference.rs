@@ -14,7 +14,9 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
 }
 
-/// Dequantized rows must be bit-identical; SIMD dots must agree with the exact dot.
+/// Dequantized rows must be bit-identical; the dot each format computes with (8-bit
+/// activations for the GGUF integer formats, f32 for the others), scalar and SIMD, must
+/// agree with the exact f64 dot of the reference values with those activations.
 fn check(format: WeightFormat, bytes: &[u8], want: &[f32]) {
     let mut got = vec![0.0; want.len()];
     scalar::dequantize_row(format, bytes, &mut got);
@@ -22,12 +24,31 @@ fn check(format: WeightFormat, bytes: &[u8], want: &[f32]) {
         assert!(g == w || (g - w).abs() <= 1e-6 * w.abs(), "{format} element {i}: {g} vs reference {w}");
     }
     let x: Vec<f32> = (0..want.len()).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
-    let exact: f64 = want.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-    let mag: f64 = want.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+    let xq = q8_of(&x);
+    // What the kernels multiply by: the activations themselves, or their 8-bit blocks.
+    let xd: Vec<f32> = if format.int8_activations() { q8_values(&xq) } else { x.clone() };
+    let exact: f64 = want.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
+    let mag: f64 = want.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
     for isa in [Isa::Scalar, Isa::detect()] {
-        let d = isa.dot_f32(format, bytes, &x) as f64;
+        let d = if format.int8_activations() { isa.dot_q8(format, bytes, &xq) } else { isa.dot_f32(format, bytes, &x) } as f64;
         assert!((d - exact).abs() <= 1e-5 * mag + 1e-6, "{format} {}: dot {d} vs {exact}", isa.name());
     }
+}
+
+/// `x` as q8 blocks whose fields agree exactly (the quantizer rounds `d·Σq` to f16, as
+/// llama.cpp's q8_1; here it is kept exact so kernels are held to the exact dot).
+fn q8_of(x: &[f32]) -> Vec<BlockQ8> {
+    let mut q = vec![BlockQ8::default(); x.len() / 32];
+    quantize_row_scalar(x, &mut q);
+    for b in q.iter_mut() {
+        b.sum = b.d * b.q_sum() as f32;
+    }
+    q
+}
+
+/// The values 8-bit activation blocks stand for.
+fn q8_values(xq: &[BlockQ8]) -> Vec<f32> {
+    xq.iter().flat_map(|blk| blk.qs.iter().map(move |&q| q as f32 * blk.d)).collect()
 }
 
 #[test]
@@ -86,14 +107,7 @@ fn groups_of_8_rows_match_gguf_py() {
             assert_eq!(&got[r * cols..(r + 1) * cols], &want[b * cols..(b + 1) * cols], "{name} row {r} (fixture block {b})");
         }
         let xs: Vec<Vec<f32>> = (0..4).map(|t| (0..cols).map(|i| ((i * 7919 + 31 * t) % 97) as f32 / 97.0 - 0.5).collect()).collect();
-        let xq: Vec<Vec<BlockQ8>> = xs
-            .iter()
-            .map(|x| {
-                let mut q = vec![BlockQ8::default(); cols / 32];
-                quantize_row_scalar(x, &mut q);
-                q
-            })
-            .collect();
+        let xq: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8_of(x)).collect();
         let isa = Isa::detect();
         let one = isa.dot_q8_rows8(packed_format, &packed, &xq[0]);
         let four = isa.dot_q8_rows8_x4(packed_format, &packed, [&xq[0], &xq[1], &xq[2], &xq[3]]);
@@ -101,7 +115,7 @@ fn groups_of_8_rows_match_gguf_py() {
             let w = &want[b * cols..(b + 1) * cols];
             for (t, got) in [(0, one[r]), (0, four[0][r]), (1, four[1][r]), (2, four[2][r]), (3, four[3][r])] {
                 // Against the exact dot of the dequantized weights with the q8 activations.
-                let xd: Vec<f32> = xq[t].iter().flat_map(|blk| blk.qs.iter().map(move |&q| q as f32 * blk.d)).collect();
+                let xd = q8_values(&xq[t]);
                 let exact: f64 = w.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
                 let mag: f64 = w.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
                 assert!((got as f64 - exact).abs() <= 1e-5 * mag + 1e-6, "{name} row {r} token {t}: {got} vs {exact}");

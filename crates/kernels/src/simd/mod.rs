@@ -30,7 +30,7 @@
 //! ceiling it is held against. K-quants with f32 activations (never chosen at load:
 //! they compute on q8 activations) dequantize through the scalar decoder.
 
-use crate::format::WeightFormat;
+use crate::format::{ActivationBlocks, WeightFormat};
 use crate::q8::{BlockQ8, KvQ8, QK};
 use crate::scalar;
 
@@ -613,7 +613,7 @@ impl Isa {
         }
     }
 
-    /// Quantize activations to q8 blocks.
+    /// Quantize activations to q8 blocks ([`ActivationBlocks::Per32`]).
     #[inline]
     pub fn quantize_q8(self, x: &[f32], out: &mut [BlockQ8]) {
         match self {
@@ -621,6 +621,16 @@ impl Isa {
             // SAFETY: see dot_f32.
             Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::quantize_q8(x, out) },
             _ => crate::q8::quantize_row_scalar(x, out),
+        }
+    }
+
+    /// Quantize activations to q8 blocks in `scheme` (per 256: the scalar code on every
+    /// flavour; it runs once per row per matrix group, not per weight).
+    #[inline]
+    pub fn quantize_activations(self, scheme: ActivationBlocks, x: &[f32], out: &mut [BlockQ8]) {
+        match scheme {
+            ActivationBlocks::Per32 => self.quantize_q8(x, out),
+            ActivationBlocks::Per256 => crate::q8::quantize_row_per256(x, out),
         }
     }
 }

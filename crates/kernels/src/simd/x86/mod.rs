@@ -987,8 +987,7 @@ pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
         let i8s = _mm256_packs_epi16(i16a, i16b);
         let i8s = _mm256_permutevar8x32_epi32(i8s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(block.qs.as_mut_ptr() as *mut __m256i, i8s);
-        block.d = d;
-        block.sum = d * total as f32;
+        block.set_scale(d, total);
         block.half_sums = [sum_a as i16, sum_b as i16];
     }
 }
