@@ -271,13 +271,51 @@ fn q8_quantize_simd_matches_scalar() {
         for (b, (w, g)) in want.iter().zip(&got).enumerate() {
             assert_eq!(w.qs, g.qs, "block {b}");
             assert_eq!(w.d, g.d, "block {b}");
-            assert!(close(w.sum, g.sum, 1e-6), "block {b}");
+            assert_eq!(w.sum, g.sum, "block {b}");
             assert_eq!(w.half_sums, g.half_sums, "block {b}");
             let halves = [0, 16].map(|o| w.qs[o..o + 16].iter().map(|&q| q as i32).sum::<i32>() as i16);
             assert_eq!(w.half_sums, halves, "block {b}: Σq of each half");
             assert!(w.d.is_finite());
         }
     }
+}
+
+/// q8_K blocks (per 256, llama.cpp's `quantize_row_q8_K_ref`): the SIMD quantizer gives
+/// the scalar one's blocks bit for bit, including the sign of the largest (the first of
+/// a ±tie), ties rounded to even, an all-zero super-block and a negative largest value;
+/// and the scalar one follows llama.cpp's rule on a hand-made block.
+#[test]
+fn q8_per256_quantize_simd_matches_scalar_and_llama_rule() {
+    let isa = Isa::detect();
+    let mut rng = Rng(17);
+    for case in 0..6 {
+        let mut x = random_vec(&mut rng, 3 * 256);
+        match case {
+            1 => x[256..512].iter_mut().for_each(|v| *v = 0.0),
+            2 => x[300] = -9.0,
+            3 => {
+                x[10] = -5.0;
+                x[20] = 5.0;
+            }
+            4 => x.iter_mut().enumerate().for_each(|(i, v)| *v = (i % 7) as f32 * 0.5 - 1.5),
+            _ => {}
+        }
+        let (mut want, mut got) = (vec![BlockQ8::default(); 24], vec![BlockQ8::default(); 24]);
+        tessera_kernels::q8::quantize_row_per256(&x, &mut want);
+        isa.quantize_activations(tessera_kernels::ActivationBlocks::Per256, &x, &mut got);
+        for (b, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!((w.qs, w.d.to_bits(), w.sum.to_bits(), w.half_sums), (g.qs, g.d.to_bits(), g.sum.to_bits(), g.half_sums), "case {case} block {b}");
+        }
+    }
+    // llama.cpp's rule: the first value of largest magnitude, −127 (before +127), maps to
+    // −127, so iscale = −127 / −127 = 1 and d = 1; 62.5 rounds to 62 (half to even, where
+    // rounding half away would give 63), 63.5 to 64.
+    let mut x = vec![0.0f32; 256];
+    x[..4].copy_from_slice(&[-127.0, 127.0, 62.5, 63.5]);
+    let mut q = vec![BlockQ8::default(); 8];
+    tessera_kernels::q8::quantize_row_per256(&x, &mut q);
+    assert_eq!(&q[0].qs[..4], &[-127, 127, 62, 64]);
+    assert_eq!(q[0].d, 1.0);
 }
 
 #[test]

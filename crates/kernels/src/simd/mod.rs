@@ -624,13 +624,15 @@ impl Isa {
         }
     }
 
-    /// Quantize activations to q8 blocks in `scheme` (per 256: the scalar code on every
-    /// flavour; it runs once per row per matrix group, not per weight).
+    /// Quantize activations to q8 blocks in `scheme`.
     #[inline]
     pub fn quantize_activations(self, scheme: ActivationBlocks, x: &[f32], out: &mut [BlockQ8]) {
-        match scheme {
-            ActivationBlocks::Per32 => self.quantize_q8(x, out),
-            ActivationBlocks::Per256 => crate::q8::quantize_row_per256(x, out),
+        match (scheme, self) {
+            (ActivationBlocks::Per32, _) => self.quantize_q8(x, out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            (ActivationBlocks::Per256, Isa::Avx2 | Isa::Avx512Vnni) => unsafe { x86::quantize_q8_per256(x, out) },
+            (ActivationBlocks::Per256, _) => crate::q8::quantize_row_per256(x, out),
         }
     }
 }
