@@ -944,6 +944,23 @@ pub unsafe fn mac_probe(kind: MacKind, rounds: usize, input: &ProbeInput) -> f32
     }
 }
 
+/// Stores a block's 32 rounded values (four vectors of i32, each in −127..=127) as its
+/// `qs` and returns Σq of elements 0..16 and of 16..32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store_q8(ints: [__m256i; 4], block: &mut BlockQ8) -> [i32; 2] {
+    let (a, b) = (_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+    let fold = |v: __m256i| _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s4 = _mm_hadd_epi32(fold(a), fold(b));
+    let s4 = _mm_hadd_epi32(s4, s4);
+    // Pack i32 → i16 → i8; packs interleave 128-bit lanes, the permute restores order.
+    let i16a = _mm256_packs_epi32(ints[0], ints[1]);
+    let i16b = _mm256_packs_epi32(ints[2], ints[3]);
+    let i8s = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(block.qs.as_mut_ptr() as *mut __m256i, i8s);
+    [_mm_cvtsi128_si32(s4), _mm_extract_epi32(s4, 1)]
+}
+
 /// [`crate::q8::quantize_row_per256`] (llama.cpp's q8_K) with AVX2: the same values bit
 /// for bit (largest magnitude found per 256, its first occurrence's sign kept; rounding
 /// half to even by ROUNDPS; the same f32 scale).
@@ -988,15 +1005,7 @@ pub unsafe fn quantize_q8_per256(x: &[f32], out: &mut [BlockQ8]) {
                 let r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 *int = _mm256_min_epi32(_mm256_cvtps_epi32(r), cap);
             }
-            let (a, b) = (_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
-            let fold = |v: __m256i| _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-            let s4 = _mm_hadd_epi32(fold(a), fold(b));
-            let s4 = _mm_hadd_epi32(s4, s4);
-            let (sum_a, sum_b) = (_mm_cvtsi128_si32(s4), _mm_extract_epi32(s4, 1));
-            let i16a = _mm256_packs_epi32(ints[0], ints[1]);
-            let i16b = _mm256_packs_epi32(ints[2], ints[3]);
-            let i8s = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256(block.qs.as_mut_ptr() as *mut __m256i, i8s);
+            let [sum_a, sum_b] = store_q8(ints, block);
             block.d = d;
             block.sum = d * (sum_a + sum_b) as f32;
             block.half_sums = [sum_a as i16, sum_b as i16];
@@ -1034,19 +1043,8 @@ pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
             let r = _mm256_round_ps(_mm256_add_ps(s, half), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
             ints[k] = _mm256_cvtps_epi32(r);
         }
-        // Σq of elements 0..16 and 16..32, then the whole block's.
-        let (a, b) = (_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
-        let fold = |v: __m256i| _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let s4 = _mm_hadd_epi32(fold(a), fold(b));
-        let s4 = _mm_hadd_epi32(s4, s4);
-        let (sum_a, sum_b) = (_mm_cvtsi128_si32(s4), _mm_extract_epi32(s4, 1));
+        let [sum_a, sum_b] = store_q8(ints, block);
         let total = sum_a + sum_b;
-        // Pack i32 → i16 → i8; packs interleave 128-bit lanes, the permute restores order.
-        let i16a = _mm256_packs_epi32(ints[0], ints[1]);
-        let i16b = _mm256_packs_epi32(ints[2], ints[3]);
-        let i8s = _mm256_packs_epi16(i16a, i16b);
-        let i8s = _mm256_permutevar8x32_epi32(i8s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256(block.qs.as_mut_ptr() as *mut __m256i, i8s);
         // d and d·Σq rounded to f16 as `BlockQ8::set_scale` does, in one F16C round trip
         // (the software conversion cost ~5 % of a 512-token prefill).
         let both = _mm_cvtph_ps(_mm_cvtps_ph(_mm_setr_ps(d, d * total as f32, 0.0, 0.0), _MM_FROUND_TO_NEAREST_INT));
