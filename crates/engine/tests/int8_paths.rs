@@ -19,8 +19,9 @@ use tessera_model::{load_model, Model, KvDtype, LogitsFor, StepLimits};
 /// score is 5e-4): there a token takes another expert and its logits move by ~1 (13 %;
 /// one prompt position of the MLX fixture). So: most positions within 5 %, a few
 /// routing flips allowed, none wild. A wrong scale, bias, nibble order, rounding or token
-/// breaks every position.
-const TYPICAL_OF_MAX: f32 = 0.05;
+/// breaks every position. Measured (2026-12-01): every position within 1.8 % of the
+/// largest logit but for one routing flip of the nvfp4 fixture (19 %).
+const TYPICAL_OF_MAX: f32 = 0.035;
 const FLIPS_MAX: usize = 2;
 const ANY_OF_MAX: f32 = 0.25;
 
