@@ -134,6 +134,18 @@ fn random_q8_rows(rng: &mut Rng, n: usize, cols: usize) -> Vec<Vec<BlockQ8>> {
         .collect()
 }
 
+/// The values q8 blocks stand for (`d·q`).
+fn q8_values(xq: &[BlockQ8]) -> Vec<f32> {
+    xq.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect()
+}
+
+/// The exact f64 dot of `w` and `x`, and the sum of its terms' magnitudes (what float
+/// summation order can move it by scales with).
+fn exact_dot(w: &[f32], x: &[f32]) -> (f64, f64) {
+    let terms = || w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64);
+    (terms().sum(), terms().map(f64::abs).sum())
+}
+
 fn close(a: f32, b: f32, tol: f32) -> bool {
     (a - b).abs() <= tol * (1.0 + a.abs().max(b.abs()))
 }
@@ -339,9 +351,7 @@ fn quantized_dot_simd_matches_scalar_and_exact() {
             assert!((got - want).abs() <= 1e-5 * (1.0 + terms), "{format} blocks={blocks}: simd {got} vs scalar {want} (terms {terms})");
             // Independent of both: the exact dot of the dequantized weights with the values
             // the 8-bit blocks stand for (only rounding of the f32 sums apart).
-            let xd: Vec<f32> = xq.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
-            let exact_q8: f64 = w.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
-            let mag: f64 = w.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+            let (exact_q8, mag) = exact_dot(&w, &q8_values(&xq));
             for (name, v) in [("simd", got), ("scalar", want)] {
                 assert!((v as f64 - exact_q8).abs() <= 1e-5 * mag + 1e-6, "{format} blocks={blocks}: {name} {v} vs exact {exact_q8}");
             }
@@ -1010,11 +1020,10 @@ fn group_pairs_equal_single_groups() {
                 tessera_kernels::scalar::dequantize_rows8(packed_format, w.group8(2 * pair + half), &mut rows_f32);
                 for t in 0..4 {
                     assert_eq!(got[t][8 * half..8 * half + 8], want[t], "{packed_format} pair {pair} half {half} token {t}");
-                    let xd: Vec<f32> = xq[t].iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
+                    let xd = q8_values(&xq[t]);
                     for r in 0..8 {
                         let row = &rows_f32[r * cols..(r + 1) * cols];
-                        let exact: f64 = row.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
-                        let mag: f64 = row.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                        let (exact, mag) = exact_dot(row, &xd);
                         let g = got[t][8 * half + r] as f64;
                         assert!((g - exact).abs() <= 1e-5 * mag + 1e-6, "{packed_format} pair {pair} half {half} row {r} token {t}: {g} vs exact {exact}");
                     }

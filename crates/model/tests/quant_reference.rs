@@ -27,8 +27,7 @@ fn check(format: WeightFormat, bytes: &[u8], want: &[f32]) {
     let xq = q8_of(&x);
     // What the kernels multiply by: the activations themselves, or their 8-bit blocks.
     let xd: Vec<f32> = if format.int8_activations() { q8_values(&xq) } else { x.clone() };
-    let exact: f64 = want.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
-    let mag: f64 = want.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+    let (exact, mag) = exact_dot(want, &xd);
     for isa in [Isa::Scalar, Isa::detect()] {
         let d = if format.int8_activations() { isa.dot_q8(format, bytes, &xq) } else { isa.dot_f32(format, bytes, &x) } as f64;
         assert!((d - exact).abs() <= 1e-5 * mag + 1e-6, "{format} {}: dot {d} vs {exact}", isa.name());
@@ -44,6 +43,12 @@ fn q8_of(x: &[f32]) -> Vec<BlockQ8> {
         b.sum = b.d * b.q_sum() as f32;
     }
     q
+}
+
+/// The exact f64 dot of `w` and `x`, and the sum of its terms' magnitudes.
+fn exact_dot(w: &[f32], x: &[f32]) -> (f64, f64) {
+    let terms = || w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64);
+    (terms().sum(), terms().map(f64::abs).sum())
 }
 
 /// The values 8-bit activation blocks stand for.
@@ -116,8 +121,7 @@ fn groups_of_8_rows_match_gguf_py() {
             for (t, got) in [(0, one[r]), (0, four[0][r]), (1, four[1][r]), (2, four[2][r]), (3, four[3][r])] {
                 // Against the exact dot of the dequantized weights with the q8 activations.
                 let xd = q8_values(&xq[t]);
-                let exact: f64 = w.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let mag: f64 = w.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                let (exact, mag) = exact_dot(w, &xd);
                 assert!((got as f64 - exact).abs() <= 1e-5 * mag + 1e-6, "{name} row {r} token {t}: {got} vs {exact}");
             }
         }
