@@ -153,6 +153,18 @@ impl Collectives for CommCollectives {
     fn group_size(&self, _: CollGroup) -> usize {
         self.stage.as_ref().map_or(1, |g| g.size())
     }
+    fn send(&self, _: CollGroup, peer: usize, buf: &[f32], layer: usize, what: &'static str) -> Result<(), String> {
+        let g = self.stage.as_ref().ok_or("send without a stage group")?;
+        g.send(buf, peer, &self.tag(layer, what)).map_err(|e| e.to_string())
+    }
+    fn recv(&self, _: CollGroup, peer: usize, buf: &mut [f32], layer: usize, what: &'static str) -> Result<(), String> {
+        let g = self.stage.as_ref().ok_or("recv without a stage group")?;
+        g.recv(buf, peer, &self.tag(layer, what)).map_err(|e| e.to_string())
+    }
+    fn broadcast(&self, _: CollGroup, root: usize, buf: &mut [f32], layer: usize, what: &'static str) -> Result<(), String> {
+        let g = self.stage.as_ref().ok_or("broadcast without a stage group")?;
+        g.broadcast(buf, root, &self.tag(layer, what)).map_err(|e| e.to_string())
+    }
 }
 
 /// Plan layout (u32 words): a fixed head, then (slot, tokens, logits-all) per chunk,

@@ -21,7 +21,9 @@ pub mod shard;
 pub mod tokenizer;
 
 mod attention;
+mod dump;
 mod ffn;
+mod gather;
 mod kv;
 mod linear;
 mod load;

@@ -126,9 +126,6 @@ impl Sel {
     pub(crate) fn rows(rows: Range<usize>, cols: usize) -> Sel {
         Sel { stack: None, rows, cols: 0..cols }
     }
-    pub(crate) fn cols(rows: usize, cols: Range<usize>) -> Sel {
-        Sel { stack: None, rows: 0..rows, cols }
-    }
     pub(crate) fn all(rows: usize, cols: usize) -> Sel {
         Sel { stack: None, rows: 0..rows, cols: 0..cols }
     }
@@ -307,34 +304,6 @@ impl<'a> Loader<'a> {
             push(&aux.name, aux.dtype, shape(sel.rows.len(), g1 - g0), slice(aux, rows, sel.rows.clone(), g0 * es..g1 * es)?);
         }
         Ok(())
-    }
-
-    /// Block size (elements) of matrix `hf` with `cols` columns, so width splits keep
-    /// quant blocks whole (1 for plain floats).
-    pub(crate) fn block_of(&self, hf: &str, cols: usize) -> usize {
-        let base = hf.strip_suffix(".weight").unwrap_or(hf);
-        if let Some(scales) = self.find(&format!("{base}.scales")) {
-            // Microscaling (U8 scales): blocks of 32 as repacked (nvfp4's groups of 16
-            // come in pairs).
-            if scales.dtype == crate::checkpoint::TensorDtype::U8 {
-                return 32;
-            }
-            // A shard's scales cover only its slice: take the group size from the
-            // config's `quantization` (per module, else global), as mlx writes it.
-            if self.presliced {
-                let q = self.c.config.as_ref().map(|c| &c["quantization"]);
-                let group = q.and_then(|q| q[base]["group_size"].as_u64().or(q["group_size"].as_u64()));
-                if let Some(g) = group {
-                    return g as usize;
-                }
-            }
-            return cols / scales.shape.last().copied().unwrap_or(1).max(1);
-        }
-        match self.find(hf).map(|t| t.dtype) {
-            Some(crate::checkpoint::TensorDtype::F8E4M3) => 32,
-            Some(d) => d.weight_format().map_or(1, |f| f.block_elems()),
-            None => 1,
-        }
     }
 
     pub(crate) fn find(&self, hf: &str) -> Option<&'a TensorInfo> {

@@ -16,13 +16,13 @@ use crate::config::{FfnKind, ModelConfig};
 use crate::error::{LoadError, Result};
 use crate::ffn::moe::{Moe, EXPERT_SLOTS_FUSED_MAX};
 use crate::ffn::routing::RouteScratch;
-use crate::ffn::{mlp::Mlp, Ffn};
+use crate::ffn::{mlp::{Mlp, MlpParts}, Ffn};
 use crate::kv::{KvCache, KvDtype, KvStore};
 use crate::linear::Linear;
 use crate::load::{place_in_arena, vector, Loader, RecordedTensor, Sel};
 use crate::memory::{huge_pages_wanted, WeightBuffer};
 use crate::profile::ProfileKind;
-use crate::shard::{split, CollGroup, Collectives, ExpertSplit, ShardSpec};
+use crate::shard::{output_rows, split, CollGroup, Collectives, ExpertSplit, ShardSpec};
 use crate::step::{LogitsFor, Run, SeqChunk, StageIo, StageOutput, StepError, StepLimits, Workspace, PER_TOKEN_PARALLEL_MIN};
 use std::ops::Range;
 use std::sync::Arc;
@@ -117,7 +117,7 @@ impl Model {
         };
         let (h, v) = (cfg.hidden, cfg.vocab);
         let (tp, tpr) = (spec.tp_size, spec.tp_rank);
-        let vocab = split(v, tpr, tp);
+        let vocab = output_rows(v, tpr, tp);
         let head_present = ld.find("lm_head.weight").is_some();
         let tied = cfg.tie_embeddings.unwrap_or(!head_present);
         let need_embed = spec.first_stage() || (tied && spec.last_stage());
@@ -134,10 +134,10 @@ impl Model {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let attn = match &cfg.mla {
                 None => Attn::Gqa(Gqa::load(&ld, &cfg, i, tpr, tp)?),
-                Some(m) => Attn::Mla(Mla::load(&ld, &cfg, m, i, split(cfg.heads, tpr, tp), tpr == 0)?),
+                Some(m) => Attn::Mla(Mla::load(&ld, &cfg, m, i, split(cfg.heads, tpr, tp), output_rows(h, tpr, tp))?),
             };
             let ffn = match cfg.layer_ffn[i] {
-                FfnKind::Dense => Ffn::Dense(Mlp::load_split(&ld, &p("mlp"), cfg.intermediate, h, cfg.mlp_bias, tpr, tp)?),
+                FfnKind::Dense => Ffn::Dense(Mlp::load(&ld, &p("mlp"), cfg.mlp_bias, MlpParts { group: CollGroup::Tp, rank: tpr, ranks: tp, width: cfg.intermediate, hidden: h })?),
                 FfnKind::Moe => Ffn::Moe(Moe::load(&ld, &cfg, &spec, i)?),
             };
             layers.push(Layer {
@@ -382,7 +382,7 @@ impl Model {
         let moe_rows = if moe.is_some() { t.max(fused_slots) * c.hidden } else { 0 };
         // Decode-batch rows of vocabulary-parallel logits (TP > 1 only).
         let tp_gather = self.spec.tp_size;
-        let (head_rows, vmax) = if tp_gather > 1 { (limits.sequences_per_step_max, split(c.vocab, 0, tp_gather).len()) } else { (0, 0) };
+        let (head_rows, vmax) = if tp_gather > 1 { (limits.sequences_per_step_max, output_rows(c.vocab, 0, tp_gather).len()) } else { (0, 0) };
         Workspace {
             limits,
             x: vec![0.0; t * c.hidden],
@@ -417,6 +417,7 @@ impl Model {
             moe_gate: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_up: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_proj: vec![0.0; fused_slots * c.hidden],
+            moe_kept: Vec::new(),
             moe_active: Vec::with_capacity(moe.map_or(0, |m| m.experts)),
             tok_chunk: vec![0; t],
             tok_pos: vec![0; t],
@@ -425,7 +426,9 @@ impl Model {
             logits_local: vec![0.0; head_rows * vmax],
             logits_part: vec![0.0; head_rows * vmax],
             logits_gather: vec![0.0; head_rows * vmax * tp_gather],
+            gather: Default::default(),
             profile: None,
+            dump: crate::dump::Dump::from_env(&self.spec),
             bytes_read: 0,
         }
     }
@@ -574,7 +577,7 @@ impl Model {
             p.steps += 1;
         }
 
-        let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, chunks };
+        let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, chunks, coll, spec: &self.spec };
         // The previous layer's FFN output, not yet added to the residual: the add joins
         // the next layer's norm in one pass over the tokens.
         let mut ffn_pending = false;
@@ -582,20 +585,16 @@ impl Model {
             let t0 = ws.clock();
             residual(pool, n, h, &mut ws.x, ffn_pending.then_some(&ws.proj[..]), Some((&layer.attn_norm, c.rms_eps, &mut ws.xn)));
             ws.charge(ProfileKind::Norms, t0, 0);
-            layer.attn.forward(&run, ws, caches, li);
-            if tp > 1 {
-                let t0 = ws.clock();
-                coll.all_reduce_sum(CollGroup::Tp, &mut ws.proj[..n * h], li, "attn out").map_err(fail)?;
-                ws.charge(ProfileKind::Collectives, t0, 0);
+            layer.attn.forward(&run, ws, caches, li)?;
+            if let Some(d) = &ws.dump {
+                d.write(li, "attn", &ws.proj[..n * h]);
             }
             let t0 = ws.clock();
             residual(pool, n, h, &mut ws.x, Some(&ws.proj), Some((&layer.ffn_norm, c.rms_eps, &mut ws.xn)));
             ws.charge(ProfileKind::Norms, t0, 0);
-            layer.ffn.forward(&run, ws);
-            if let Some((group, op)) = layer.ffn.partial_over(&self.spec) {
-                let t0 = ws.clock();
-                coll.all_reduce_sum(group, &mut ws.proj[..n * h], li, op).map_err(fail)?;
-                ws.charge(ProfileKind::Collectives, t0, 0);
+            layer.ffn.forward(&run, ws, li)?;
+            if let Some(d) = &ws.dump {
+                d.write(li, "ffn", &ws.proj[..n * h]);
             }
             ffn_pending = true;
         }
@@ -646,7 +645,7 @@ impl Model {
         // Vocabulary-parallel head: each rank computes its slice of every row, padded to
         // the largest slice, and an all-gather assembles full rows. Buffers grow only
         // for `All` logits wider than the decode batch (not the decode hot path).
-        let vmax = split(c.vocab, 0, tp).len();
+        let vmax = output_rows(c.vocab, 0, tp).len();
         let part_len = logit_rows * vmax;
         let mine = self.vocab.len();
         if ws.logits_part.len() < part_len {
@@ -666,7 +665,7 @@ impl Model {
             .map_err(fail)?;
         ws.charge(ProfileKind::Collectives, t0, 0);
         for k in 0..tp {
-            let vr = split(c.vocab, k, tp);
+            let vr = output_rows(c.vocab, k, tp);
             for r in 0..logit_rows {
                 let src = &ws.logits_gather[k * part_len + r * vmax..k * part_len + r * vmax + vr.len()];
                 logits[r * c.vocab + vr.start..r * c.vocab + vr.end].copy_from_slice(src);

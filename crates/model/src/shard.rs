@@ -25,6 +25,12 @@ pub trait Collectives {
     /// them in group-rank order.
     fn all_gather(&self, group: CollGroup, send: &[f32], recv: &mut [f32], layer: usize, what: &'static str) -> Result<(), String>;
     fn group_size(&self, group: CollGroup) -> usize;
+    /// Point to point within `group` (`peer` is a member index); the receiver posts a
+    /// `recv` of the same length.
+    fn send(&self, group: CollGroup, peer: usize, buf: &[f32], layer: usize, what: &'static str) -> Result<(), String>;
+    fn recv(&self, group: CollGroup, peer: usize, buf: &mut [f32], layer: usize, what: &'static str) -> Result<(), String>;
+    /// Member `root`'s `buf` into every member's.
+    fn broadcast(&self, group: CollGroup, root: usize, buf: &mut [f32], layer: usize, what: &'static str) -> Result<(), String>;
 }
 
 /// A single rank: nothing to communicate.
@@ -40,6 +46,15 @@ impl Collectives for Alone {
     }
     fn group_size(&self, _: CollGroup) -> usize {
         1
+    }
+    fn send(&self, _: CollGroup, peer: usize, _: &[f32], _: usize, what: &'static str) -> Result<(), String> {
+        Err(format!("{what}: send to member {peer} of a group of one"))
+    }
+    fn recv(&self, _: CollGroup, peer: usize, _: &mut [f32], _: usize, what: &'static str) -> Result<(), String> {
+        Err(format!("{what}: recv from member {peer} of a group of one"))
+    }
+    fn broadcast(&self, _: CollGroup, _: usize, _: &mut [f32], _: usize, _: &'static str) -> Result<(), String> {
+        Ok(())
     }
 }
 
@@ -101,6 +116,18 @@ pub fn split_units(n: usize, unit: usize, i: usize, parts: usize) -> Range<usize
     let units = n.div_ceil(unit);
     let r = split(units, i, parts);
     (r.start * unit).min(n)..(r.end * unit).min(n)
+}
+
+/// Output rows are split in units of this many: every 8-row interleaved group whole, so
+/// that each row runs the arithmetic it runs on one node (the 16-row pairs of AVX-512
+/// compute each row as the 8-row kernel does: `vnni_kernels_equal_avx2_bit_for_bit`).
+pub const OUTPUT_ROWS_UNIT: usize = 8;
+
+/// The output rows (of `rows`) that part `i` of `parts` computes of a matrix whose
+/// input is gathered whole on every rank: the o and down projections under TP, whose
+/// outputs are then gathered (never summed, see [`crate::gather`]).
+pub fn output_rows(rows: usize, i: usize, parts: usize) -> Range<usize> {
+    split_units(rows, OUTPUT_ROWS_UNIT, i, parts)
 }
 
 /// Query heads and the kv heads they need, for TP rank `i` of `parts`. With at least

@@ -5,8 +5,10 @@
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::ffn::routing::RouteScratch;
+use crate::gather::{Columns, Gather};
 use crate::linear::Linear;
 use crate::profile::{Profile, ProfileKind};
+use crate::shard::{Collectives, ShardSpec};
 use tessera_kernels::{Isa, MatmulScratch, ThreadPool};
 
 /// Which rows of a step produce logits.
@@ -109,6 +111,8 @@ pub struct Workspace {
     pub(crate) moe_gate: Vec<f32>,
     pub(crate) moe_up: Vec<f32>,
     pub(crate) moe_proj: Vec<f32>,
+    /// Under the expert chain, unfused: this member's slot outputs (grows to the largest step's).
+    pub(crate) moe_kept: Vec<f32>,
     /// Experts with at least one slot this step.
     pub(crate) moe_active: Vec<u32>,
     // Per token of the step: its chunk and absolute position; chunk boundaries.
@@ -120,7 +124,11 @@ pub struct Workspace {
     pub(crate) logits_local: Vec<f32>,
     pub(crate) logits_part: Vec<f32>,
     pub(crate) logits_gather: Vec<f32>,
+    /// Buffers of the gathers of split layers (`crate::gather`).
+    pub(crate) gather: Gather,
     pub(crate) profile: Option<Profile>,
+    /// `TESSERA_DUMP_DIR`: where each layer's block outputs are appended (debugging).
+    pub(crate) dump: Option<crate::dump::Dump>,
     /// Weight and KV-cache bytes every step so far has read (the profiler's byte
     /// counts, kept without it: one add per module call).
     pub(crate) bytes_read: u64,
@@ -152,6 +160,8 @@ pub(crate) struct Run<'a> {
     pub(crate) cfg: &'a ModelConfig,
     pub(crate) n: usize,
     pub(crate) chunks: &'a [SeqChunk<'a>],
+    pub(crate) coll: &'a dyn Collectives,
+    pub(crate) spec: &'a ShardSpec,
 }
 
 impl Run<'_> {
@@ -163,6 +173,27 @@ impl Run<'_> {
 
     pub(crate) fn linear(&self, l: &Linear, x: &[f32], n: usize, y: &mut [f32], mm: &mut MatmulScratch) {
         l.forward(self.pool, self.isa, self.ckpt, x, n, y, mm);
+    }
+
+    /// `y = l·x` where the members of a group each hold some columns of `x`: this one
+    /// `input.part(rank)` of each of the `n` rows, packed in `x`'s first
+    /// `n × part.len()` values. `x` is gathered whole in place (room for `n ×
+    /// input.total`), `l` holds this member's rows `output.part(rank)` of the whole
+    /// matrix, and those rows of every member are gathered into `y`: each value of `y`
+    /// is computed as one node computes it ([`crate::gather`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn linear_split(&self, l: &Linear, x: &mut [f32], input: &Columns, output: &Columns, rank: usize, n: usize, y: &mut [f32], g: &mut Gather, mm: &mut MatmulScratch) -> Result<(), StepError> {
+        if input.ranks == 1 {
+            self.linear(l, &x[..n * input.total], n, &mut y[..n * output.total], mm);
+            return Ok(());
+        }
+        let w = (input.part)(rank).len();
+        g.local(input, n)[..n * w].copy_from_slice(&x[..n * w]);
+        g.columns(self.coll, input, n, x)?;
+        let rows = (output.part)(rank).len();
+        debug_assert_eq!(rows, l.rows);
+        self.linear(l, &x[..n * input.total], n, &mut g.local(output, n)[..n * rows], mm);
+        g.columns(self.coll, output, n, y)
     }
 }
 

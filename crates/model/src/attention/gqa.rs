@@ -9,8 +9,9 @@ use crate::kv::{KvCache, KvStore, TokenCaches};
 use crate::linear::Linear;
 use crate::load::{Loader, Sel};
 use crate::profile::ProfileKind;
-use crate::shard::attention_heads;
-use crate::step::{Run, Workspace, PER_TOKEN_PARALLEL_MIN};
+use crate::gather::Columns;
+use crate::shard::{attention_heads, output_rows, CollGroup};
+use crate::step::{Run, StepError, Workspace, PER_TOKEN_PARALLEL_MIN};
 use std::ops::Range;
 use tessera_kernels::pool::SharedMut;
 use tessera_kernels::{matmul_group, ops, Isa, KvElem, KvQ8, ThreadPool};
@@ -30,7 +31,7 @@ pub(crate) struct Gqa {
 
 impl Gqa {
     /// Layer `i`'s attention on tensor-parallel rank `tpr` of `tp`: its query heads' rows
-    /// of q/k/v (the kv heads they read), their columns of o (whose bias the first rank keeps).
+    /// of q/k/v (the kv heads they read), its `output_rows` of o.
     pub(crate) fn load(ld: &Loader, cfg: &ModelConfig, i: usize, tpr: usize, tp: usize) -> Result<Gqa> {
         let p = |s: &str| format!("model.layers.{i}.{s}");
         let h = cfg.hidden;
@@ -46,9 +47,10 @@ impl Gqa {
         };
         let q_dim = cfg.heads * hd;
         let kv_dim = cfg.kv_heads * hd;
-        let mut o = ld.part(&p("self_attn.o_proj.weight"), None, h, q_dim, &Sel::cols(h, q_rows.clone()))?;
-        if cfg.o_bias && tpr == 0 {
-            o.bias = Some(ld.vector(&p("self_attn.o_proj.bias"), h)?);
+        let o_rows = output_rows(h, tpr, tp);
+        let mut o = ld.part(&p("self_attn.o_proj.weight"), None, h, q_dim, &Sel::rows(o_rows.clone(), q_dim))?;
+        if cfg.o_bias {
+            o.bias = Some(ld.vector(&p("self_attn.o_proj.bias"), h)?[o_rows].to_vec());
         }
         Ok(Gqa {
             q: proj("q_proj", q_dim, q_rows)?,
@@ -62,8 +64,9 @@ impl Gqa {
         })
     }
 
-    /// Grouped-query attention over `ws.xn`; output projection into `ws.proj`.
-    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
+    /// Grouped-query attention over `ws.xn`; output projection into `ws.proj` (whole
+    /// rows under TP: the heads' outputs are gathered first).
+    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, caches: &mut [KvCache], li: usize) -> std::result::Result<(), StepError> {
         let (c, n) = (run.cfg, run.n);
         let (h, hd) = (c.hidden, c.head_dim);
         let q_dim = self.q_heads.len() * hd;
@@ -113,8 +116,17 @@ impl Gqa {
         let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * row_bytes).sum();
         ws.charge(ProfileKind::Attention, t0, kv_read);
         let t0 = ws.clock();
-        run.linear(&self.o, &ws.attn[..n * q_dim], n, &mut ws.proj[..n * h], &mut ws.mm);
+        let (tp, heads, kv_heads) = (run.spec.tp_size, c.heads, c.kv_heads);
+        let head_cols = |r: usize| {
+            let q = attention_heads(heads, kv_heads, r, tp).0;
+            q.start * hd..q.end * hd
+        };
+        let out_rows = |r: usize| output_rows(h, r, tp);
+        let input = Columns { group: CollGroup::Tp, layer: li, what: "attn heads", ranks: tp, total: heads * hd, part: &head_cols };
+        let output = Columns { group: CollGroup::Tp, layer: li, what: "attn out", ranks: tp, total: h, part: &out_rows };
+        run.linear_split(&self.o, &mut ws.attn, &input, &output, run.spec.tp_rank, n, &mut ws.proj, &mut ws.gather, &mut ws.mm)?;
         ws.charge_work(ProfileKind::AttnProj, t0, self.o.bytes(), self.o.macs(n));
+        Ok(())
     }
 }
 

@@ -9,7 +9,9 @@ use crate::linear::Linear;
 use crate::load::{Loader, Sel};
 use crate::names::stored_name;
 use crate::profile::ProfileKind;
-use crate::step::{Run, Workspace};
+use crate::gather::Columns;
+use crate::shard::{output_rows, split, CollGroup};
+use crate::step::{Run, StepError, Workspace};
 use std::ops::Range;
 use tessera_kernels::pool::SharedMut;
 use tessera_kernels::{matmul, ops, ThreadPool};
@@ -35,7 +37,8 @@ pub(crate) struct Mla {
 impl Mla {
     /// MLA weights of layer `i`: HF (`kv_b_proj`, split per head at load) or MLX
     /// (`embed_q` / `unembed_out`) layout.
-    pub(crate) fn load(ld: &Loader, cfg: &ModelConfig, m: &MlaConfig, i: usize, heads: Range<usize>, first: bool) -> Result<Mla> {
+    /// Under TP, `heads` of the query heads and `o_rows` of the output projection.
+    pub(crate) fn load(ld: &Loader, cfg: &ModelConfig, m: &MlaConfig, i: usize, heads: Range<usize>, o_rows: Range<usize>) -> Result<Mla> {
         let p = |s: &str| format!("model.layers.{i}.self_attn.{s}");
         let (h, nh, r) = (cfg.hidden, cfg.heads, m.kv_lora_rank);
         let dq = m.nope_dim + m.rope_dim;
@@ -80,9 +83,9 @@ impl Mla {
                 Linear::owned_f32(format!("{name} (W_UV per head)"), mine * m.v_dim, r, &uo),
             )
         };
-        let mut o = ld.part(&p("o_proj.weight"), None, h, nh * m.v_dim, &Sel::cols(h, heads.start * m.v_dim..heads.end * m.v_dim))?;
-        if cfg.o_bias && first {
-            o.bias = Some(ld.vector(&p("o_proj.bias"), h)?);
+        let mut o = ld.part(&p("o_proj.weight"), None, h, nh * m.v_dim, &Sel::rows(o_rows.clone(), nh * m.v_dim))?;
+        if cfg.o_bias {
+            o.bias = Some(ld.vector(&p("o_proj.bias"), h)?[o_rows].to_vec());
         }
         Ok(Mla {
             heads,
@@ -97,16 +100,17 @@ impl Mla {
     }
 
     /// Multi-head latent attention, absorbed form (spec §2.5), into `ws.proj`.
-    pub(crate) fn forward(&self, run: &Run, m: &MlaConfig, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
+    pub(crate) fn forward(&self, run: &Run, m: &MlaConfig, ws: &mut Workspace, caches: &mut [KvCache], li: usize) -> std::result::Result<(), StepError> {
         let t0 = ws.clock();
-        self.forward_inner(run, m, ws, caches, li);
+        self.forward_inner(run, m, ws, caches, li)?;
         // MLA's projections and latent attention are interleaved per head: one entry.
         let linears = [&self.q, &self.kv_a, &self.embed_q, &self.unembed_out, &self.o].into_iter().chain(self.q_a.as_ref().map(|(l, _)| l));
         let bytes = linears.clone().map(|l| l.bytes()).sum::<usize>();
         ws.charge_work(ProfileKind::AttnProj, t0, bytes, Linear::macs_of(run.n, linears));
+        Ok(())
     }
 
-    fn forward_inner(&self, run: &Run, m: &MlaConfig, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
+    fn forward_inner(&self, run: &Run, m: &MlaConfig, ws: &mut Workspace, caches: &mut [KvCache], li: usize) -> std::result::Result<(), StepError> {
         let (c, n) = (run.cfg, run.n);
         let (h, nh, r) = (c.hidden, self.heads.len(), m.kv_lora_rank);
         let (nope, rope, dv) = (m.nope_dim, m.rope_dim, m.v_dim);
@@ -184,7 +188,16 @@ impl Mla {
                 ws.attn[(t * nh + head) * dv..(t * nh + head + 1) * dv].copy_from_slice(&ws.head_out[t * dv..(t + 1) * dv]);
             }
         }
-        run.linear(&self.o, &ws.attn[..n * nh * dv], n, &mut ws.proj[..n * h], &mut ws.mm);
+        // The heads' outputs gathered whole, then whole output rows (`crate::gather`).
+        let (tp, heads) = (run.spec.tp_size, c.heads);
+        let head_cols = |r: usize| {
+            let q = split(heads, r, tp);
+            q.start * dv..q.end * dv
+        };
+        let out_rows = |r: usize| output_rows(h, r, tp);
+        let input = Columns { group: CollGroup::Tp, layer: li, what: "attn heads", ranks: tp, total: heads * dv, part: &head_cols };
+        let output = Columns { group: CollGroup::Tp, layer: li, what: "attn out", ranks: tp, total: h, part: &out_rows };
+        run.linear_split(&self.o, &mut ws.attn, &input, &output, run.spec.tp_rank, n, &mut ws.proj, &mut ws.gather, &mut ws.mm)
     }
 }
 

@@ -6,7 +6,7 @@ pub(crate) mod mla;
 
 use crate::kv::KvCache;
 use crate::linear::Linear;
-use crate::step::{Run, Workspace};
+use crate::step::{Run, StepError, Workspace};
 
 /// One layer's attention block. Built once per layer at load: the size difference
 /// between the arms costs nothing on the hot path.
@@ -46,7 +46,7 @@ impl Attn {
 
     /// Attention of the step's tokens over `ws.xn` (appending their keys and values to
     /// `caches` at layer `li`); the output projection lands in `ws.proj`.
-    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, caches: &mut [KvCache], li: usize) {
+    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, caches: &mut [KvCache], li: usize) -> Result<(), StepError> {
         match self {
             Attn::Gqa(g) => g.forward(run, ws, caches, li),
             Attn::Mla(m) => m.forward(run, run.cfg.mla.as_ref().expect("MLA config"), ws, caches, li),

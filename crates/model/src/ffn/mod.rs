@@ -7,8 +7,7 @@ pub mod routing;
 
 use crate::config::ModelConfig;
 use crate::linear::Linear;
-use crate::shard::{CollGroup, ShardSpec};
-use crate::step::{Run, Workspace};
+use crate::step::{Run, StepError, Workspace};
 
 /// One layer's FFN block. Built once per layer at load: the size difference between
 /// the arms costs nothing on the hot path.
@@ -65,20 +64,11 @@ impl Ffn {
         }
     }
 
-    /// The block over `ws.xn`, into `ws.proj` (this rank's part of it).
-    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace) {
+    /// The block over `ws.xn`, into `ws.proj` (whole rows on every member).
+    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, layer: usize) -> Result<(), StepError> {
         match self {
-            Ffn::Dense(m) => m.forward(run, ws),
-            Ffn::Moe(m) => m.forward(run, ws),
-        }
-    }
-
-    /// The group whose ranks each hold a part of this block's output, to be summed
-    /// (and the operation's name for errors), if `spec` splits it.
-    pub(crate) fn partial_over(&self, spec: &ShardSpec) -> Option<(CollGroup, &'static str)> {
-        match self {
-            Ffn::Dense(_) => (spec.tp_size > 1).then_some((CollGroup::Tp, "mlp out")),
-            Ffn::Moe(_) => (spec.moe_size > 1).then_some((CollGroup::Moe, "moe out")),
+            Ffn::Dense(m) => m.forward(run, ws, layer),
+            Ffn::Moe(m) => m.forward(run, ws, layer),
         }
     }
 }

@@ -6,14 +6,15 @@
 
 use crate::config::{ModelConfig, MoeConfig};
 use crate::error::{LoadError, Result};
-use crate::ffn::mlp::Mlp;
+use crate::ffn::mlp::{Mlp, MlpParts};
+use crate::gather::Columns;
 use crate::ffn::routing::route;
 use crate::linear::Linear;
 use crate::load::{Loader, Sel};
 use crate::names::stored_name;
 use crate::profile::ProfileKind;
-use crate::shard::{split_units, ExpertSplit, ShardSpec};
-use crate::step::{Run, Workspace};
+use crate::shard::{output_rows, CollGroup, ExpertSplit, ShardSpec};
+use crate::step::{Run, StepError, Workspace};
 use std::ops::Range;
 use tessera_kernels::{matmul_jobs, ops, RowsJob};
 
@@ -38,13 +39,15 @@ pub(crate) struct Moe {
 
 impl Loader<'_> {
     /// Routed experts: per-expert HF tensors, or stacked (MLX `switch_mlp`, GGUF `_exps`).
-    /// Routed experts `owned`, each sliced to columns `width` of its width.
-    fn experts(&self, prefix: &str, names: [&str; 3], m: &MoeConfig, hidden: usize, owned: Range<usize>, width: Range<usize>) -> Result<[Vec<Linear>; 3]> {
+    /// Routed experts `owned`, each sliced to rows `width` of gate and up and rows
+    /// `hidden` of down.
+    fn experts(&self, prefix: &str, names: [&str; 3], m: &MoeConfig, hidden_size: usize, owned: Range<usize>, width: Range<usize>, hidden: Range<usize>) -> Result<[Vec<Linear>; 3]> {
+        let h = hidden_size;
         let (e, w) = (m.experts, m.expert_width);
-        let shapes = [(w, hidden), (w, hidden), (hidden, w)];
+        let shapes = [(w, h), (w, h), (h, w)];
         let per_expert = self.find(&format!("{prefix}.experts.0.{}.weight", names[0])).is_some();
         if self.sharded {
-            let sels = [Sel::rows(width.clone(), hidden), Sel::rows(width.clone(), hidden), Sel::cols(hidden, width.clone())];
+            let sels = [Sel::rows(width.clone(), h), Sel::rows(width.clone(), h), Sel::rows(hidden.clone(), w)];
             let stacked = ["gate_proj", "up_proj", "down_proj"];
             let mut out: [Vec<Linear>; 3] = Default::default();
             for (k, (rows, cols)) in shapes.iter().enumerate() {
@@ -111,9 +114,10 @@ impl Loader<'_> {
 }
 
 impl Moe {
-    /// Layer `i`'s MoE block as `spec` places it: every expert sliced in width (`Width`),
-    /// or whole experts `owned` (`Experts`); router (and DeepSeek's correction bias)
-    /// whole on every rank; shared experts split like a dense MLP over the MoE group.
+    /// Layer `i`'s MoE block as `spec` places it: every expert sliced in width and in
+    /// down's rows (`Width`, as `MlpParts`), or whole experts `owned` (`Experts`); router
+    /// (and DeepSeek's correction bias) whole on every rank; shared experts split like a
+    /// dense MLP over the MoE group.
     pub(crate) fn load(ld: &Loader, cfg: &ModelConfig, spec: &ShardSpec, i: usize) -> Result<Moe> {
         let p = |s: &str| format!("model.layers.{i}.{s}");
         let h = cfg.hidden;
@@ -122,15 +126,11 @@ impl Moe {
             crate::config::Arch::Mixtral => (p("block_sparse_moe"), ["w1", "w3", "w2"]),
             _ => (p("mlp"), ["gate_proj", "up_proj", "down_proj"]),
         };
-        let (owned, width) = match &spec.experts {
-            ExpertSplit::Width => {
-                let unit = ld.block_of(&format!("{prefix}.experts.0.{}.weight", names[2]), m.expert_width)
-                    .max(ld.block_of(&format!("{prefix}.switch_mlp.down_proj.weight"), m.expert_width));
-                (0..m.experts, split_units(m.expert_width, unit, spec.moe_rank, spec.moe_size))
-            }
-            ExpertSplit::Experts { owned } => (owned.clone(), 0..m.expert_width),
+        let (owned, width, hidden) = match &spec.experts {
+            ExpertSplit::Width => (0..m.experts, output_rows(m.expert_width, spec.moe_rank, spec.moe_size), output_rows(h, spec.moe_rank, spec.moe_size)),
+            ExpertSplit::Experts { owned } => (owned.clone(), 0..m.expert_width, 0..h),
         };
-        let [gate, up, down] = ld.experts(&prefix, names, m, h, owned.clone(), width)?;
+        let [gate, up, down] = ld.experts(&prefix, names, m, h, owned.clone(), width, hidden)?;
         let correction_bias = match cfg.arch {
             crate::config::Arch::DeepseekV3 => Some(ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.experts)?),
             _ => None,
@@ -144,23 +144,27 @@ impl Moe {
             up,
             down,
             shared: (m.shared_width > 0)
-                .then(|| Mlp::load_split(ld, &format!("{prefix}.shared_experts"), m.shared_width, h, false, spec.moe_rank, spec.moe_size))
+                .then(|| {
+                    let parts = MlpParts { group: CollGroup::Moe, rank: spec.moe_rank, ranks: spec.moe_size, width: m.shared_width, hidden: h };
+                    Mlp::load(ld, &format!("{prefix}.shared_experts"), false, parts)
+                })
                 .transpose()?,
         })
     }
 
     /// This rank's routed experts on the step's slots in two parallel regions (every
-    /// active expert's gate and up, then every down) instead of two per expert; adds
-    /// each slot's weighted output into `ws.moe_out`. Returns the expert bytes read.
-    fn experts_fused(&self, run: &Run, ws: &mut Workspace) -> usize {
+    /// active expert's gate and up, then every down) instead of two per expert; each
+    /// slot's output (this member's `hidden` columns of it) lands in `ws.moe_proj`, in
+    /// slot order from slot `s0`. Returns the expert bytes read and `s0..s1`.
+    fn experts_fused(&self, run: &Run, ws: &mut Workspace, layer: usize, width_split: bool) -> std::result::Result<(usize, Range<usize>), StepError> {
         let h = run.cfg.hidden;
         let width = self.gate.first().map_or(0, |l| l.rows);
+        let hw = self.down.first().map_or(0, |l| l.rows);
         let starts = &ws.expert_count;
         ws.moe_active.clear();
         ws.moe_active.extend(self.experts.clone().filter(|&ex| starts[ex] < starts[ex + 1]).map(|ex| ex as u32));
         let active = &ws.moe_active;
-        // A tensor-parallel rank may hold no columns of narrow experts: nothing to add.
-        let Some(&last) = active.last().filter(|_| width > 0) else { return 0 };
+        let Some(&last) = active.last() else { return Ok((0, 0..0)) };
         // Slots of this rank's experts are contiguous in expert order.
         let (s0, s1) = (starts[active[0] as usize], starts[last as usize + 1]);
         for (j, &(t, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
@@ -175,21 +179,38 @@ impl Moe {
             let l = if i.is_multiple_of(2) { &self.gate[local(i / 2)] } else { &self.up[local(i / 2)] };
             RowsJob { w: l.weights(run.ckpt), rows: slots_of(i / 2), out: i % 2 }
         };
-        matmul_jobs(run.pool, run.isa, &ws.moe_in[..slots * h], h, 2 * active.len(), &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
-        run.silu_rows(slots, width, gate, up);
-        let down = |i: usize| RowsJob { w: self.down[local(i)].weights(run.ckpt), rows: slots_of(i), out: 0 };
-        matmul_jobs(run.pool, run.isa, gate, width, active.len(), &down, &mut [&mut ws.moe_proj[..slots * h]], &mut ws.mm);
-        for (j, &(t, wt)) in ws.expert_slots[s0..s1].iter().enumerate() {
-            let t = t as usize;
-            ops::axpy(&mut ws.moe_out[t * h..(t + 1) * h], wt, &ws.moe_proj[j * h..(j + 1) * h]);
+        if width > 0 {
+            matmul_jobs(run.pool, run.isa, &ws.moe_in[..slots * h], h, 2 * active.len(), &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
+            run.silu_rows(slots, width, gate, up);
         }
-        (0..active.len()).map(|i| [&self.gate, &self.up, &self.down].iter().map(|ls| ls[local(i)].bytes()).sum::<usize>()).sum()
+        let full = run.cfg.moe.as_ref().map_or(0, |m| m.expert_width);
+        if width_split {
+            // Every member holds every expert's rows `width_part` of the width: gather
+            // each slot's whole width before down (`crate::gather`).
+            let (ranks, w) = (run.spec.moe_size, full);
+            let width_part = |r: usize| output_rows(w, r, ranks);
+            let how = Columns { group: CollGroup::Moe, layer, what: "experts width", ranks, total: w, part: &width_part };
+            ws.gather.local(&how, slots)[..slots * width].copy_from_slice(&ws.moe_gate[..slots * width]);
+            ws.gather.columns(run.coll, &how, slots, &mut ws.moe_gate)?;
+        }
+        let down = |i: usize| RowsJob { w: self.down[local(i)].weights(run.ckpt), rows: slots_of(i), out: 0 };
+        if hw > 0 {
+            matmul_jobs(run.pool, run.isa, &ws.moe_gate[..slots * full], full, active.len(), &down, &mut [&mut ws.moe_proj[..slots * hw]], &mut ws.mm);
+        }
+        let bytes = (0..active.len()).map(|i| [&self.gate, &self.up, &self.down].iter().map(|ls| ls[local(i)].bytes()).sum::<usize>()).sum();
+        Ok((bytes, s0..s1))
     }
 
     /// Sparse MoE over `ws.xn`, into `ws.proj`: route every token, group tokens by
     /// expert, run each chosen expert once over its tokens, combine with the routing
     /// weights, add shared experts.
-    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace) {
+    ///
+    /// Placed over several members, every value is the one a single node computes, in
+    /// its order: under `Width` each slot's width is gathered before down and the
+    /// combined rows after; under `Experts` the combine is a chain (member r adds its
+    /// slots to the running sums of members before it, the last broadcasts them), since
+    /// one node adds the slots in expert order and members hold ascending expert ranges.
+    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, layer: usize) -> std::result::Result<(), StepError> {
         let cfg = run.cfg.moe.as_ref().expect("MoE config");
         let (n, h) = (run.n, run.cfg.hidden);
         let (e, k) = (cfg.experts, cfg.top_k);
@@ -230,13 +251,30 @@ impl Moe {
         ws.charge_work(ProfileKind::Router, t0, self.router.bytes(), self.router.macs(n));
         let t0 = ws.clock();
         let mut expert_bytes = 0;
-        ws.moe_out[..n * h].fill(0.0);
+        let (member, members) = (run.spec.moe_rank, run.spec.moe_size);
+        let chain = members > 1 && matches!(run.spec.experts, ExpertSplit::Experts { .. });
+        let width_split = members > 1 && !chain;
+        // The columns of each combined row this member computes.
+        let hp = if width_split { output_rows(h, member, members) } else { 0..h };
+        let hw = hp.len();
         let fused = n * k <= EXPERT_SLOTS_FUSED_MAX && self.gate.iter().chain(&self.up).chain(&self.down).all(|l| l.bias.is_none());
+        let mut local_slots = 0..0;
         if fused {
-            expert_bytes = self.experts_fused(run, ws);
+            (expert_bytes, local_slots) = self.experts_fused(run, ws, layer, width_split)?;
         }
-        // Experts this rank does not hold contribute on their owners' ranks (summed by
-        // the MoE group's all-reduce).
+        // Unfused, under the chain: each expert's slot outputs kept (in slot order) to
+        // add once the running sums arrive.
+        let keep = chain && !fused;
+        if keep {
+            let s = ws.expert_count[self.experts.start]..ws.expert_count[self.experts.end];
+            if ws.moe_kept.len() < s.len() * h {
+                ws.moe_kept.resize(s.len() * h, 0.0);
+            }
+            local_slots = s;
+        }
+        if !chain || member == 0 {
+            ws.moe_out[..n * hw].fill(0.0);
+        }
         for ex in self.experts.clone().filter(|_| !fused) {
             let (a, b) = (ws.expert_count[ex], ws.expert_count[ex + 1]);
             if a == b {
@@ -250,27 +288,72 @@ impl Moe {
             let local = ex - self.experts.start;
             let (gate, up, down) = (&self.gate[local], &self.up[local], &self.down[local]);
             expert_bytes += gate.bytes() + up.bytes() + down.bytes();
-            run.swiglu([gate, up, down], &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.proj[..cnt * h], &mut ws.mm);
+            if width_split {
+                let full = cfg.expert_width;
+                run.gate_up(gate, up, &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.mm);
+                let width_part = |r: usize| output_rows(full, r, members);
+                let how = Columns { group: CollGroup::Moe, layer, what: "experts width", ranks: members, total: full, part: &width_part };
+                ws.gather.local(&how, cnt)[..cnt * gate.rows].copy_from_slice(&ws.gate[..cnt * gate.rows]);
+                ws.gather.columns(run.coll, &how, cnt, &mut ws.gate)?;
+                run.linear(down, &ws.gate[..cnt * full], cnt, &mut ws.proj[..cnt * hw], &mut ws.mm);
+            } else {
+                run.swiglu([gate, up, down], &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.proj[..cnt * h], &mut ws.mm);
+            }
+            if keep {
+                let at = a - local_slots.start;
+                ws.moe_kept[at * h..(at + cnt) * h].copy_from_slice(&ws.proj[..cnt * h]);
+                continue;
+            }
             for (j, &(t, wt)) in ws.expert_slots[a..b].iter().enumerate() {
                 let t = t as usize;
-                ops::axpy(&mut ws.moe_out[t * h..(t + 1) * h], wt, &ws.proj[j * h..(j + 1) * h]);
+                ops::axpy(&mut ws.moe_out[t * hw..(t + 1) * hw], wt, &ws.proj[j * hw..(j + 1) * hw]);
             }
         }
+        // The members before this one add first: their running sums arrive after this
+        // member's experts have run.
+        if chain && member > 0 {
+            let t1 = ws.clock();
+            run.coll.recv(CollGroup::Moe, member - 1, &mut ws.moe_out[..n * h], layer, "moe chain").map_err(StepError::Collective)?;
+            ws.charge(ProfileKind::Collectives, t1, 0);
+        }
+        // Fused or kept: the local slots' outputs added in slot order.
+        if fused || keep {
+            let outs = if fused { &ws.moe_proj } else { &ws.moe_kept };
+            for (j, &(t, wt)) in ws.expert_slots[local_slots.clone()].iter().enumerate() {
+                let t = t as usize;
+                ops::axpy(&mut ws.moe_out[t * hw..(t + 1) * hw], wt, &outs[j * hw..(j + 1) * hw]);
+            }
+        }
+        if chain {
+            let t1 = ws.clock();
+            if member + 1 < members {
+                run.coll.send(CollGroup::Moe, member + 1, &ws.moe_out[..n * h], layer, "moe chain").map_err(StepError::Collective)?;
+            }
+            run.coll.broadcast(CollGroup::Moe, members - 1, &mut ws.moe_out[..n * h], layer, "moe out").map_err(StepError::Collective)?;
+            ws.charge(ProfileKind::Collectives, t1, 0);
+        }
+        if width_split {
+            let part = |r: usize| output_rows(h, r, members);
+            let how = Columns { group: CollGroup::Moe, layer, what: "moe out", ranks: members, total: h, part: &part };
+            ws.gather.local(&how, n)[..n * hw].copy_from_slice(&ws.moe_out[..n * hw]);
+            ws.gather.columns(run.coll, &how, n, &mut ws.moe_out)?;
+        }
         // Every local expert has one shape: its products times the slots routed here.
-        let local_slots = ws.expert_count[self.experts.end] - ws.expert_count[self.experts.start];
+        let local_slot_count = ws.expert_count[self.experts.end] - ws.expert_count[self.experts.start];
         let expert_macs = match (self.gate.first(), self.up.first(), self.down.first()) {
-            (Some(g), Some(u), Some(d)) => Linear::macs_of(local_slots, [g, u, d]),
+            (Some(g), Some(u), Some(d)) => Linear::macs_of(local_slot_count, [g, u, d]),
             _ => [0, 0],
         };
         ws.charge_work(ProfileKind::Experts, t0, expert_bytes, expert_macs);
         match &self.shared {
             Some(s) => {
                 let t0 = ws.clock();
-                run.swiglu([&s.gate, &s.up, &s.down], &ws.xn[..n * h], n, &mut ws.gate, &mut ws.up, &mut ws.proj[..n * h], &mut ws.mm);
+                s.apply(run, &ws.xn[..n * h], n, &mut ws.gate, &mut ws.up, &mut ws.proj, &mut ws.gather, &mut ws.mm, layer, "shared experts")?;
                 ops::add_assign(&mut ws.proj[..n * h], &ws.moe_out[..n * h]);
-                ws.charge_work(ProfileKind::SharedExperts, t0, s.gate.bytes() + s.up.bytes() + s.down.bytes(), Linear::macs_of(n, [&s.gate, &s.up, &s.down]));
+                ws.charge_work(ProfileKind::SharedExperts, t0, s.bytes(), Linear::macs_of(n, [&s.gate, &s.up, &s.down]));
             }
             None => ws.proj[..n * h].copy_from_slice(&ws.moe_out[..n * h]),
         }
+        Ok(())
     }
 }
