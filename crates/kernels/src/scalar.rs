@@ -328,6 +328,12 @@ pub(crate) fn scale_min_k4(b: &[u8], s: usize) -> (u8, u8) {
     }
 }
 
+/// Q2_K's pair of 16-wide groups: their 4-bit scales times their integer sums, as
+/// the other 16-wide formats combine theirs.
+fn k2_pair(sa: u8, sb: u8, isum: [i32; 2]) -> f32 {
+    (sa as f32).mul_add(isum[0] as f32, sb as f32 * isum[1] as f32)
+}
+
 /// Exact dot product of a weight row with f32 activations: dequantize block by block
 /// into a stack buffer, accumulate in order. The accuracy reference for every other
 /// path, and the portable path itself (no allocation).
@@ -358,8 +364,16 @@ pub fn dot_f32(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
     acc
 }
 
-/// Dot product of a quantized weight row with q8 activations, integer inner sums:
-/// the algorithm the SIMD kernels implement, written plainly.
+/// Dot product of a quantized weight row with q8 activations, integer inner sums: the
+/// one arithmetic of each format (issue 22), which every SIMD kernel and layout
+/// reproduces bit for bit (`every_int8_path_gives_the_same_bits`). Integer sums are
+/// exact; the floats follow one fixed expression per block, fused multiply-adds where
+/// written `mul_add`, blocks in order:
+/// - 32-blocks: `acc = fma(d·x.d, isum, acc)`, then `acc = fma(m, x.sum, acc)` for the
+///   formats with a stored m (Q4_0's −8, Q5_0's −16 come off the integer sum);
+/// - K super-blocks: sub-block terms into `acc_s` (and the mins' into `acc_ms`), then
+///   `acc = fma(d, acc_s, acc)`, `acc_m = fma(dmin, acc_ms, acc_m)`; `acc − acc_m` at
+///   the end. A pair of 16-wide scales is `fma(sa, isum_a, sb·isum_b)`.
 pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
     let mut acc = 0.0f32;
     match format {
@@ -369,7 +383,7 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                 for j in 0..QK {
                     isum += (b[2 + j] as i8) as i32 * xb.qs[j] as i32;
                 }
-                acc += f16_at(b, 0) * xb.d * isum as f32;
+                acc = (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc);
             }
         }
         WeightFormat::Q4_0 => {
@@ -380,7 +394,7 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                     isum += ((q & 0x0F) as i32 - 8) * xb.qs[j] as i32;
                     isum += ((q >> 4) as i32 - 8) * xb.qs[j + 16] as i32;
                 }
-                acc += f16_at(b, 0) * xb.d * isum as f32;
+                acc = (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc);
             }
         }
         WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
@@ -390,9 +404,9 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                 // Q5_0: w = d·(q − 16), the −16 taken off the integer sum (as llama.cpp);
                 // Q5_1: its m times the activations' d·Σq (q8_1's s).
                 if min {
-                    acc += f16_at(b, 0) * xb.d * isum as f32 + f16_at(b, 2) * xb.sum;
+                    acc = f16_at(b, 2).mul_add(xb.sum, (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc));
                 } else {
-                    acc += f16_at(b, 0) * xb.d * (isum - 16 * xb.q_sum()) as f32;
+                    acc = (f16_at(b, 0) * xb.d).mul_add((isum - 16 * xb.q_sum()) as f32, acc);
                 }
             }
         }
@@ -404,7 +418,7 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                     isum += (q & 0x0F) as i32 * xb.qs[j] as i32;
                     isum += (q >> 4) as i32 * xb.qs[j + 16] as i32;
                 }
-                acc += f16_at(b, 0) * xb.d * isum as f32 + f16_at(b, 2) * xb.sum;
+                acc = f16_at(b, 2).mul_add(xb.sum, (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc));
             }
         }
         WeightFormat::Q4K | WeightFormat::Q5K => {
@@ -412,9 +426,11 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
             // Σ w·x = d·sc_s·x_d·Σ q·x_q − dmin·m_s·x_sum.
             let five = format == WeightFormat::Q5K;
             let bb = format.block_bytes();
+            let mut acc_m = 0.0f32;
             for (b, xs) in row.chunks_exact(bb).zip(x.chunks_exact(8)) {
                 let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
                 let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+                let (mut acc_s, mut acc_ms) = (0.0f32, 0.0f32);
                 for (s, xb) in xs.iter().enumerate() {
                     let (scale, min) = scale_min_k4(&b[4..16], s);
                     let mut isum = 0i32;
@@ -426,15 +442,20 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                         }
                         isum += q as i32 * xb.qs[l] as i32;
                     }
-                    acc += d * scale as f32 * xb.d * isum as f32 - dmin * min as f32 * xb.sum;
+                    acc_s = (scale as f32 * xb.d).mul_add(isum as f32, acc_s);
+                    acc_ms = (min as f32).mul_add(xb.sum, acc_ms);
                 }
+                acc = d.mul_add(acc_s, acc);
+                acc_m = dmin.mul_add(acc_ms, acc_m);
             }
+            acc -= acc_m;
         }
         WeightFormat::Q6K => {
             // Per 16 weights one i8 scale: two per q8 block.
             for (b, xs) in row.chunks_exact(210).zip(x.chunks_exact(8)) {
                 let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
                 let d = f16_at(b, 208);
+                let mut acc_s = 0.0f32;
                 for (k, xb) in xs.iter().enumerate() {
                     let mut isum = [0i32; 2];
                     for l in 0..32 {
@@ -446,57 +467,68 @@ pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
                         isum[l / 16] += ((nib | (hi << 4)) as i32 - 32) * xb.qs[l] as i32;
                     }
                     let (sa, sb) = (sc[2 * k] as i8 as f32, sc[2 * k + 1] as i8 as f32);
-                    acc += d * xb.d * (sa * isum[0] as f32 + sb * isum[1] as f32);
+                    acc_s = sa.mul_add(isum[0] as f32, sb * isum[1] as f32).mul_add(xb.d, acc_s);
                 }
+                acc = d.mul_add(acc_s, acc);
             }
         }
         WeightFormat::Q2K => {
             // Per 16 weights a 4-bit scale and min: w = d·sc·q − dmin·m, so per group
             // Σ w·x = x_d·(d·sc·Σ q·x_q − dmin·m·Σ x_q); two groups per q8 block.
+            let mut acc_m = 0.0f32;
             for (b, xs) in row.chunks_exact(84).zip(x.chunks_exact(8)) {
                 let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+                let (mut acc_s, mut acc_ms) = (0.0f32, 0.0f32);
                 for (k, xb) in xs.iter().enumerate() {
+                    let (mut isum, mut xsum) = ([0i32; 2], [0i32; 2]);
                     for g in 0..2 {
-                        let (mut isum, mut xsum) = (0i32, 0i32);
                         for l in 0..16 {
                             let xq = xb.qs[16 * g + l] as i32;
-                            isum += q2k_at(b, 32 * k + 16 * g + l) * xq;
-                            xsum += xq;
+                            isum[g] += q2k_at(b, 32 * k + 16 * g + l) * xq;
+                            xsum[g] += xq;
                         }
-                        let sc = b[2 * k + g];
-                        acc += xb.d * (d * (sc & 0x0F) as f32 * isum as f32 - dmin * (sc >> 4) as f32 * xsum as f32);
                     }
+                    let (sa, sb) = (b[2 * k], b[2 * k + 1]);
+                    acc_s = k2_pair(sa & 0x0F, sb & 0x0F, isum).mul_add(xb.d, acc_s);
+                    acc_ms = ((sa >> 4) as f32).mul_add(xsum[0] as f32 * xb.d, ((sb >> 4) as f32).mul_add(xsum[1] as f32 * xb.d, acc_ms));
                 }
+                acc = d.mul_add(acc_s, acc);
+                acc_m = dmin.mul_add(acc_ms, acc_m);
             }
+            acc -= acc_m;
         }
         WeightFormat::Q3K => {
             // Per 16 weights a 6-bit signed scale: two per q8 block.
             for (b, xs) in row.chunks_exact(110).zip(x.chunks_exact(8)) {
                 let d = f16_at(b, 108);
+                let mut acc_s = 0.0f32;
                 for (k, xb) in xs.iter().enumerate() {
                     let mut isum = [0i32; 2];
                     for l in 0..32 {
                         isum[l / 16] += q3k_at(b, 32 * k + l) * xb.qs[l] as i32;
                     }
                     let (sa, sb) = (q3k_scale(b, 2 * k) as f32, q3k_scale(b, 2 * k + 1) as f32);
-                    acc += d * xb.d * (sa * isum[0] as f32 + sb * isum[1] as f32);
+                    acc_s = sa.mul_add(isum[0] as f32, sb * isum[1] as f32).mul_add(xb.d, acc_s);
                 }
+                acc = d.mul_add(acc_s, acc);
             }
         }
         WeightFormat::Iq4Nl => {
             for (b, xb) in row.chunks_exact(18).zip(x) {
                 let isum: i32 = (0..32).map(|j| iq4_at(&b[2..18], j) * xb.qs[j] as i32).sum();
-                acc += f16_at(b, 0) * xb.d * isum as f32;
+                acc = (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc);
             }
         }
         WeightFormat::Iq4Xs => {
             // One q8 block per 32-element sub-block.
             for (b, xs) in row.chunks_exact(136).zip(x.chunks_exact(8)) {
                 let d = f16_at(b, 0);
+                let mut acc_s = 0.0f32;
                 for (ib, xb) in xs.iter().enumerate() {
                     let isum: i32 = (0..32).map(|j| iq4_at(&b[8 + 16 * ib..], j) * xb.qs[j] as i32).sum();
-                    acc += d * iq4xs_scale(b, ib) as f32 * xb.d * isum as f32;
+                    acc_s = (iq4xs_scale(b, ib) as f32 * xb.d).mul_add(isum as f32, acc_s);
                 }
+                acc = d.mul_add(acc_s, acc);
             }
         }
         _ => unreachable!("{format} takes f32 activations (dot_f32), or interleaves rows (dot_q8_rows8)"),
@@ -682,10 +714,11 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
     if matches!(format, WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8) {
         // As Q2_K's and Q3_K's dots (dot_q8), 8 rows at a time: two groups per q8 block.
         let three = format == WeightFormat::Q3Kx8;
-        let mut acc = [0.0f32; 8];
+        let (mut acc, mut acc_m) = ([0.0f32; 8], [0.0f32; 8]);
         for (sup, xs) in group.chunks_exact(8 * format.block_bytes()).zip(x.chunks_exact(8)) {
             for (r, a) in acc.iter_mut().enumerate() {
                 let d = f16_at(sup, 2 * r);
+                let (mut acc_s, mut acc_ms) = (0.0f32, 0.0f32);
                 for (s, xb) in xs.iter().enumerate() {
                     let (mut isum, mut xsum) = ([0i32; 2], [0i32; 2]);
                     for l in 0..32 {
@@ -694,18 +727,20 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
                     }
                     if three {
                         let (sa, sb) = (sup[16 + 8 * (2 * s) + r] as i8 as f32, sup[16 + 8 * (2 * s + 1) + r] as i8 as f32);
-                        *a += d * xb.d * (sa * isum[0] as f32 + sb * isum[1] as f32);
+                        acc_s = sa.mul_add(isum[0] as f32, sb * isum[1] as f32).mul_add(xb.d, acc_s);
                     } else {
-                        let dmin = f16_at(sup, 16 + 2 * r);
-                        for g in 0..2 {
-                            let sc = sup[32 + 8 * (2 * s + g) + r];
-                            *a += xb.d * (d * (sc & 0x0F) as f32 * isum[g] as f32 - dmin * (sc >> 4) as f32 * xsum[g] as f32);
-                        }
+                        let (sa, sb) = (sup[32 + 8 * (2 * s) + r], sup[32 + 8 * (2 * s + 1) + r]);
+                        acc_s = k2_pair(sa & 0x0F, sb & 0x0F, isum).mul_add(xb.d, acc_s);
+                        acc_ms = ((sa >> 4) as f32).mul_add(xsum[0] as f32 * xb.d, ((sb >> 4) as f32).mul_add(xsum[1] as f32 * xb.d, acc_ms));
                     }
+                }
+                *a = d.mul_add(acc_s, *a);
+                if !three {
+                    acc_m[r] = f16_at(sup, 16 + 2 * r).mul_add(acc_ms, acc_m[r]);
                 }
             }
         }
-        return acc;
+        return std::array::from_fn(|r| acc[r] - acc_m[r]);
     }
     if format == WeightFormat::Iq4Xsx8 {
         // As IQ4_XS's dot (dot_q8), 8 rows at a time: one scale per q8 block.
@@ -713,10 +748,12 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
         for (sup, xs) in group.chunks_exact(8 * 138).zip(x.chunks_exact(8)) {
             for (r, a) in acc.iter_mut().enumerate() {
                 let d = f16_at(sup, 2 * r);
+                let mut acc_s = 0.0f32;
                 for (s, xb) in xs.iter().enumerate() {
                     let isum: i32 = (0..32).map(|l| iq4xsx8_q(sup, r, s, l).0 * xb.qs[l] as i32).sum();
-                    *a += d * iq4xsx8_q(sup, r, s, 0).1 as f32 * xb.d * isum as f32;
+                    acc_s = (iq4xsx8_q(sup, r, s, 0).1 as f32 * xb.d).mul_add(isum as f32, acc_s);
                 }
+                *a = d.mul_add(acc_s, *a);
             }
         }
         return acc;
@@ -727,6 +764,7 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
         for (sup, xs) in group.chunks_exact(8 * 210).zip(x.chunks_exact(8)) {
             for (r, a) in acc.iter_mut().enumerate() {
                 let d = f16_at(sup, 2 * r);
+                let mut acc_s = 0.0f32;
                 for (s, xb) in xs.iter().enumerate() {
                     let mut isum = [0i32; 2];
                     let mut scale = [0i8; 2];
@@ -735,8 +773,9 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
                         isum[l / 16] += (q - 32) * xb.qs[l] as i32;
                         scale[l / 16] = sc;
                     }
-                    *a += d * xb.d * (scale[0] as f32 * isum[0] as f32 + scale[1] as f32 * isum[1] as f32);
+                    acc_s = (scale[0] as f32).mul_add(isum[0] as f32, scale[1] as f32 * isum[1] as f32).mul_add(xb.d, acc_s);
                 }
+                *a = d.mul_add(acc_s, *a);
             }
         }
         return acc;
@@ -744,10 +783,11 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
     if matches!(format, WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8) {
         // As Q4_K's (Q5_K's) dot (dot_q8), 8 rows at a time.
         let five = format == WeightFormat::Q5Kx8;
-        let mut acc = [0.0f32; 8];
+        let (mut acc, mut acc_m) = ([0.0f32; 8], [0.0f32; 8]);
         for (sup, xs) in group.chunks_exact(8 * format.block_bytes()).zip(x.chunks_exact(8)) {
             for (r, a) in acc.iter_mut().enumerate() {
                 let (d, dmin) = (f16_at(sup, 2 * r), f16_at(sup, 16 + 2 * r));
+                let (mut acc_s, mut acc_ms) = (0.0f32, 0.0f32);
                 for (s, xb) in xs.iter().enumerate() {
                     let mut isum = 0i32;
                     let (mut scale, mut min) = (0, 0);
@@ -756,11 +796,14 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
                         (q, scale, min) = k4x8_q(sup, five, r, s, l);
                         isum += q * xb.qs[l] as i32;
                     }
-                    *a += d * scale as f32 * xb.d * isum as f32 - dmin * min as f32 * xb.sum;
+                    acc_s = (scale as f32 * xb.d).mul_add(isum as f32, acc_s);
+                    acc_ms = (min as f32).mul_add(xb.sum, acc_ms);
                 }
+                *a = d.mul_add(acc_s, *a);
+                acc_m[r] = dmin.mul_add(acc_ms, acc_m[r]);
             }
         }
-        return acc;
+        return std::array::from_fn(|r| acc[r] - acc_m[r]);
     }
     let bb = 8 * format.block_bytes();
     let mut acc = [0.0f32; 8];
@@ -795,7 +838,10 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
                 off = o;
             }
             let m = if int_offset != 0 { rows8_min(format, blk, r) } else { off * d + rows8_min(format, blk, r) };
-            *a += d * xb.d * isum as f32 + m * xb.sum;
+            *a = (d * xb.d).mul_add(isum as f32, *a);
+            if m != 0.0 || matches!(format, WeightFormat::Q4_1x8 | WeightFormat::Q5_1x8 | WeightFormat::A8x8) {
+                *a = m.mul_add(xb.sum, *a);
+            }
         }
     }
     acc

@@ -102,7 +102,7 @@ macro_rules! rows8_kernels {
                 // Q5: 32 bytes of fifth bits after the nibbles.
                 let bb = if MIN { 160 } else { 144 } + if FIVE { 32 } else { 0 };
                 assert!(group.len() >= x.len() * bb);
-                let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut acc = _mm256_setzero_ps();
                 for (b, xb) in x.iter().enumerate() {
                     // No software prefetch in one-token passes: their loads come in
                     // order fast enough for the hardware prefetcher alone, and asking
@@ -116,12 +116,14 @@ macro_rules! rows8_kernels {
                     // w = d·q + m. Q4_1 / Q5_1: the m term is m · x_sum. Q4_0 / Q5_0
                     // (m = −8·d, −16·d): an integer offset, taken from the sum.
                     let sum = if MIN { sum } else { _mm256_sub_epi32(sum, q_sum_times(xb, if FIVE { 16 } else { 8 })) };
+                    // One accumulator, the m term after the block's: the arithmetic of
+                    // every kernel (`scalar::dot_q8`).
                     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(sum), acc);
                     if MIN {
-                        acc_m = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)), _mm256_set1_ps(xb.sum), acc_m);
+                        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)), _mm256_set1_ps(xb.sum), acc);
                     }
                 }
-                std::mem::transmute::<__m256, [f32; 8]>(_mm256_add_ps(acc, acc_m))
+                std::mem::transmute::<__m256, [f32; 8]>(acc)
             }
 
             #[inline]
