@@ -49,6 +49,14 @@ impl Gather {
         &mut self.send[..len]
     }
 
+    /// `columns` in place: this member's block is `buf`'s first `n × its columns`
+    /// values, and `buf` receives the whole rows.
+    pub(crate) fn columns_in_place(&mut self, coll: &dyn Collectives, how: &Columns, n: usize, rank: usize, buf: &mut [f32]) -> Result<(), StepError> {
+        let mine = n * (how.part)(rank).len();
+        self.local(how, n)[..mine].copy_from_slice(&buf[..mine]);
+        self.columns(coll, how, n, buf)
+    }
+
     /// Every member's block (this one's written through `local`) assembled into `out`:
     /// `n` rows of `how.total` columns.
     pub(crate) fn columns(&mut self, coll: &dyn Collectives, how: &Columns, n: usize, out: &mut [f32]) -> Result<(), StepError> {

@@ -187,9 +187,7 @@ impl Run<'_> {
             self.linear(l, &x[..n * input.total], n, &mut y[..n * output.total], mm);
             return Ok(());
         }
-        let w = (input.part)(rank).len();
-        g.local(input, n)[..n * w].copy_from_slice(&x[..n * w]);
-        g.columns(self.coll, input, n, x)?;
+        g.columns_in_place(self.coll, input, n, rank, x)?;
         let rows = (output.part)(rank).len();
         debug_assert_eq!(rows, l.rows);
         self.linear(l, &x[..n * input.total], n, &mut g.local(output, n)[..n * rows], mm);

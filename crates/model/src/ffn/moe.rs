@@ -190,8 +190,7 @@ impl Moe {
             let (ranks, w) = (run.spec.moe_size, full);
             let width_part = |r: usize| output_rows(w, r, ranks);
             let how = Columns { group: CollGroup::Moe, layer, what: "experts width", ranks, total: w, part: &width_part };
-            ws.gather.local(&how, slots)[..slots * width].copy_from_slice(&ws.moe_gate[..slots * width]);
-            ws.gather.columns(run.coll, &how, slots, &mut ws.moe_gate)?;
+            ws.gather.columns_in_place(run.coll, &how, slots, run.spec.moe_rank, &mut ws.moe_gate)?;
         }
         let down = |i: usize| RowsJob { w: self.down[local(i)].weights(run.ckpt), rows: slots_of(i), out: 0 };
         if hw > 0 {
@@ -293,8 +292,7 @@ impl Moe {
                 run.gate_up(gate, up, &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.mm);
                 let width_part = |r: usize| output_rows(full, r, members);
                 let how = Columns { group: CollGroup::Moe, layer, what: "experts width", ranks: members, total: full, part: &width_part };
-                ws.gather.local(&how, cnt)[..cnt * gate.rows].copy_from_slice(&ws.gate[..cnt * gate.rows]);
-                ws.gather.columns(run.coll, &how, cnt, &mut ws.gate)?;
+                ws.gather.columns_in_place(run.coll, &how, cnt, member, &mut ws.gate)?;
                 run.linear(down, &ws.gate[..cnt * full], cnt, &mut ws.proj[..cnt * hw], &mut ws.mm);
             } else {
                 run.swiglu([gate, up, down], &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.proj[..cnt * h], &mut ws.mm);
@@ -335,8 +333,7 @@ impl Moe {
         if width_split {
             let part = |r: usize| output_rows(h, r, members);
             let how = Columns { group: CollGroup::Moe, layer, what: "moe out", ranks: members, total: h, part: &part };
-            ws.gather.local(&how, n)[..n * hw].copy_from_slice(&ws.moe_out[..n * hw]);
-            ws.gather.columns(run.coll, &how, n, &mut ws.moe_out)?;
+            ws.gather.columns_in_place(run.coll, &how, n, member, &mut ws.moe_out)?;
         }
         // Every local expert has one shape: its products times the slots routed here.
         let local_slot_count = ws.expert_count[self.experts.end] - ws.expert_count[self.experts.start];
