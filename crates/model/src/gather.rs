@@ -9,7 +9,7 @@
 //! by the same kernel, and `Gather::columns` assembles them. The expert combine keeps one
 //! node's order by a chain instead (`ffn::moe`).
 
-use crate::shard::{CollGroup, Collectives};
+use crate::shard::{output_rows, CollGroup, Collectives};
 use crate::step::StepError;
 use std::ops::Range;
 
@@ -28,13 +28,25 @@ pub(crate) struct Columns<'p> {
     pub(crate) ranks: usize,
     /// Total columns of a row.
     pub(crate) total: usize,
-    /// Member `r`'s columns.
-    pub(crate) part: &'p dyn Fn(usize) -> Range<usize>,
+    /// Member `r`'s columns: its `output_rows` of `total` unless given.
+    pub(crate) part: Option<&'p dyn Fn(usize) -> Range<usize>>,
 }
 
-impl Columns<'_> {
+impl<'p> Columns<'p> {
+    /// Member `r` holding `output_rows(total, r, ranks)` (what a row split computes).
+    pub(crate) fn rows(group: CollGroup, layer: usize, what: &'static str, ranks: usize, total: usize) -> Columns<'p> {
+        Columns { group, layer, what, ranks, total, part: None }
+    }
+
+    pub(crate) fn part(&self, r: usize) -> Range<usize> {
+        match self.part {
+            Some(f) => f(r),
+            None => output_rows(self.total, r, self.ranks),
+        }
+    }
+
     fn width_max(&self) -> usize {
-        (0..self.ranks).map(|r| (self.part)(r).len()).max().unwrap_or(0)
+        (0..self.ranks).map(|r| self.part(r).len()).max().unwrap_or(0)
     }
 }
 
@@ -52,7 +64,7 @@ impl Gather {
     /// `columns` in place: this member's block is `buf`'s first `n × its columns`
     /// values, and `buf` receives the whole rows.
     pub(crate) fn columns_in_place(&mut self, coll: &dyn Collectives, how: &Columns, n: usize, rank: usize, buf: &mut [f32]) -> Result<(), StepError> {
-        let mine = n * (how.part)(rank).len();
+        let mine = n * how.part(rank).len();
         self.local(how, n)[..mine].copy_from_slice(&buf[..mine]);
         self.columns(coll, how, n, buf)
     }
@@ -69,7 +81,7 @@ impl Gather {
         coll.all_gather(how.group, &self.send[..block], &mut self.recv[..block * how.ranks], how.layer, how.what)
             .map_err(StepError::Collective)?;
         for r in 0..how.ranks {
-            let cols = (how.part)(r);
+            let cols = how.part(r);
             let w = cols.len();
             let src = &self.recv[r * block..r * block + n * w];
             for t in 0..n {
@@ -121,7 +133,7 @@ mod tests {
         // 3 rows of 7 columns over 3 members (3 + 2 + 2 columns): every value in place.
         let (n, total, ranks) = (3, 7, 3);
         let part = |r: usize| split(total, r, ranks);
-        let how = Columns { group: CollGroup::Tp, layer: 0, what: "test", ranks, total, part: &part };
+        let how = Columns { group: CollGroup::Tp, layer: 0, what: "test", ranks, total, part: Some(&part) };
         let value = |t: usize, c: usize| (100 * t + c) as f32;
         let coll = Recorded(RefCell::new(Vec::new()));
         let mut out = vec![-1.0; n * total];
@@ -147,7 +159,7 @@ mod tests {
         assert_eq!(out, want);
         // One member: its block is the whole row.
         let whole = |_: usize| 0..total;
-        let one = Columns { ranks: 1, part: &whole, ..how };
+        let one = Columns { ranks: 1, part: Some(&whole), ..how };
         let mut g = Gather::default();
         g.local(&one, n).copy_from_slice(&want);
         let mut o = vec![0.0; n * total];

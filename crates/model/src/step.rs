@@ -188,7 +188,7 @@ impl Run<'_> {
             return Ok(());
         }
         g.columns_in_place(self.coll, input, n, rank, x)?;
-        let rows = (output.part)(rank).len();
+        let rows = output.part(rank).len();
         debug_assert_eq!(rows, l.rows);
         self.linear(l, &x[..n * input.total], n, &mut g.local(output, n)[..n * rows], mm);
         g.columns(self.coll, output, n, y)

@@ -9,8 +9,7 @@ use crate::kv::{KvCache, KvStore, TokenCaches};
 use crate::linear::Linear;
 use crate::load::{Loader, Sel};
 use crate::profile::ProfileKind;
-use crate::gather::Columns;
-use crate::shard::{attention_heads, output_rows, CollGroup};
+use crate::shard::{attention_heads, output_rows};
 use crate::step::{Run, StepError, Workspace, PER_TOKEN_PARALLEL_MIN};
 use std::ops::Range;
 use tessera_kernels::pool::SharedMut;
@@ -117,14 +116,7 @@ impl Gqa {
         ws.charge(ProfileKind::Attention, t0, kv_read);
         let t0 = ws.clock();
         let (tp, heads, kv_heads) = (run.spec.tp_size, c.heads, c.kv_heads);
-        let head_cols = |r: usize| {
-            let q = attention_heads(heads, kv_heads, r, tp).0;
-            q.start * hd..q.end * hd
-        };
-        let out_rows = |r: usize| output_rows(h, r, tp);
-        let input = Columns { group: CollGroup::Tp, layer: li, what: "attn heads", ranks: tp, total: heads * hd, part: &head_cols };
-        let output = Columns { group: CollGroup::Tp, layer: li, what: "attn out", ranks: tp, total: h, part: &out_rows };
-        run.linear_split(&self.o, &mut ws.attn, &input, &output, run.spec.tp_rank, n, &mut ws.proj, &mut ws.gather, &mut ws.mm)?;
+        super::project_heads(run, ws, &self.o, li, heads, hd, &|r| attention_heads(heads, kv_heads, r, tp).0)?;
         ws.charge_work(ProfileKind::AttnProj, t0, self.o.bytes(), self.o.macs(n));
         Ok(())
     }

@@ -9,8 +9,7 @@ use crate::linear::Linear;
 use crate::load::{Loader, Sel};
 use crate::names::stored_name;
 use crate::profile::ProfileKind;
-use crate::gather::Columns;
-use crate::shard::{output_rows, split, CollGroup};
+use crate::shard::split;
 use crate::step::{Run, StepError, Workspace};
 use std::ops::Range;
 use tessera_kernels::pool::SharedMut;
@@ -188,16 +187,8 @@ impl Mla {
                 ws.attn[(t * nh + head) * dv..(t * nh + head + 1) * dv].copy_from_slice(&ws.head_out[t * dv..(t + 1) * dv]);
             }
         }
-        // The heads' outputs gathered whole, then whole output rows (`crate::gather`).
         let (tp, heads) = (run.spec.tp_size, c.heads);
-        let head_cols = |r: usize| {
-            let q = split(heads, r, tp);
-            q.start * dv..q.end * dv
-        };
-        let out_rows = |r: usize| output_rows(h, r, tp);
-        let input = Columns { group: CollGroup::Tp, layer: li, what: "attn heads", ranks: tp, total: heads * dv, part: &head_cols };
-        let output = Columns { group: CollGroup::Tp, layer: li, what: "attn out", ranks: tp, total: h, part: &out_rows };
-        run.linear_split(&self.o, &mut ws.attn, &input, &output, run.spec.tp_rank, n, &mut ws.proj, &mut ws.gather, &mut ws.mm)
+        super::project_heads(run, ws, &self.o, li, heads, dv, &|r| split(heads, r, tp))
     }
 }
 

@@ -4,9 +4,12 @@
 pub(crate) mod gqa;
 pub(crate) mod mla;
 
+use crate::gather::Columns;
 use crate::kv::KvCache;
 use crate::linear::Linear;
+use crate::shard::CollGroup;
 use crate::step::{Run, StepError, Workspace};
+use std::ops::Range;
 
 /// One layer's attention block. Built once per layer at load: the size difference
 /// between the arms costs nothing on the hot path.
@@ -52,4 +55,19 @@ impl Attn {
             Attn::Mla(m) => m.forward(run, run.cfg.mla.as_ref().expect("MLA config"), ws, caches, li),
         }
     }
+}
+
+/// The output projection `o` of the heads' outputs in `ws.attn` (this rank's heads,
+/// `head_width` values each) into `ws.proj`. Under TP every rank's heads are gathered
+/// first (`heads_of(r)`: rank r's heads of `heads`) and each rank computes its rows of
+/// `o` (`Run::linear_split`).
+pub(crate) fn project_heads(run: &Run, ws: &mut Workspace, o: &Linear, layer: usize, heads: usize, head_width: usize, heads_of: &dyn Fn(usize) -> Range<usize>) -> Result<(), StepError> {
+    let (tp, n) = (run.spec.tp_size, run.n);
+    let head_cols = |r: usize| {
+        let q = heads_of(r);
+        q.start * head_width..q.end * head_width
+    };
+    let input = Columns { group: CollGroup::Tp, layer, what: "attn heads", ranks: tp, total: heads * head_width, part: Some(&head_cols) };
+    let output = Columns::rows(CollGroup::Tp, layer, "attn out", tp, run.cfg.hidden);
+    run.linear_split(o, &mut ws.attn, &input, &output, run.spec.tp_rank, n, &mut ws.proj, &mut ws.gather, &mut ws.mm)
 }

@@ -73,10 +73,8 @@ impl Mlp {
     pub(crate) fn apply(&self, run: &Run, x: &[f32], n: usize, gate: &mut [f32], up: &mut [f32], out: &mut [f32], g: &mut Gather, mm: &mut MatmulScratch, layer: usize, what: &'static str) -> std::result::Result<(), StepError> {
         let p = &self.parts;
         run.gate_up(&self.gate, &self.up, x, n, gate, up, mm);
-        let width_part = |r: usize| p.width_part(r);
-        let hidden_part = |r: usize| p.hidden_part(r);
-        let input = Columns { group: p.group, layer, what, ranks: p.ranks, total: p.width, part: &width_part };
-        let output = Columns { group: p.group, layer, what, ranks: p.ranks, total: p.hidden, part: &hidden_part };
+        let input = Columns::rows(p.group, layer, what, p.ranks, p.width);
+        let output = Columns::rows(p.group, layer, what, p.ranks, p.hidden);
         run.linear_split(&self.down, gate, &input, &output, p.rank, n, out, g, mm)
     }
 

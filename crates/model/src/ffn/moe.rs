@@ -187,9 +187,7 @@ impl Moe {
         if width_split {
             // Every member holds every expert's rows `width_part` of the width: gather
             // each slot's whole width before down (`crate::gather`).
-            let (ranks, w) = (run.spec.moe_size, full);
-            let width_part = |r: usize| output_rows(w, r, ranks);
-            let how = Columns { group: CollGroup::Moe, layer, what: "experts width", ranks, total: w, part: &width_part };
+            let how = Columns::rows(CollGroup::Moe, layer, "experts width", run.spec.moe_size, full);
             ws.gather.columns_in_place(run.coll, &how, slots, run.spec.moe_rank, &mut ws.moe_gate)?;
         }
         let down = |i: usize| RowsJob { w: self.down[local(i)].weights(run.ckpt), rows: slots_of(i), out: 0 };
@@ -290,8 +288,7 @@ impl Moe {
             if width_split {
                 let full = cfg.expert_width;
                 run.gate_up(gate, up, &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.mm);
-                let width_part = |r: usize| output_rows(full, r, members);
-                let how = Columns { group: CollGroup::Moe, layer, what: "experts width", ranks: members, total: full, part: &width_part };
+                let how = Columns::rows(CollGroup::Moe, layer, "experts width", members, full);
                 ws.gather.columns_in_place(run.coll, &how, cnt, member, &mut ws.gate)?;
                 run.linear(down, &ws.gate[..cnt * full], cnt, &mut ws.proj[..cnt * hw], &mut ws.mm);
             } else {
@@ -331,8 +328,7 @@ impl Moe {
             ws.charge(ProfileKind::Collectives, t1, 0);
         }
         if width_split {
-            let part = |r: usize| output_rows(h, r, members);
-            let how = Columns { group: CollGroup::Moe, layer, what: "moe out", ranks: members, total: h, part: &part };
+            let how = Columns::rows(CollGroup::Moe, layer, "moe out", members, h);
             ws.gather.columns_in_place(run.coll, &how, n, member, &mut ws.moe_out)?;
         }
         // Every local expert has one shape: its products times the slots routed here.
