@@ -119,7 +119,9 @@ pub fn quantize_row_scalar(x: &[f32], out: &mut [BlockQ8]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut half = [0i32; 2];
         for (i, (q, &v)) in block.qs.iter_mut().zip(xs).enumerate() {
-            let r = (v * id).round() as i32;
+            // Half to even, as llama.cpp's SIMD quantizers (its plain-C reference
+            // rounds half away; ties are rare, but one differs in every path after it).
+            let r = (v * id).round_ties_even() as i32;
             *q = r as i8;
             half[i / 16] += r;
         }

@@ -863,12 +863,12 @@ pub fn attend_stats<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize
     let row_len = d / E::VALUES;
     for (j, sj) in s.iter_mut().enumerate() {
         let row = &k[j * stride..j * stride + row_len];
-        // Eight lane sums, as `ops::dot`.
+        // Eight lanes of fused products, summed as a tree: the x86 kernels' order.
         let mut acc = [0.0f32; 8];
         for (i, &a) in q.iter().enumerate() {
-            acc[i % 8] += a * E::value(row, i);
+            acc[i % 8] = a.mul_add(E::value(row, i), acc[i % 8]);
         }
-        *sj = acc.iter().sum::<f32>() * scale;
+        *sj = lane_tree(&acc) * scale;
     }
     let mut stats = [0.0; 2];
     attend_tail(s, 1, d, v, stride, len, out, &mut stats);
@@ -886,6 +886,65 @@ pub fn softmax_unnormalised(s: &mut [f32]) -> (f32, f32) {
     (max, sum)
 }
 
+/// `((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))`: how the x86 kernels reduce a
+/// dot product's 8 lanes (two horizontal adds, then the halves).
+fn lane_tree(a: &[f32; 8]) -> f32 {
+    ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
+}
+
+/// `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`: how the x86 kernels sum a
+/// vector of 8 partial sums (halves, then pairs).
+fn lane_sum(a: &[f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
+/// e^x as the x86 kernels compute each lane (`exp8`): the same clamps, round to
+/// nearest even, fused reduction and polynomial, so that a scalar softmax gives their
+/// bits (within 3e-7 of libm's; `ops::exp_poly` is the same polynomial, unfused).
+pub fn exp_lane(x: f32) -> f32 {
+    // minps / maxps semantics: a NaN takes the bound.
+    let x = if x < 88.376_26 { x } else { 88.376_26 };
+    let x = if x > -87.336_55 { x } else { -87.336_55 };
+    let fx = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let x = (-fx).mul_add(0.693_359_4, x);
+    let x = (-fx).mul_add(-2.121_944_4e-4, x);
+    let mut y = 1.987_569_1e-4f32;
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1] {
+        y = y.mul_add(x, c);
+    }
+    let y = y.mul_add(x * x, x + 1.0);
+    y * f32::from_bits(((fx as i32 + 127) as u32) << 23)
+}
+
+/// `s` becomes exp(s − max(s)); returns (max, Σ). The x86 kernels' arithmetic: whole
+/// runs of 8 through `exp_lane`, summed in 8 lanes (`lane_sum`), the rest through
+/// libm's exp, added in order.
+fn softmax_lanes(s: &mut [f32]) -> (f32, f32) {
+    let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let whole = s.len() / 8 * 8;
+    let mut lanes = [0.0f32; 8];
+    for (j, x) in s[..whole].iter_mut().enumerate() {
+        *x = exp_lane(*x - max);
+        lanes[j % 8] += *x;
+    }
+    let mut sum = lane_sum(&lanes);
+    for x in &mut s[whole..] {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    (max, sum)
+}
+
+/// `gate[i] = silu(gate[i]) · up[i]` as the x86 kernels compute it: whole runs of 8
+/// with `exp_lane`, the rest as `ops::silu_mul`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let whole = gate.len() / 8 * 8;
+    for (g, &u) in gate[..whole].iter_mut().zip(up) {
+        *g = *g / (1.0 + exp_lane(0.0 - *g)) * u;
+    }
+    crate::ops::silu_mul(&mut gate[whole..], &up[whole..]);
+}
+
 /// After the scores (`g` rows of `len` in `scores`): softmax per head, then each head's
 /// weighted sum of the cached value rows (`stride` elements apart) into `out` (`g` rows
 /// of `d`), and each head's (max, Σ exp) into `stats`.
@@ -894,16 +953,18 @@ pub fn attend_tail<E: crate::KvElem>(scores: &mut [f32], g: usize, d: usize, v: 
     let row_len = d / E::VALUES;
     for h in 0..g {
         let s = &mut scores[h * len..(h + 1) * len];
-        let (max, sum) = softmax_unnormalised(s);
+        let (max, sum) = softmax_lanes(s);
         let inv = 1.0 / sum;
         let o = &mut out[h * d..(h + 1) * d];
         o.fill(0.0);
+        // Fused, key by key; 1/Σ at the end (the x86 kernels' order).
         for (j, &p) in s.iter().enumerate() {
             let row = &v[j * stride..j * stride + row_len];
             for (i, o) in o.iter_mut().enumerate() {
-                *o += p * inv * E::value(row, i);
+                *o = p.mul_add(E::value(row, i), *o);
             }
         }
+        o.iter_mut().for_each(|x| *x *= inv);
         stats[2 * h] = max;
         stats[2 * h + 1] = sum;
     }

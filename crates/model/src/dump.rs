@@ -2,8 +2,9 @@
 //! kernel flavours part (`tools/debug/layer_diff.py` compares two dumps).
 //!
 //! With `TESSERA_DUMP_DIR` set, each step appends, per layer, the attention block's and
-//! the FFN block's output rows (f32, `tokens × hidden`, whole rows on every member) to
-//! `DIR/<block>.<layer>.tp<rank>.f32`. Off by default; a failed write is reported once
+//! the FFN block's output rows (`attn`, `ffn`: f32, `tokens × hidden`, whole rows on
+//! every member) to `DIR/<block>.<layer>.tp<rank>.f32`; grouped-query attention also
+//! this rank's q, k, v and heads' outputs (`q`, `k`, `v`, `heads`). Off by default; a failed write is reported once
 //! on stderr and the step goes on (a debugging aid must not change what it observes).
 
 use crate::shard::ShardSpec;

@@ -571,7 +571,7 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
             Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::silu_mul(gate, up) },
-            _ => crate::ops::silu_mul(gate, up),
+            _ => scalar::silu_mul(gate, up),
         }
     }
 

@@ -106,6 +106,11 @@ impl Gqa {
             cache.v[li].write_heads(pos0, &ws.v[a * kv_dim..b * kv_dim], kvh, hd, cap);
         }
         ws.charge_work(ProfileKind::AttnProj, t0, self.q.bytes() + self.k.bytes() + self.v.bytes(), Linear::macs_of(n, [&self.q, &self.k, &self.v]));
+        if let Some(d) = &ws.dump {
+            d.write(li, "q", &ws.q[..n * q_dim]);
+            d.write(li, "k", &ws.k[..n * kv_dim]);
+            d.write(li, "v", &ws.v[..n * kv_dim]);
+        }
         let t0 = ws.clock();
         let at = TokenCaches { caches, chunks: run.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
         let shape = HeadShape { q_heads: self.q_heads.clone(), kv_heads: self.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
@@ -114,6 +119,9 @@ impl Gqa {
         let row_bytes = caches[0].dtype.key_row_bytes(kv_dim) + caches[0].dtype.value_row_bytes(kv_dim);
         let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * row_bytes).sum();
         ws.charge(ProfileKind::Attention, t0, kv_read);
+        if let Some(d) = &ws.dump {
+            d.write(li, "heads", &ws.attn[..n * q_dim]);
+        }
         let t0 = ws.clock();
         let (tp, heads, kv_heads) = (run.spec.tp_size, c.heads, c.kv_heads);
         super::project_heads(run, ws, &self.o, li, heads, hd, &|r| attention_heads(heads, kv_heads, r, tp).0)?;

@@ -1035,13 +1035,11 @@ pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
         let amax = _mm_cvtss_f32(m4);
         let d = amax / 127.0;
         let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-        // Round half away from zero, as f32::round in the scalar twin.
+        // Round half to even, as llama.cpp's SIMD quantizers and the scalar twin do.
         let mut ints = [_mm256_setzero_si256(); 4];
         for k in 0..4 {
             let s = _mm256_mul_ps(v[k], id);
-            let half = _mm256_or_ps(_mm256_and_ps(s, sign_mask), _mm256_set1_ps(0.5));
-            let r = _mm256_round_ps(_mm256_add_ps(s, half), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            ints[k] = _mm256_cvtps_epi32(r);
+            ints[k] = _mm256_cvtps_epi32(_mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
         let [sum_a, sum_b] = store_q8(ints, block);
         let total = sum_a + sum_b;
