@@ -338,7 +338,9 @@ fn k2_pair(sa: u8, sb: u8, isum: [i32; 2]) -> f32 {
 /// into a stack buffer, accumulate in order. The accuracy reference for every other
 /// path, and the portable path itself (no allocation).
 pub fn dot_f32(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
-    // Plain floats: 32 at a time (a "block" of 1 would be needlessly slow).
+    if !format.is_quantized() {
+        return dot_float_lanes(format, row, x);
+    }
     let (elems, bytes) = if format.is_quantized() {
         (format.block_elems(), format.block_bytes())
     } else {
@@ -362,6 +364,30 @@ pub fn dot_f32(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
         }
     }
     acc
+}
+
+/// A plain float row (F32, F16, BF16) with f32 activations, in the one arithmetic every
+/// kernel runs for them: 8 lanes, each a fused chain over its columns (column `c` in lane
+/// `c % 8`) for the whole 8-column runs, summed as `lane_sum`; then the last `n % 8`
+/// products added in order to a sum from zero, and that to the lanes'.
+fn dot_float_lanes(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
+    let eb = format.block_bytes();
+    let whole = x.len() / 8 * 8;
+    let w = |i: usize| match format {
+        WeightFormat::F32 => f32_at(row, 4 * i),
+        WeightFormat::F16 => f16_at(row, 2 * i),
+        _ => bf16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32(),
+    };
+    debug_assert!(row.len() >= x.len() * eb && matches!(format, WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16));
+    let mut lanes = [0.0f32; 8];
+    for (i, &xi) in x[..whole].iter().enumerate() {
+        lanes[i % 8] = w(i).mul_add(xi, lanes[i % 8]);
+    }
+    let mut tail = 0.0f32;
+    for (i, &xi) in x.iter().enumerate().skip(whole) {
+        tail += w(i) * xi;
+    }
+    lane_sum(&lanes) + tail
 }
 
 /// Dot product of a quantized weight row with q8 activations, integer inner sums: the
@@ -993,16 +1019,17 @@ pub fn dequantize_rows4(format: WeightFormat, group: &[u8], out: &mut [f32]) {
 /// Dot products of the 4 rows of one `F16x4` / `BF16x4` group with f32 activations,
 /// each summed in order (the reference for the SIMD kernels).
 pub fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f32; 4] {
+    // Each row as `dot_f32` computes it (its columns come 16 at a time, no tail).
     let src = rows4_source(format);
     let mut w = [0.0f32; 16];
-    let mut acc = [0.0f32; 4];
+    let mut lanes = [[0.0f32; 8]; 4];
     for (bytes, xs) in group.chunks_exact(128).zip(x.chunks_exact(16)) {
-        for (r, a) in acc.iter_mut().enumerate() {
+        for (r, l) in lanes.iter_mut().enumerate() {
             dequantize_row(src, &bytes[32 * r..32 * (r + 1)], &mut w);
-            for (wi, xi) in w.iter().zip(xs) {
-                *a += wi * xi;
+            for (i, (wi, xi)) in w.iter().zip(xs).enumerate() {
+                l[i % 8] = wi.mul_add(*xi, l[i % 8]);
             }
         }
     }
-    acc
+    lanes.map(|l| lane_sum(&l))
 }

@@ -1284,15 +1284,13 @@ fn mlx_8bit_as_rows8_keeps_every_weight() {
     }
 }
 
-/// One arithmetic per format (issue 22): for every 8-bit-activation format, matmul gives
-/// the same bits for each (row, token) whatever computes it: the SIMD flavours this CPU
-/// has and the scalar code, the interleaved layout and the rows as stored, and any
-/// number of tokens in the pass (1 to 13: the one-token kernel, passes of eight, four,
-/// and the 1–3-token tails). The reference is the scalar kernel on the stored rows, one
-/// token at a time. (The SIMD kernels over rows as stored are not yet included.)
-#[test]
-fn every_int8_path_gives_the_same_bits() {
-    // NEON's kernels still sum in their own order (issue 22 open): scalar alone there.
+/// One arithmetic per format (issue 22): matmul gives the same bits for each (row,
+/// token) whatever computes it: the SIMD flavours this CPU has and the scalar code, the
+/// interleaved layout and the rows as stored, and any number of tokens in the pass (1 to
+/// 13: the one-token kernel, passes of eight, four, two, and the tails). The reference is
+/// the scalar kernel on the stored rows, one token at a time. (Not yet: the int8 SIMD
+/// kernels over rows as stored, and NEON: scalar alone there.)
+fn same_bits_on_every_path(format: WeightFormat, cols: usize, interleave: bool, rng: &mut Rng) {
     #[allow(unused_mut)]
     let mut isas = vec![Isa::Scalar];
     #[cfg(target_arch = "x86_64")]
@@ -1303,20 +1301,16 @@ fn every_int8_path_gives_the_same_bits() {
         }
     }
     let pool = ThreadPool::new(1);
-    let mut rng = Rng(22);
-    let formats = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q5_0, WeightFormat::Q5_1, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::Iq4Nl, WeightFormat::Iq4Xs, WeightFormat::Q2K, WeightFormat::Q3K];
-    let only = std::env::var("TESSERA_TEST_FORMAT").ok();
-    for format in formats.into_iter().filter(|f| only.as_ref().is_none_or(|o| *o == f.to_string())) {
-        let cols = if format.block_elems() == 256 { 512 } else { 576 };
-        // 3 or 4 groups of 8 (single groups; pairs on AVX-512 from 8 tokens) and 3 rows more.
-        for groups in [3, 4] {
-        let rows = 8 * groups + 3;
-        let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
-        let packed_format = format.interleaved().unwrap();
-        let packed = tessera_kernels::repack_interleaved(format, rows - 3, cols, &data[..(rows - 3) * format.row_bytes(cols).unwrap()]);
-        const TOKENS: usize = 13;
-        let x = random_vec(&mut rng, TOKENS * cols);
+    const TOKENS: usize = 13;
+    let packed_format = format.interleaved().filter(|_| interleave);
+    let per_group = packed_format.map_or(1, |f| f.rows_per_group());
+    // 3 or 4 interleaved groups (single groups; pairs on AVX-512 from 8 tokens) and 3 rows more.
+    for groups in [3, 4] {
+        let rows = per_group * groups + 3;
+        let data: Vec<u8> = (0..rows).flat_map(|_| random_row(rng, format, cols)).collect();
+        let x = random_vec(rng, TOKENS * cols);
         let stored = WeightRows::new(format, rows, cols, &data).unwrap();
+        let packed = packed_format.map(|_| tessera_kernels::repack_interleaved(format, rows - 3, cols, &data[..(rows - 3) * format.row_bytes(cols).unwrap()]));
         let run = |isa: Isa, w: WeightRows, tokens: usize, rows: usize| {
             let mut y = vec![0.0f32; tokens * rows];
             matmul(&pool, isa, w, &x[..tokens * cols], tokens, &mut y, &mut MatmulScratch::new(TOKENS, cols));
@@ -1331,16 +1325,18 @@ fn every_int8_path_gives_the_same_bits() {
             .collect();
         for &isa in &isas {
             for tokens in 1..=TOKENS {
-                let interleaved = ("interleaved", WeightRows::new(packed_format, rows - 3, cols, &packed).unwrap(), rows - 3);
-                // Not yet the stored rows on SIMD (TESSERA_REPACK=0, and matrices left
-                // unpacked): those kernels still sum each row in their own order.
-                let layouts = if isa == Isa::Scalar { vec![("stored", stored, rows), interleaved] } else { vec![interleaved] };
+                let mut layouts = Vec::new();
+                if isa == Isa::Scalar || !format.int8_activations() {
+                    layouts.push(("stored", stored, rows));
+                }
+                if let (Some(pf), Some(p)) = (packed_format, &packed) {
+                    layouts.push(("interleaved", WeightRows::new(pf, rows - 3, cols, p).unwrap(), rows - 3));
+                }
                 for (layout, w, rows) in layouts {
                     let y = run(isa, w, tokens, rows);
                     for t in 0..tokens {
                         let got: Vec<u32> = y[t * rows..(t + 1) * rows].iter().map(|v| v.to_bits()).collect();
-                        let first = (0..rows).find(|&r| got[r] != want[t][r]);
-                        if let Some(r) = first {
+                        if let Some(r) = (0..rows).find(|&r| got[r] != want[t][r]) {
                             panic!(
                                 "{format} {layout} on {}, {tokens} tokens: token {t} row {r} is {} where one token on the scalar kernel gives {}",
                                 isa.name(),
@@ -1352,6 +1348,27 @@ fn every_int8_path_gives_the_same_bits() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn every_int8_path_gives_the_same_bits() {
+    let mut rng = Rng(22);
+    let formats = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q5_0, WeightFormat::Q5_1, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::Iq4Nl, WeightFormat::Iq4Xs, WeightFormat::Q2K, WeightFormat::Q3K];
+    for format in formats {
+        same_bits_on_every_path(format, if format.block_elems() == 256 { 512 } else { 576 }, true, &mut rng);
+    }
+}
+
+/// The plain float formats on the same terms, stored layout included, on widths with and
+/// without a tail of fewer than 8 columns (the interleaved F16x4/BF16x4 take 16s).
+#[test]
+fn every_float_path_gives_the_same_bits() {
+    let mut rng = Rng(24);
+    for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Bf16] {
+        for cols in [576, 583] {
+            // An odd width is never interleaved (F16x4/BF16x4 take whole 16s).
+            same_bits_on_every_path(format, cols, cols.is_multiple_of(16), &mut rng);
         }
     }
 }

@@ -115,22 +115,23 @@ unsafe fn dot_float_t<L: Load8>(format: WeightFormat, row: &[u8], x: &[f32]) -> 
     let esize = L::ELEM_BYTES;
     assert!(row.len() >= n * esize);
     let (wp, xp) = (row.as_ptr(), x.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
+    // One chain of 8 lanes, the arithmetic of every float kernel (`scalar::dot_f32`):
+    // a row's result is the same alone, with three more tokens, or interleaved.
+    let mut acc = _mm256_setzero_ps();
     let mut i = 0;
     while i + 32 <= n {
         prefetch_ahead(wp.wrapping_add((i + 32) * esize), if esize == 4 { 2 } else { 1 });
-        for (k, a) in acc.iter_mut().enumerate() {
+        for k in 0..4 {
             let j = i + 8 * k;
-            *a = _mm256_fmadd_ps(L::load8(wp.add(j * esize)), _mm256_loadu_ps(xp.add(j)), *a);
+            acc = _mm256_fmadd_ps(L::load8(wp.add(j * esize)), _mm256_loadu_ps(xp.add(j)), acc);
         }
         i += 32;
     }
     while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(L::load8(wp.add(i * esize)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+        acc = _mm256_fmadd_ps(L::load8(wp.add(i * esize)), _mm256_loadu_ps(xp.add(i)), acc);
         i += 8;
     }
-    let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    let mut total = hsum(sum);
+    let mut total = hsum(acc);
     if i < n {
         total += scalar::dot_f32(format, &row[i * esize..n * esize], &x[i..]);
     }
@@ -815,7 +816,7 @@ pub unsafe fn dot_float_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) ->
 
 /// 4 interleaved float rows (`F16x4`, `BF16x4`) against one token: per 16-column
 /// piece (128 bytes, one stream), the activations are loaded once for the 4 rows;
-/// two accumulators per row.
+/// one accumulator per row.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f32; 4] {
     #[inline]
@@ -824,21 +825,17 @@ pub unsafe fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f
         let n = x.len();
         assert!(n.is_multiple_of(16) && group.len() >= 8 * n, "rows4: {n} columns, {} bytes", group.len());
         let (gp, xp) = (group.as_ptr(), x.as_ptr());
-        let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+        // One chain per row, as `dot_float_t` (four rows: four chains in flight).
+        let mut acc = [_mm256_setzero_ps(); 4];
         for piece in 0..n / 16 {
             let p = gp.add(128 * piece);
             prefetch_ahead(p, 2);
             let (x0, x1) = (_mm256_loadu_ps(xp.add(16 * piece)), _mm256_loadu_ps(xp.add(16 * piece + 8)));
             for (r, a) in acc.iter_mut().enumerate() {
-                a[0] = _mm256_fmadd_ps(L::load8(p.add(32 * r)), x0, a[0]);
-                a[1] = _mm256_fmadd_ps(L::load8(p.add(32 * r + 16)), x1, a[1]);
+                *a = _mm256_fmadd_ps(L::load8(p.add(32 * r + 16)), x1, _mm256_fmadd_ps(L::load8(p.add(32 * r)), x0, *a));
             }
         }
-        let mut out = [0.0f32; 4];
-        for (o, a) in out.iter_mut().zip(&acc) {
-            *o = hsum(_mm256_add_ps(a[0], a[1]));
-        }
-        out
+        acc.map(|a| hsum(a))
     }
     match format {
         WeightFormat::F16x4 => t::<LoadF16>(group, x),
