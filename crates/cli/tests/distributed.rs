@@ -54,9 +54,14 @@ fn ok(out: &Output, what: &str) -> String {
 
 /// Greedy ids from `generate --prompt-ids` (the leader's `ids:` line).
 fn greedy(name: &Path, n: usize, placement: &[&str], prompt: &[u32], max_tokens: usize, extra: &[&str]) -> Vec<u32> {
+    greedy_threads(name, n, placement, prompt, max_tokens, extra, 1)
+}
+
+/// `greedy` with `threads` per rank (the ids do not depend on it).
+fn greedy_threads(name: &Path, n: usize, placement: &[&str], prompt: &[u32], max_tokens: usize, extra: &[&str], threads: usize) -> Vec<u32> {
     let mut args: Vec<String> = ["generate", "--model"].iter().map(|s| s.to_string()).collect();
     args.push(name.to_string_lossy().into());
-    args.extend(["--prompt-ids".into(), csv(prompt), "--max-tokens".into(), max_tokens.to_string(), "--threads".into(), "1".into()]);
+    args.extend(["--prompt-ids".into(), csv(prompt), "--max-tokens".into(), max_tokens.to_string(), "--threads".into(), threads.to_string()]);
     args.extend(placement.iter().chain(extra).map(|s| s.to_string()));
     if !extra.contains(&"--kv-cache") {
         args.extend(KV_F32.iter().map(|s| s.to_string()));
@@ -556,4 +561,59 @@ fn q8_kv_cache_every_placement() {
     let out = tessera(1, &["generate", "--model", &fixture("qwen3_moe").to_string_lossy(), "--prompt-ids", "1,2", "--kv-cache", "q8"].map(String::from));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("16 wide") && err.contains("--kv-cache f16"), "16-wide heads with a q8 cache: {}\n{err}", out.status);
+}
+
+/// GGUF formats with 8-bit activations (issue 22) on every placement: the logits of a
+/// prompt are one node's bit for bit, and after a 4,100-token prompt the greedy ids of
+/// 512 tokens are one node's. (llama.cpp's low-bit files and Q8_0; `smollm2_*` below
+/// for the real Q4_1 model.)
+#[test]
+fn gguf_8bit_formats_every_placement_to_the_bit() {
+    let placements: [(usize, &[&str]); 7] = [
+        (2, &["--tp", "2"]),
+        (3, &["--tp", "3"]),
+        (2, &["--ep", "2"]),
+        (4, &["--ep", "4"]),
+        (2, &["--pp", "2"]),
+        (4, &["--pp", "2", "--tp", "2"]),
+        (2, &["--tp", "2", "--ep", "2"]),
+    ];
+    let long: Vec<u32> = (0..4100u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % 200 + 3).collect();
+    let extra = ["--ctx", "4700"];
+    for file in ["gguf_moe/qwen3_moe.q8_0.gguf", "gguf_lowbit/qwen3_moe_w256.q3_k_s.gguf", "gguf_lowbit/qwen3_moe_w256.iq4_xs.gguf", "gguf_lowbit/qwen3_moe_w256.q2_k.gguf"] {
+        let model = fixture(file);
+        let dir = scratch(&file.replace('/', "_"));
+        let prompt = &long[..40];
+        let single = logits(&model, 1, &[], prompt, &dir.join("single.npy"));
+        let single_ids = greedy(&model, 1, &[], &long, 512, &extra);
+        assert!(single_ids.len() >= 64, "{file}: only {} tokens generated", single_ids.len());
+        for (i, (n, placement)) in placements.iter().enumerate() {
+            let l = logits(&model, *n, placement, prompt, &dir.join(format!("p{i}.npy")));
+            let differ = single.iter().zip(&l).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert!(single.len() == l.len() && differ == 0, "{file} {placement:?}: {differ} of {} logits differ from one node's", l.len());
+            assert_eq!(greedy(&model, *n, placement, &long, 512, &extra), single_ids, "{file} {placement:?}: greedy ids after 4,100 tokens");
+        }
+    }
+}
+
+/// The real default model (Q4_1, 8-bit activations) under TP2, TP3 and PP2: a prompt's
+/// logits are one node's bit for bit, and (TP2, PP2) a 4,100-token prompt's 512 greedy ids.
+#[test]
+fn smollm2_placements_to_the_bit() {
+    let model = repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(model.exists(), "{} is missing: run scripts/fetch-model", model.display());
+    let long: Vec<u32> = (0..4100u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % 49000 + 3).collect();
+    // An f16 cache (the default) and two threads alone: 2.5× faster than f32 on one.
+    let extra = ["--ctx", "4700", "--kv-cache", "f16"];
+    let dir = scratch("smollm2_to_the_bit");
+    let single = logits(&model, 1, &[], &long[..24], &dir.join("single.npy"));
+    let single_ids = greedy_threads(&model, 1, &[], &long, 512, &extra, 2);
+    for (i, (n, placement)) in [(2, &["--tp", "2"][..]), (3, &["--tp", "3"][..]), (2, &["--pp", "2"][..])].into_iter().enumerate() {
+        let l = logits(&model, n, placement, &long[..24], &dir.join(format!("p{i}.npy")));
+        assert!(single.iter().zip(&l).all(|(a, b)| a.to_bits() == b.to_bits()), "{placement:?}: logits differ from one node's");
+        // Three ranks on two cores take long over 512 steps: TP3's logits only.
+        if n == 2 {
+            assert_eq!(greedy(&model, n, placement, &long, 512, &extra), single_ids, "{placement:?}: greedy ids after 4,100 tokens");
+        }
+    }
 }

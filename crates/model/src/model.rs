@@ -9,7 +9,7 @@
 //! ([`crate::ffn`]) → residual) → final norm → LM head. All buffers a step needs live in
 //! a [`Workspace`] sized at load from [`StepLimits`]; a step allocates nothing.
 
-use crate::attention::gqa::{Gqa, ATTN_SPLIT_SLOTS_PER_THREAD};
+use crate::attention::gqa::{attn_range_slots, Gqa};
 use crate::attention::{mla::Mla, Attn};
 use crate::checkpoint::Checkpoint;
 use crate::config::{FfnKind, ModelConfig};
@@ -412,8 +412,8 @@ impl Model {
             expert_slots: vec![(0, 0.0); moe.map_or(0, |m| t * m.top_k)],
             moe_in: vec![0.0; moe_rows],
             moe_out: vec![0.0; moe_rows],
-            attn_part: vec![0.0; if c.mla.is_some() { 0 } else { threads * ATTN_SPLIT_SLOTS_PER_THREAD * (c.heads / c.kv_heads.max(1)).max(1) * c.head_dim }],
-            attn_stats: vec![0.0; if c.mla.is_some() { 0 } else { threads * ATTN_SPLIT_SLOTS_PER_THREAD * 2 * (c.heads / c.kv_heads.max(1)).max(1) }],
+            attn_part: vec![0.0; if c.mla.is_some() { 0 } else { attn_range_slots(threads, limits.context_max) * (c.heads / c.kv_heads.max(1)).max(1) * c.head_dim }],
+            attn_stats: vec![0.0; if c.mla.is_some() { 0 } else { attn_range_slots(threads, limits.context_max) * 2 * (c.heads / c.kv_heads.max(1)).max(1) }],
             moe_gate: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_up: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_proj: vec![0.0; fused_slots * c.hidden],

@@ -139,23 +139,34 @@ struct HeadShape {
     head_dim: usize,
 }
 
-/// Key ranges of at least this many positions are worth a work item of their own
-/// (four 8-key groups). Batch-1 decode has as many items as kv groups (3 on SmolLM2: one
-/// thread does two while the other waits); splitting from 64 keys (it was 256: ranges of
-/// 128) decoded 1.02–1.04× faster over contexts of 16–144 (4 of 4 alternating runs) and
-/// 1.03–1.08× at 200–328, attention alone 0.39 against 0.42–0.46 ms a token.
-const ATTN_SPLIT_KEYS_MIN: usize = 32;
-/// With few (token, kv group) items, each is split over key ranges until there are
-/// about this many items per thread (batch-1 decode of a model with 3 kv heads on 2
-/// threads would otherwise leave one thread a whole group behind the other).
+/// Keys per range of a long attention: an item over more keys is computed range by
+/// range (each range one kernel call, its own softmax) and the ranges merged, always
+/// the same ranges whatever the thread count, batch or placement, so that the result
+/// is too (issue 22: splitting only when threads were idle made 2 threads decode other
+/// ids than 1 after a 4,100-token prompt). A multiple of 8 (a q8 cache's key groups).
+pub(crate) const ATTN_RANGE_KEYS: usize = 256;
+
+/// With few (token, kv group) items, their ranges are spread over the threads (batch-1
+/// decode of a model with 3 kv heads on 2 threads would otherwise leave one thread a
+/// whole group behind the other); with as many as this per thread, each thread takes
+/// whole items.
 const ATTN_ITEMS_PER_THREAD: usize = 4;
 
-/// Split-attention scratch: items per thread at most (`ATTN_ITEMS_PER_THREAD` when
-/// splitting, plus the unsplit items, which are fewer).
-pub(crate) const ATTN_SPLIT_SLOTS_PER_THREAD: usize = 2 * ATTN_ITEMS_PER_THREAD;
+/// Key ranges of an attention over `len` keys.
+fn ranges_of(len: usize) -> usize {
+    len.div_ceil(ATTN_RANGE_KEYS).max(1)
+}
+
+/// Range slots (each a kv group's heads' partial outputs) the attention scratch holds
+/// for `threads` threads and contexts up to `context_max`: every thread an item's
+/// ranges, and room to spread a few items' ranges over the threads.
+pub(crate) fn attn_range_slots(threads: usize, context_max: usize) -> usize {
+    threads * ranges_of(context_max).max(2 * ATTN_ITEMS_PER_THREAD)
+}
 
 /// Causal attention of the step's `n` queries, each over its own sequence's cache.
-/// Threads split the (token, head) pairs; each uses its own score row.
+/// Threads split the (token, kv group) items, or, with few items, their key ranges;
+/// each thread uses its own score row.
 #[allow(clippy::too_many_arguments)]
 fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32], part: &mut [f32], stats: &mut [f32]) {
     let hd = shape.head_dim;
@@ -167,96 +178,146 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
     // Work items are (token, kv group): the group's query heads share one read of
     // the keys and values, which are the cost here (measured on SmolLM2 batch-1
     // decode, 2 threads: 3 whole groups beat 9 single heads, 0.56 against 0.66–0.76
-    // ms per token). Few items are split over key ranges, merged after.
+    // ms per token).
     let start = shape.q_heads.start;
     let piece = shape.group;
     let first = start / piece;
     let pieces = (shape.q_heads.end - 1) / piece + 1 - first;
     let items = n * pieces;
     let len_max = (0..n).map(|t| at.of(t).2).max().unwrap_or(0);
-    let splits = if threads == 1 || items >= ATTN_ITEMS_PER_THREAD * threads {
-        1
-    } else {
-        // About ATTN_ITEMS_PER_THREAD ranges for every thread, as many for each: 3 groups
-        // on 2 threads make 12 ranges, not 9 with one thread a range behind (SmolLM2
-        // after 2000 tokens: decode 1.005–1.16×, 6 of 6 alternating runs),
-        // or 6 where the keys make no more than 9 ranges of ATTN_SPLIT_KEYS_MIN.
-        let want = (ATTN_ITEMS_PER_THREAD * threads).div_ceil(items);
-        let most = (want + threads - 1).min(len_max / ATTN_SPLIT_KEYS_MIN).min(ATTN_SPLIT_SLOTS_PER_THREAD * threads / items);
-        (1..=most).rev().find(|s| (items * s).is_multiple_of(threads)).unwrap_or(want.min(most)).max(1)
-    };
+    let slot = piece * hd;
+    let slots = part.len() / slot.max(1);
+    let per_thread = slots / threads;
+    let r_max = ranges_of(len_max);
+    assert!(r_max <= per_thread && stats.len() >= slots * 2 * piece, "attention scratch: {r_max} key ranges, room for {per_thread} per thread");
+    let spread = threads > 1 && items < ATTN_ITEMS_PER_THREAD * threads && r_max > 1 && items * r_max <= slots;
     // Item `i`'s query heads (global, clipped to this rank's) and output offsets.
     let heads_of = |i: usize| {
         let (t, p) = (i / pieces, first + i % pieces);
         let (h0, h1) = ((p * piece).max(start), ((p + 1) * piece).min(shape.q_heads.end));
         (t, h0, h1, t * q_dim + (h0 - start) * hd, t * q_dim + (h1 - start) * hd)
     };
-    let slot = piece * hd;
-    assert!(splits == 1 || items * splits * slot <= part.len(), "attention split scratch: {items}×{splits} items");
     let out_ptr = SharedMut(out.as_mut_ptr());
     let part_ptr = SharedMut(part.as_mut_ptr());
     let stats_ptr = SharedMut(stats.as_mut_ptr());
     let scores_ptr = SharedMut(scores.as_mut_ptr());
-    pool.parallel_for(items * splits, 1, &|tid, range| {
-        // SAFETY: thread `tid` owns score row `tid`, and the output heads (or the
-        // partial slots) of the items it is given.
-        let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
-        for job in range {
-            let (item, s) = (job / splits, job % splits);
-            let (t, h0, h1, a, b) = heads_of(item);
-            let kvh = h0 / shape.group - shape.kv_heads.start;
-            let (k_cache, v_cache, len) = at.of(t);
-            // Whole 8-key groups per range (a q8 cache's keys are grouped so).
-            let chunk = len.div_ceil(splits).next_multiple_of(8);
-            let (j0, j1) = ((s * chunk).min(len), ((s + 1) * chunk).min(len));
-            let (o, st) = if splits == 1 {
-                (unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) }, None)
-            } else {
-                let st = unsafe { std::slice::from_raw_parts_mut(stats_ptr.ptr().add(job * 2 * piece), 2 * (h1 - h0)) };
-                if j0 == j1 {
-                    // An empty range weighs nothing in the merge.
-                    st.chunks_exact_mut(2).for_each(|x| x.copy_from_slice(&[f32::NEG_INFINITY, 0.0]));
+    // Keys `j0..j1` of item `item` into `o` (its heads' outputs), with their (max, Σ)
+    // into `st` when the item has several ranges.
+    let range = |item: usize, j0: usize, j1: usize, sc: &mut [f32], o: &mut [f32], st: Option<&mut [f32]>| {
+        let (t, h0, _, a, b) = heads_of(item);
+        let kvh = h0 / shape.group - shape.kv_heads.start;
+        let (k_cache, v_cache, _) = at.of(t);
+        // Head-major cache: kv head `kvh`'s positions are one run of `hd`-wide rows.
+        let off = (kvh * at.capacity(t) + j0) * hd;
+        match (k_cache, v_cache) {
+            (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
+            (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
+            (KvStore::Q8Keys { bytes, groups_per_head, group_bytes }, KvStore::Q8(v)) => {
+                // Ranges start on 8-key groups (ATTN_RANGE_KEYS is a multiple of 8).
+                let k_at = (kvh * groups_per_head + j0 / 8) * group_bytes;
+                isa.attend_group_q8(&q[a..b], hd, &bytes[k_at..], &v[off / KvQ8::VALUES..], hd / KvQ8::VALUES, j1 - j0, scale, sc, o, st)
+            }
+            _ => unreachable!("keys and values share one element type"),
+        }
+    };
+    let bounds = |len: usize, k: usize| ((k * ATTN_RANGE_KEYS).min(len), ((k + 1) * ATTN_RANGE_KEYS).min(len));
+    // Item `item`'s ranges from slot `s0` on, merged into its output.
+    let merge_item = |item: usize, s0: usize| {
+        let (t, h0, h1, a, b) = heads_of(item);
+        let r = ranges_of(at.of(t).2);
+        // SAFETY: the item's output heads and its slots belong to this caller alone.
+        let (o, p, st) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a),
+                std::slice::from_raw_parts(part_ptr.ptr().add(s0 * slot) as *const f32, r * slot),
+                std::slice::from_raw_parts(stats_ptr.ptr().add(s0 * 2 * piece) as *const f32, r * 2 * piece),
+            )
+        };
+        merge_ranges(o, p, st, r, h1 - h0, hd, slot, piece);
+    };
+    if !spread {
+        pool.parallel_for(items, 1, &|tid, jobs| {
+            // SAFETY: thread `tid` owns score row `tid` and slots `tid·per_thread..`,
+            // and the output heads of the items it is given.
+            let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
+            for item in jobs {
+                let (t, _, _, a, b) = heads_of(item);
+                let len = at.of(t).2;
+                let r = ranges_of(len);
+                if r == 1 {
+                    range(item, 0, len, sc, unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) }, None);
                     continue;
                 }
-                (unsafe { std::slice::from_raw_parts_mut(part_ptr.ptr().add(job * slot), b - a) }, Some(st))
-            };
-            // Head-major cache: kv head `kvh`'s positions are one run of `hd`-wide rows.
-            let off = (kvh * at.capacity(t) + j0) * hd;
-            match (k_cache, v_cache) {
-                (KvStore::F32(k), KvStore::F32(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
-                (KvStore::F16(k), KvStore::F16(v)) => isa.attend_group(&q[a..b], hd, &k[off..], &v[off..], hd, j1 - j0, scale, sc, o, st),
-                (KvStore::Q8Keys { bytes, groups_per_head, group_bytes }, KvStore::Q8(v)) => {
-                    // Ranges start on 8-key groups (`chunk` is a multiple of 8).
-                    let k_at = (kvh * groups_per_head + j0 / 8) * group_bytes;
-                    isa.attend_group_q8(&q[a..b], hd, &bytes[k_at..], &v[off / KvQ8::VALUES..], hd / KvQ8::VALUES, j1 - j0, scale, sc, o, st)
+                let s0 = tid * per_thread;
+                for k in 0..r {
+                    let (j0, j1) = bounds(len, k);
+                    let (o, st) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(part_ptr.ptr().add((s0 + k) * slot), b - a),
+                            std::slice::from_raw_parts_mut(stats_ptr.ptr().add((s0 + k) * 2 * piece), 2 * (b - a) / hd),
+                        )
+                    };
+                    range(item, j0, j1, sc, o, Some(st));
                 }
-                _ => unreachable!("keys and values share one element type"),
+                merge_item(item, s0);
             }
-        }
-    });
-    if splits == 1 {
+        });
         return;
     }
-    // Merge each item's ranges: weights exp(max_s − max*)·sum_s on normalised outputs.
-    for item in 0..items {
-        let (_, h0, h1, a, _) = heads_of(item);
-        for h in 0..h1 - h0 {
-            let stat = |s: usize| (stats[(item * splits + s) * 2 * piece + 2 * h], stats[(item * splits + s) * 2 * piece + 2 * h + 1]);
-            let m = (0..splits).map(|s| stat(s).0).fold(f32::NEG_INFINITY, f32::max);
-            let o = &mut out[a + h * hd..a + (h + 1) * hd];
-            o.fill(0.0);
-            let mut total = 0.0;
-            for s in 0..splits {
-                let (ms, ls) = stat(s);
-                if ls == 0.0 {
-                    continue;
-                }
-                let w = (ms - m).exp() * ls;
-                total += w;
-                let p = &part[(item * splits + s) * slot + h * hd..][..hd];
-                ops::axpy(o, w, p);
+    // Few items: every (item, range) a job of its own, merged after.
+    pool.parallel_for(items * r_max, 1, &|tid, jobs| {
+        // SAFETY: thread `tid` owns score row `tid`; each job owns its slot (or, for a
+        // one-range item, the item's output heads).
+        let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
+        for job in jobs {
+            let (item, k) = (job / r_max, job % r_max);
+            let (t, _, _, a, b) = heads_of(item);
+            let len = at.of(t).2;
+            let (j0, j1) = bounds(len, k);
+            if j0 == j1 {
+                continue;
             }
-            o.iter_mut().for_each(|x| *x /= total);
+            if ranges_of(len) == 1 {
+                range(item, 0, len, sc, unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) }, None);
+                continue;
+            }
+            let s = item * r_max + k;
+            let (o, st) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(part_ptr.ptr().add(s * slot), b - a),
+                    std::slice::from_raw_parts_mut(stats_ptr.ptr().add(s * 2 * piece), 2 * (b - a) / hd),
+                )
+            };
+            range(item, j0, j1, sc, o, Some(st));
         }
+    });
+    for item in 0..items {
+        if ranges_of(at.of(heads_of(item).0).2) > 1 {
+            merge_item(item, item * r_max);
+        }
+    }
+}
+
+/// Merges `r` ranges' normalised outputs of `g` heads (`parts`: slot `k` at `k·slot`,
+/// head `h` at `h·hd` in it; `stats`: (max, Σ) per head, `2·piece` per slot) into `o`:
+/// weights exp(max_k − max*)·Σ_k, ranges in order.
+#[allow(clippy::too_many_arguments)]
+fn merge_ranges(o: &mut [f32], parts: &[f32], stats: &[f32], r: usize, g: usize, hd: usize, slot: usize, piece: usize) {
+    for h in 0..g {
+        let stat = |k: usize| (stats[k * 2 * piece + 2 * h], stats[k * 2 * piece + 2 * h + 1]);
+        let m = (0..r).map(|k| stat(k).0).fold(f32::NEG_INFINITY, f32::max);
+        let oh = &mut o[h * hd..(h + 1) * hd];
+        oh.fill(0.0);
+        let mut total = 0.0;
+        for k in 0..r {
+            let (mk, lk) = stat(k);
+            if lk == 0.0 {
+                continue;
+            }
+            let w = (mk - m).exp() * lk;
+            total += w;
+            ops::axpy(oh, w, &parts[k * slot + h * hd..][..hd]);
+        }
+        oh.iter_mut().for_each(|x| *x /= total);
     }
 }
