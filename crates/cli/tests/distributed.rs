@@ -617,3 +617,31 @@ fn smollm2_placements_to_the_bit() {
         }
     }
 }
+
+/// Several sequences batched on GGUF 8-bit formats (issue 22): each sequence's greedy ids
+/// are what it gets alone on one node, on one node and under TP2, EP2 and PP2 (prompts of
+/// different lengths, prefilled in small chunks beside decodes).
+#[test]
+fn gguf_batched_sequences_equal_each_alone() {
+    for file in ["gguf_moe/qwen3_moe.q8_0.gguf", "gguf_lowbit/qwen3_moe_w256.q3_k_s.gguf"] {
+        let model = fixture(file);
+        let base: Vec<u32> = (0..300u32).map(|i| (i.wrapping_mul(2654435761) >> 9) % 200 + 3).collect();
+        let prompts = [base.clone(), base[..7].to_vec(), base[100..].to_vec(), vec![9]];
+        let alone: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(&model, 1, &[], p, 24, &[])).collect();
+        for (n, placement) in [(1, &[][..]), (2, &["--tp", "2"][..]), (2, &["--ep", "2"][..]), (2, &["--pp", "2"][..])] {
+            let mut args: Vec<String> = vec!["generate".into(), "--model".into(), model.to_string_lossy().into()];
+            for p in &prompts {
+                args.extend(["--prompt-ids".into(), csv(p)]);
+            }
+            args.extend(["--max-tokens", "24", "--threads", "1", "--prefill-chunk", "64", "--kv-cache", "f32"].iter().map(|s| s.to_string()));
+            args.extend(placement.iter().map(|s| s.to_string()));
+            let stdout = ok(&tessera(n, &args), &format!("{file} {placement:?} batched"));
+            let got: Vec<Vec<u32>> = stdout
+                .lines()
+                .filter_map(|l| l.split("ids: ").nth(1))
+                .map(|l| l.trim().split(',').map(|x| x.parse().unwrap()).collect())
+                .collect();
+            assert_eq!(got, alone, "{file} {placement:?}: ids of {} sequences batched differ from each alone", prompts.len());
+        }
+    }
+}
