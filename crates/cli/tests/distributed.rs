@@ -112,6 +112,11 @@ fn check(name: &str, placements: &[(usize, &[&str])]) {
     }
 }
 
+/// Each sequence's ids of a `generate` run with several `--prompt-ids`, in order.
+fn ids_lines(stdout: &str) -> Vec<Vec<u32>> {
+    stdout.lines().filter_map(|l| l.split("ids: ").nth(1)).map(|l| l.trim().split(',').map(|x| x.parse().unwrap()).collect()).collect()
+}
+
 /// Several sequences at once under pipeline parallelism: one micro-batch per stage in
 /// flight, prompts of different lengths prefilled in small chunks beside decodes. Every
 /// sequence's greedy ids are what it gets alone on one node (and mlx-lm's for the
@@ -142,11 +147,7 @@ fn several_sequences_in_flight_under_pp() {
         args.extend(placement.iter().map(|s| s.to_string()));
         let out = tessera(n, &args);
         let stdout = ok(&out, &format!("{placement:?} with {} sequences", prompts.len()));
-        let got: Vec<Vec<u32>> = stdout
-            .lines()
-            .filter_map(|l| l.split("ids: ").nth(1))
-            .map(|l| l.trim().split(',').map(|x| x.parse().unwrap()).collect())
-            .collect();
+        let got = ids_lines(&stdout);
         assert_eq!(got, alone, "{placement:?}: ids of several sequences at once differ from each alone");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(&format!("{} sequences in {micro} micro-batches", prompts.len())), "{placement:?}:\n{stderr}");
@@ -635,12 +636,7 @@ fn gguf_batched_sequences_equal_each_alone() {
             }
             args.extend(["--max-tokens", "24", "--threads", "1", "--prefill-chunk", "64", "--kv-cache", "f32"].iter().map(|s| s.to_string()));
             args.extend(placement.iter().map(|s| s.to_string()));
-            let stdout = ok(&tessera(n, &args), &format!("{file} {placement:?} batched"));
-            let got: Vec<Vec<u32>> = stdout
-                .lines()
-                .filter_map(|l| l.split("ids: ").nth(1))
-                .map(|l| l.trim().split(',').map(|x| x.parse().unwrap()).collect())
-                .collect();
+            let got = ids_lines(&ok(&tessera(n, &args), &format!("{file} {placement:?} batched")));
             assert_eq!(got, alone, "{file} {placement:?}: ids of {} sequences batched differ from each alone", prompts.len());
         }
     }

@@ -235,31 +235,37 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
         };
         merge_ranges(o, p, st, r, h1 - h0, hd, slot, piece);
     };
+    // Range `k` of `item` into slot `s` with its stats, or straight into the item's
+    // output heads when it has one range.
+    let item_range = |item: usize, k: usize, s: usize, sc: &mut [f32]| {
+        let (t, _, _, a, b) = heads_of(item);
+        let len = at.of(t).2;
+        let (j0, j1) = bounds(len, k);
+        // SAFETY: the caller owns the item's output heads (one range) or slot `s`.
+        unsafe {
+            if ranges_of(len) == 1 {
+                range(item, 0, len, sc, std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a), None);
+            } else if j0 < j1 {
+                let o = std::slice::from_raw_parts_mut(part_ptr.ptr().add(s * slot), b - a);
+                let st = std::slice::from_raw_parts_mut(stats_ptr.ptr().add(s * 2 * piece), 2 * (b - a) / hd);
+                range(item, j0, j1, sc, o, Some(st));
+            }
+        }
+    };
     if !spread {
         pool.parallel_for(items, 1, &|tid, jobs| {
             // SAFETY: thread `tid` owns score row `tid` and slots `tid·per_thread..`,
             // and the output heads of the items it is given.
             let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
             for item in jobs {
-                let (t, _, _, a, b) = heads_of(item);
-                let len = at.of(t).2;
-                let r = ranges_of(len);
-                if r == 1 {
-                    range(item, 0, len, sc, unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) }, None);
-                    continue;
-                }
+                let r = ranges_of(at.of(heads_of(item).0).2);
                 let s0 = tid * per_thread;
                 for k in 0..r {
-                    let (j0, j1) = bounds(len, k);
-                    let (o, st) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut(part_ptr.ptr().add((s0 + k) * slot), b - a),
-                            std::slice::from_raw_parts_mut(stats_ptr.ptr().add((s0 + k) * 2 * piece), 2 * (b - a) / hd),
-                        )
-                    };
-                    range(item, j0, j1, sc, o, Some(st));
+                    item_range(item, k, s0 + k, sc);
                 }
-                merge_item(item, s0);
+                if r > 1 {
+                    merge_item(item, s0);
+                }
             }
         });
         return;
@@ -267,28 +273,13 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
     // Few items: every (item, range) a job of its own, merged after.
     pool.parallel_for(items * r_max, 1, &|tid, jobs| {
         // SAFETY: thread `tid` owns score row `tid`; each job owns its slot (or, for a
-        // one-range item, the item's output heads).
+        // one-range item, its first job the item's output heads).
         let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
         for job in jobs {
             let (item, k) = (job / r_max, job % r_max);
-            let (t, _, _, a, b) = heads_of(item);
-            let len = at.of(t).2;
-            let (j0, j1) = bounds(len, k);
-            if j0 == j1 {
-                continue;
+            if k == 0 || ranges_of(at.of(heads_of(item).0).2) > 1 {
+                item_range(item, k, job, sc);
             }
-            if ranges_of(len) == 1 {
-                range(item, 0, len, sc, unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a) }, None);
-                continue;
-            }
-            let s = item * r_max + k;
-            let (o, st) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(part_ptr.ptr().add(s * slot), b - a),
-                    std::slice::from_raw_parts_mut(stats_ptr.ptr().add(s * 2 * piece), 2 * (b - a) / hd),
-                )
-            };
-            range(item, j0, j1, sc, o, Some(st));
         }
     });
     for item in 0..items {
