@@ -10,6 +10,7 @@
 #![allow(clippy::needless_range_loop)]
 
 pub mod format;
+mod int8_rows;
 pub mod matmul;
 pub mod ops;
 pub mod pool;

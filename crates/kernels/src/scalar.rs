@@ -330,7 +330,7 @@ pub(crate) fn scale_min_k4(b: &[u8], s: usize) -> (u8, u8) {
 
 /// Q2_K's pair of 16-wide groups: their 4-bit scales times their integer sums, as
 /// the other 16-wide formats combine theirs.
-fn k2_pair(sa: u8, sb: u8, isum: [i32; 2]) -> f32 {
+pub(crate) fn k2_pair(sa: u8, sb: u8, isum: [i32; 2]) -> f32 {
     (sa as f32).mul_add(isum[0] as f32, sb as f32 * isum[1] as f32)
 }
 
@@ -390,176 +390,16 @@ fn dot_float_lanes(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
     lane_sum(&lanes) + tail
 }
 
-/// Dot product of a quantized weight row with q8 activations, integer inner sums: the
-/// one arithmetic of each format (issue 22), which every SIMD kernel and layout
-/// reproduces bit for bit (`every_int8_path_gives_the_same_bits`). Integer sums are
-/// exact; the floats follow one fixed expression per block, fused multiply-adds where
-/// written `mul_add`, blocks in order:
-/// - 32-blocks: `acc = fma(d·x.d, isum, acc)`, then `acc = fma(m, x.sum, acc)` for the
-///   formats with a stored m (Q4_0's −8, Q5_0's −16 come off the integer sum);
-/// - K super-blocks: sub-block terms into `acc_s` (and the mins' into `acc_ms`), then
-///   `acc = fma(d, acc_s, acc)`, `acc_m = fma(dmin, acc_ms, acc_m)`; `acc − acc_m` at
-///   the end. A pair of 16-wide scales is `fma(sa, isum_a, sb·isum_b)`.
+/// Dot product of a quantized weight row with q8 activations: the one arithmetic of
+/// each format (issue 22), which every SIMD kernel and layout reproduces bit for bit
+/// (`every_int8_path_gives_the_same_bits`): exact integer sums per q8 block, then the
+/// fixed float expression of [`crate::int8_rows::Chain`].
 pub fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
-    let mut acc = 0.0f32;
-    match format {
-        WeightFormat::Q8_0 => {
-            for (b, xb) in row.chunks_exact(34).zip(x) {
-                let mut isum = 0i32;
-                for j in 0..QK {
-                    isum += (b[2 + j] as i8) as i32 * xb.qs[j] as i32;
-                }
-                acc = (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc);
-            }
-        }
-        WeightFormat::Q4_0 => {
-            for (b, xb) in row.chunks_exact(18).zip(x) {
-                let mut isum = 0i32;
-                for j in 0..16 {
-                    let q = b[2 + j];
-                    isum += ((q & 0x0F) as i32 - 8) * xb.qs[j] as i32;
-                    isum += ((q >> 4) as i32 - 8) * xb.qs[j + 16] as i32;
-                }
-                acc = (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc);
-            }
-        }
-        WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
-            let min = format == WeightFormat::Q5_1;
-            for (b, xb) in row.chunks_exact(format.block_bytes()).zip(x) {
-                let isum: i32 = (0..QK).map(|j| q5_at(b, min, j) * xb.qs[j] as i32).sum();
-                // Q5_0: w = d·(q − 16), the −16 taken off the integer sum (as llama.cpp);
-                // Q5_1: its m times the activations' d·Σq (q8_1's s).
-                if min {
-                    acc = f16_at(b, 2).mul_add(xb.sum, (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc));
-                } else {
-                    acc = (f16_at(b, 0) * xb.d).mul_add((isum - 16 * xb.q_sum()) as f32, acc);
-                }
-            }
-        }
-        WeightFormat::Q4_1 => {
-            for (b, xb) in row.chunks_exact(20).zip(x) {
-                let mut isum = 0i32;
-                for j in 0..16 {
-                    let q = b[4 + j];
-                    isum += (q & 0x0F) as i32 * xb.qs[j] as i32;
-                    isum += (q >> 4) as i32 * xb.qs[j + 16] as i32;
-                }
-                acc = f16_at(b, 2).mul_add(xb.sum, (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc));
-            }
-        }
-        WeightFormat::Q4K | WeightFormat::Q5K => {
-            // Per 32-wide sub-block s: w = d·sc_s·q − dmin·m_s, so
-            // Σ w·x = d·sc_s·x_d·Σ q·x_q − dmin·m_s·x_sum.
-            let five = format == WeightFormat::Q5K;
-            let bb = format.block_bytes();
-            let mut acc_m = 0.0f32;
-            for (b, xs) in row.chunks_exact(bb).zip(x.chunks_exact(8)) {
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
-                let (mut acc_s, mut acc_ms) = (0.0f32, 0.0f32);
-                for (s, xb) in xs.iter().enumerate() {
-                    let (scale, min) = scale_min_k4(&b[4..16], s);
-                    let mut isum = 0i32;
-                    for l in 0..32 {
-                        let byte = qs[32 * (s / 2) + l];
-                        let mut q = if s % 2 == 0 { byte & 0x0F } else { byte >> 4 };
-                        if five {
-                            q |= ((qh[l] >> s) & 1) << 4;
-                        }
-                        isum += q as i32 * xb.qs[l] as i32;
-                    }
-                    acc_s = (scale as f32 * xb.d).mul_add(isum as f32, acc_s);
-                    acc_ms = (min as f32).mul_add(xb.sum, acc_ms);
-                }
-                acc = d.mul_add(acc_s, acc);
-                acc_m = dmin.mul_add(acc_ms, acc_m);
-            }
-            acc -= acc_m;
-        }
-        WeightFormat::Q6K => {
-            // Per 16 weights one i8 scale: two per q8 block.
-            for (b, xs) in row.chunks_exact(210).zip(x.chunks_exact(8)) {
-                let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-                let d = f16_at(b, 208);
-                let mut acc_s = 0.0f32;
-                for (k, xb) in xs.iter().enumerate() {
-                    let mut isum = [0i32; 2];
-                    for l in 0..32 {
-                        let n = 32 * k + l;
-                        let (h, j, ll) = (n / 128, (n % 128) / 32, n % 32);
-                        let byte = ql[64 * h + ll + 32 * (j % 2)];
-                        let nib = if j < 2 { byte & 0x0F } else { byte >> 4 };
-                        let hi = (qh[32 * h + ll] >> (2 * j)) & 3;
-                        isum[l / 16] += ((nib | (hi << 4)) as i32 - 32) * xb.qs[l] as i32;
-                    }
-                    let (sa, sb) = (sc[2 * k] as i8 as f32, sc[2 * k + 1] as i8 as f32);
-                    acc_s = sa.mul_add(isum[0] as f32, sb * isum[1] as f32).mul_add(xb.d, acc_s);
-                }
-                acc = d.mul_add(acc_s, acc);
-            }
-        }
-        WeightFormat::Q2K => {
-            // Per 16 weights a 4-bit scale and min: w = d·sc·q − dmin·m, so per group
-            // Σ w·x = x_d·(d·sc·Σ q·x_q − dmin·m·Σ x_q); two groups per q8 block.
-            let mut acc_m = 0.0f32;
-            for (b, xs) in row.chunks_exact(84).zip(x.chunks_exact(8)) {
-                let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-                let (mut acc_s, mut acc_ms) = (0.0f32, 0.0f32);
-                for (k, xb) in xs.iter().enumerate() {
-                    let (mut isum, mut xsum) = ([0i32; 2], [0i32; 2]);
-                    for g in 0..2 {
-                        for l in 0..16 {
-                            let xq = xb.qs[16 * g + l] as i32;
-                            isum[g] += q2k_at(b, 32 * k + 16 * g + l) * xq;
-                            xsum[g] += xq;
-                        }
-                    }
-                    let (sa, sb) = (b[2 * k], b[2 * k + 1]);
-                    acc_s = k2_pair(sa & 0x0F, sb & 0x0F, isum).mul_add(xb.d, acc_s);
-                    acc_ms = ((sa >> 4) as f32).mul_add(xsum[0] as f32 * xb.d, ((sb >> 4) as f32).mul_add(xsum[1] as f32 * xb.d, acc_ms));
-                }
-                acc = d.mul_add(acc_s, acc);
-                acc_m = dmin.mul_add(acc_ms, acc_m);
-            }
-            acc -= acc_m;
-        }
-        WeightFormat::Q3K => {
-            // Per 16 weights a 6-bit signed scale: two per q8 block.
-            for (b, xs) in row.chunks_exact(110).zip(x.chunks_exact(8)) {
-                let d = f16_at(b, 108);
-                let mut acc_s = 0.0f32;
-                for (k, xb) in xs.iter().enumerate() {
-                    let mut isum = [0i32; 2];
-                    for l in 0..32 {
-                        isum[l / 16] += q3k_at(b, 32 * k + l) * xb.qs[l] as i32;
-                    }
-                    let (sa, sb) = (q3k_scale(b, 2 * k) as f32, q3k_scale(b, 2 * k + 1) as f32);
-                    acc_s = sa.mul_add(isum[0] as f32, sb * isum[1] as f32).mul_add(xb.d, acc_s);
-                }
-                acc = d.mul_add(acc_s, acc);
-            }
-        }
-        WeightFormat::Iq4Nl => {
-            for (b, xb) in row.chunks_exact(18).zip(x) {
-                let isum: i32 = (0..32).map(|j| iq4_at(&b[2..18], j) * xb.qs[j] as i32).sum();
-                acc = (f16_at(b, 0) * xb.d).mul_add(isum as f32, acc);
-            }
-        }
-        WeightFormat::Iq4Xs => {
-            // One q8 block per 32-element sub-block.
-            for (b, xs) in row.chunks_exact(136).zip(x.chunks_exact(8)) {
-                let d = f16_at(b, 0);
-                let mut acc_s = 0.0f32;
-                for (ib, xb) in xs.iter().enumerate() {
-                    let isum: i32 = (0..32).map(|j| iq4_at(&b[8 + 16 * ib..], j) * xb.qs[j] as i32).sum();
-                    acc_s = (iq4xs_scale(b, ib) as f32 * xb.d).mul_add(isum as f32, acc_s);
-                }
-                acc = d.mul_add(acc_s, acc);
-            }
-        }
-        _ => unreachable!("{format} takes f32 activations (dot_f32), or interleaves rows (dot_q8_rows8)"),
+    let mut chain = crate::int8_rows::Chain::default();
+    for (k, xb) in x.iter().enumerate() {
+        chain.add(format, row, k, xb, crate::int8_rows::block_sums(format, row, k, xb));
     }
-    acc
+    chain.total()
 }
 
 /// Row `r`'s quantized element `i` of one 8-row block of an interleaved format, and

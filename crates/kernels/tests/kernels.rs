@@ -1325,10 +1325,7 @@ fn same_bits_on_every_path(format: WeightFormat, cols: usize, interleave: bool, 
             .collect();
         for &isa in &isas {
             for tokens in 1..=TOKENS {
-                let mut layouts = Vec::new();
-                if isa == Isa::Scalar || !format.int8_activations() {
-                    layouts.push(("stored", stored, rows));
-                }
+                let mut layouts = vec![("stored", stored, rows)];
                 if let (Some(pf), Some(p)) = (packed_format, &packed) {
                     layouts.push(("interleaved", WeightRows::new(pf, rows - 3, cols, p).unwrap(), rows - 3));
                 }

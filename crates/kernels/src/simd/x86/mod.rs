@@ -7,10 +7,12 @@ use super::*;
 use std::arch::x86_64::*;
 
 mod attention;
+mod rows;
 mod rows8;
 mod zmm;
 
 pub use attention::*;
+pub use rows::*;
 pub use rows8::*;
 pub use zmm::*;
 
@@ -25,13 +27,6 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// An f16 at `p` (unaligned) as f32, in one F16C instruction.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_at(p: *const u8) -> f32 {
-    let bits = std::ptr::read_unaligned(p as *const u16);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
 
 /// Loads 8 weights of one float format (or cached f32/f16 keys and values) as f32.
 /// One type per format, so the dot loop is compiled once per format with the load
@@ -303,15 +298,6 @@ unsafe fn dot32_x4_t<const K: u8>(format: WeightFormat, row: &[u8], xs: [&[f32];
     accs.map(|[a, b]| hsum(_mm256_add_ps(a, b)))
 }
 
-/// Σ x_i·y_i over 32 signed bytes, as 8 i32 lanes converted to f32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256 {
-    let ax = _mm256_sign_epi8(x, x);
-    let sy = _mm256_sign_epi8(y, x);
-    let dot = _mm256_maddubs_epi16(ax, sy);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)))
-}
 
 /// 32 nibbles from 16 bytes: low nibbles in the low lane (elements 0..16), high
 /// nibbles in the high lane (16..32), each in 0..=15.
@@ -323,83 +309,6 @@ unsafe fn nibbles32(p: *const u8) -> __m256i {
     _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
 }
 
-/// `[w_d·x_d, w_m·x_sum, ..]` for a block whose f16 scale `d` (and, for Q4_1, min
-/// `m` right after it) start at `b`: both products in one vector op, since a q8
-/// block stores `d` and `sum` side by side.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scales(b: *const u8, xb: &BlockQ8) -> __m128 {
-    let wdm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(b as *const i32)));
-    let xds = _mm_castpd_ps(_mm_load_sd(&xb.d as *const f32 as *const f64));
-    _mm_mul_ps(wdm, xds)
-}
-
-/// One block's integer dot, as 8 f32 partial sums (before scaling).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_dot(format: WeightFormat, b: *const u8, xb: &BlockQ8) -> __m256 {
-    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-    let ones = _mm256_set1_epi16(1);
-    match format {
-        WeightFormat::Q8_0 => mul_sum_i8(_mm256_loadu_si256(b.add(2) as *const __m256i), y),
-        WeightFormat::Q4_0 => mul_sum_i8(_mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8)), y),
-        // q is unsigned 0..15, y signed: maddubs cannot saturate (15·127·2).
-        WeightFormat::Q4_1 => _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(nibbles32(b.add(4)), y), ones)),
-        _ => unreachable!("float formats take f32 activations"),
-    }
-}
-
-/// Two blocks per iteration into two accumulators (the FMA chain's latency, not
-/// the loads, bounded the one-accumulator loop); the scale products are vector ops.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_t(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
-    let bb = format.block_bytes();
-    assert!(row.len() >= x.len() * bb);
-    let wp = row.as_ptr();
-    let has_min = format == WeightFormat::Q4_1;
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let (mut m0, mut m1) = (_mm_setzero_ps(), _mm_setzero_ps());
-    let n = x.len();
-    let mut i = 0;
-    while i + 2 <= n {
-        let (b0, b1) = (wp.add(i * bb), wp.add((i + 1) * bb));
-        prefetch_ahead(b0, 1);
-        let (s0, s1) = (scales(b0, &x[i]), scales(b1, &x[i + 1]));
-        acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s0), block_dot(format, b0, &x[i]), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s1), block_dot(format, b1, &x[i + 1]), acc1);
-        m0 = _mm_add_ps(m0, s0);
-        m1 = _mm_add_ps(m1, s1);
-        i += 2;
-    }
-    if i < n {
-        let b0 = wp.add(i * bb);
-        let s0 = scales(b0, &x[i]);
-        acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s0), block_dot(format, b0, &x[i]), acc0);
-        m0 = _mm_add_ps(m0, s0);
-    }
-    let mins = _mm_add_ps(m0, m1);
-    // Lane 1 holds Σ w_m·x_sum (Q4_1's offset term); other formats' lane 1 is junk.
-    let offset = if has_min { _mm_cvtss_f32(_mm_shuffle_ps(mins, mins, 1)) } else { 0.0 };
-    hsum(_mm256_add_ps(acc0, acc1)) + offset
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
-    match format {
-        // One copy per format, so `block_dot`'s match folds away.
-        WeightFormat::Q8_0 => dot_q8_t(WeightFormat::Q8_0, row, x),
-        WeightFormat::Q4_0 => dot_q8_t(WeightFormat::Q4_0, row, x),
-        WeightFormat::Q4_1 => dot_q8_t(WeightFormat::Q4_1, row, x),
-        WeightFormat::Q4K => dot_q8_k4::<false>(row, x),
-        WeightFormat::Q5K => dot_q8_k4::<true>(row, x),
-        WeightFormat::Q6K => dot_q8_q6k(row, x),
-        WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Nl | WeightFormat::Iq4Xs => low_bit_t(format, row, [x])[0],
-        // Q5_0/Q5_1 run interleaved (Q5_0x8/Q5_1x8); rows left over take the reference.
-        WeightFormat::Q5_0 | WeightFormat::Q5_1 => scalar::dot_q8(format, row, x),
-        _ => unreachable!("float formats take f32 activations"),
-    }
-}
 
 /// `k`·Σx_q of block `xb` in every 32-bit lane: its two 16-bit half sums, broadcast
 /// as one word from memory, by VPMADDWD against `k`. On a Zen 4, AVX2's batched
@@ -488,104 +397,6 @@ pub unsafe fn exp_weights(x: &mut [f32], shift: f32, scale: f32) -> f64 {
 }
 
 
-/// Q4_K (and, with `FIVE`, Q5_K) against q8 activations: per 32-wide sub-block an
-/// integer dot, scaled by d·sc·x_d; the min term comes from the q8 block sums.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_k4<const FIVE: bool>(row: &[u8], x: &[BlockQ8]) -> f32 {
-    let bb = if FIVE { 176 } else { 144 };
-    let supers = x.len() / 8;
-    assert!(x.len().is_multiple_of(8) && row.len() >= supers * bb);
-    let low = _mm256_set1_epi8(0x0F);
-    let one = _mm256_set1_epi8(1);
-    let ones = _mm256_set1_epi16(1);
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let mut acc_m = 0.0f32;
-    for sb in 0..supers {
-        let b = row.as_ptr().add(sb * bb);
-        prefetch_ahead(b, 3);
-        let xs = &x[sb * 8..sb * 8 + 8];
-        let (d, dmin) = (f16_at(b), f16_at(b.add(2)));
-        let (sc, mn) = k4_scales(std::slice::from_raw_parts(b.add(4), 12));
-        let qs = b.add(if FIVE { 48 } else { 16 });
-        let qh = if FIVE { _mm256_loadu_si256(b.add(16) as *const __m256i) } else { _mm256_setzero_si256() };
-        for j in 0..4 {
-            let q = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
-            let mut q0 = _mm256_and_si256(q, low);
-            let mut q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-            if FIVE {
-                // Bit s of qh[l] is the fifth bit of sub-block s's weight l.
-                let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j as i32));
-                q0 = _mm256_or_si256(q0, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-                q1 = _mm256_or_si256(q1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
-            }
-            let (x0, x1) = (&xs[2 * j], &xs[2 * j + 1]);
-            let y0 = _mm256_loadu_si256(x0.qs.as_ptr() as *const __m256i);
-            let y1 = _mm256_loadu_si256(x1.qs.as_ptr() as *const __m256i);
-            let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q0, y0), ones));
-            let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q1, y1), ones));
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * j] as f32 * x0.d), p0, acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * j + 1] as f32 * x1.d), p1, acc1);
-        }
-        let mut m = 0.0f32;
-        for s in 0..8 {
-            m += mn[s] as f32 * xs[s].sum;
-        }
-        acc_m += dmin * m;
-    }
-    hsum(_mm256_add_ps(acc0, acc1)) - acc_m
-}
-
-/// Q6_K against q8 activations: each q8 block covers two 16-wide scale groups,
-/// which are the low and high halves of the 8 i32 lanes of its integer dot.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_q6k(row: &[u8], x: &[BlockQ8]) -> f32 {
-    let supers = x.len() / 8;
-    assert!(x.len().is_multiple_of(8) && row.len() >= supers * 210);
-    let low = _mm256_set1_epi8(0x0F);
-    let three = _mm256_set1_epi8(3);
-    let m32 = _mm256_set1_epi8(32);
-    let ones = _mm256_set1_epi16(1);
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    for sb in 0..supers {
-        let b = row.as_ptr().add(sb * 210);
-        prefetch_ahead(b, 4);
-        let xs = &x[sb * 8..sb * 8 + 8];
-        let d = f16_at(b.add(208));
-        let sc = std::slice::from_raw_parts(b.add(192) as *const i8, 16);
-        for h in 0..2 {
-            let ql0 = _mm256_loadu_si256(b.add(64 * h) as *const __m256i);
-            let ql1 = _mm256_loadu_si256(b.add(64 * h + 32) as *const __m256i);
-            let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
-            let hi = |shift: i32| _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), three), 4);
-            let qs = [
-                _mm256_or_si256(_mm256_and_si256(ql0, low), hi(0)),
-                _mm256_or_si256(_mm256_and_si256(ql1, low), hi(2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), hi(4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), hi(6)),
-            ];
-            for (k, q) in qs.into_iter().enumerate() {
-                let blk = 4 * h + k;
-                let xb = &xs[blk];
-                let q = _mm256_sub_epi8(q, m32);
-                let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-                // |q| ≤ 32: maddubs of |q| and sign-adjusted y cannot saturate.
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q)), ones);
-                let dx = d * xb.d;
-                let (sa, sb) = (dx * sc[2 * blk] as f32, dx * sc[2 * blk + 1] as f32);
-                let scale = _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb);
-                if k % 2 == 0 {
-                    acc0 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc0);
-                } else {
-                    acc1 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc1);
-                }
-            }
-        }
-    }
-    hsum(_mm256_add_ps(acc0, acc1))
-}
-
 /// The 32 two-bit values of q8 block `k` of a Q2_K / Q3_K super-block (`q`: the 32
 /// bytes of `qs` its half reads, shifted by 2·(k % 4)) as bytes 0..3.
 #[inline]
@@ -594,213 +405,7 @@ unsafe fn k2_low(q: __m256i, k: usize) -> __m256i {
     _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (k % 4) as i32)), _mm256_set1_epi8(3))
 }
 
-/// From 16 per-16-element i16 scales (one super-block's), the pair q8 block `k` uses
-/// in PMADDWD after PMADDUBSW: 16-bit lanes 0–7 (its first 16 elements) take scale
-/// 2k, lanes 8–15 take 2k + 1.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scale_pair(scales: __m256i, k: usize) -> __m256i {
-    // Every 32-bit lane holds scales 2k and 2k + 1; each 128-bit half keeps one.
-    let both = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(k as i32));
-    _mm256_shuffle_epi8(both, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3))
-}
 
-/// Q2_K against `T` tokens' q8 activations (T = 1: decode; 4: the 2-bit values
-/// unpacked once for four tokens). Per q8 block (two 16-element groups): the values
-/// as unsigned bytes, PMADDUBSW with x, then PMADDWD with the groups' 4-bit scales
-/// (`scale_pair`) gives 8 i32 sums already scaled; the min term is the same with 1 in
-/// place of the values and the mins as scales. Both then take d·x_d (dmin·x_d) in
-/// float, since every q8 block has its own x_d.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q2k_t<const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
-    let supers = xs[0].len() / 8;
-    assert!(xs[0].len().is_multiple_of(8) && xs.iter().all(|x| x.len() == xs[0].len()) && row.len() >= supers * 84);
-    let (ones8, low) = (_mm256_set1_epi8(1), _mm_set1_epi8(0x0F));
-    let (mut acc, mut acc_m) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
-    for sb in 0..supers {
-        let b = row.as_ptr().add(sb * 84);
-        prefetch_ahead_t::<T>(b, 2);
-        let (d, dmin) = (f16_at(b.add(80)), f16_at(b.add(82)));
-        let sc = _mm_loadu_si128(b as *const __m128i);
-        let scales = _mm256_cvtepu8_epi16(_mm_and_si128(sc, low));
-        let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), low));
-        for k in 0..8 {
-            let v = k2_low(_mm256_loadu_si256(b.add(16 + 32 * (k / 4)) as *const __m256i), k);
-            let (s_k, m_k) = (scale_pair(scales, k), scale_pair(mins, k));
-            for t in 0..T {
-                let xb = &xs[t][8 * sb + k];
-                let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, y), s_k);
-                let q = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, y), m_k);
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), _mm256_cvtepi32_ps(p), acc[t]);
-                acc_m[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xb.d), _mm256_cvtepi32_ps(q), acc_m[t]);
-            }
-        }
-    }
-    std::array::from_fn(|t| hsum(_mm256_sub_ps(acc[t], acc_m[t])))
-}
-
-/// A Q3_K super-block's 16 scales (bytes 96..108: 4 low bits, then 2 high bits per
-/// scale from bytes 104..108), less 32, as i16.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q3k_scales(b: *const u8) -> __m256i {
-    let low4 = _mm_set1_epi8(0x0F);
-    let lo = _mm_loadl_epi64(b.add(96) as *const __m128i);
-    let low = _mm_unpacklo_epi64(_mm_and_si128(lo, low4), _mm_and_si128(_mm_srli_epi16(lo, 4), low4));
-    // Scale k's high bits: byte k % 4 of the last u32, shifted by 2·(k / 4).
-    let h = _mm_set1_epi32(std::ptr::read_unaligned(b.add(104) as *const i32));
-    let high = _mm_and_si128(_mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
-    let six = _mm_or_si128(low, _mm_slli_epi16(high, 4));
-    _mm256_sub_epi16(_mm256_cvtepu8_epi16(six), _mm256_set1_epi16(32))
-}
-
-/// Q3_K against `T` tokens: Q2_K's low bits plus 4 × the mask bit, an unsigned 0..7
-/// for PMADDUBSW; the −4 comes off the 16-bit pair sums (4·Σ x_q pairs; |pair| ≤
-/// 2·4·127), then PMADDWD with the signed 6-bit scales.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q3k_t<const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
-    let supers = xs[0].len() / 8;
-    assert!(xs[0].len().is_multiple_of(8) && xs.iter().all(|x| x.len() == xs[0].len()) && row.len() >= supers * 110);
-    let (one, four) = (_mm256_set1_epi8(1), _mm256_set1_epi8(4));
-    let mut acc = [_mm256_setzero_ps(); T];
-    for sb in 0..supers {
-        let b = row.as_ptr().add(sb * 110);
-        prefetch_ahead_t::<T>(b, 2);
-        let d = f16_at(b.add(108));
-        let scales = q3k_scales(b);
-        let hm = _mm256_loadu_si256(b as *const __m256i);
-        for k in 0..8 {
-            let low = k2_low(_mm256_loadu_si256(b.add(32 + 32 * (k / 4)) as *const __m256i), k);
-            // Mask bit 4·half + j of each byte: k's own bit, k = 4·half + j.
-            let high = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(k as i32)), one);
-            let v = _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
-            let s_k = scale_pair(scales, k);
-            for t in 0..T {
-                let xb = &xs[t][8 * sb + k];
-                let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-                let pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(v, y), _mm256_maddubs_epi16(four, y));
-                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, s_k));
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), p, acc[t]);
-            }
-        }
-    }
-    std::array::from_fn(|t| hsum(acc[t]))
-}
-
-/// IQ4_NL (`XS` false: blocks of 32, f16 d then 16 bytes) or IQ4_XS (super-blocks of
-/// 256, 136 bytes, a 6-bit scale per 32) against `T` tokens: the 4-bit indices become
-/// their int8 levels through one PSHUFB per 32 (once for all tokens), then the Q8
-/// sign trick (|w| unsigned, x takes w's sign; |w| ≤ 127, so pair sums fit 16 bits).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn iq4_t<const XS: bool, const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
-    let levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(scalar::IQ4_LEVELS.as_ptr() as *const __m128i));
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); T];
-    // 32 weights at `qs` (scale `dw`) against block `i` of every token.
-    let mut block = |qs: *const u8, dw: f32, i: usize| {
-        let w = _mm256_shuffle_epi8(levels, nibbles32(qs));
-        let aw = _mm256_sign_epi8(w, w);
-        for t in 0..T {
-            let xb = &xs[t][i];
-            let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(y, w)), ones));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), p, acc[t]);
-        }
-    };
-    let blocks = xs[0].len();
-    assert!(xs.iter().all(|x| x.len() == blocks));
-    if XS {
-        assert!(blocks.is_multiple_of(8) && row.len() >= blocks / 8 * 136);
-        for sb in 0..blocks / 8 {
-            let b = row.as_ptr().add(sb * 136);
-            prefetch_ahead_t::<T>(b, 3);
-            let (d, blk) = (f16_at(b), std::slice::from_raw_parts(b, 136));
-            for ib in 0..8 {
-                block(b.add(8 + 16 * ib), d * scalar::iq4xs_scale(blk, ib) as f32, 8 * sb + ib);
-            }
-        }
-    } else {
-        assert!(row.len() >= blocks * 18);
-        for i in 0..blocks {
-            let b = row.as_ptr().add(i * 18);
-            prefetch_ahead_t::<T>(b, 1);
-            block(b.add(2), f16_at(b), i);
-        }
-    }
-    std::array::from_fn(|t| hsum(acc[t]))
-}
-
-/// The 2-, 3- and 4-bit row kernels (Q2_K, Q3_K, IQ4_NL, IQ4_XS) for `T` tokens.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn low_bit_t<const T: usize>(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
-    match format {
-        WeightFormat::Q2K => q2k_t(row, xs),
-        WeightFormat::Q3K => q3k_t(row, xs),
-        WeightFormat::Iq4Nl => iq4_t::<false, T>(row, xs),
-        WeightFormat::Iq4Xs => iq4_t::<true, T>(row, xs),
-        _ => unreachable!("{format} is not a low-bit row format"),
-    }
-}
-
-/// Four tokens against one weight row: each weight block is loaded and unpacked
-/// once for all four (prefill and batched decode are compute-bound on the unpack).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_x4(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {
-    if matches!(format, WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Nl | WeightFormat::Iq4Xs) {
-        return low_bit_t(format, row, xs);
-    }
-    if matches!(format, WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q5_0 | WeightFormat::Q5_1) {
-        return xs.map(|x| dot_q8(format, row, x));
-    }
-    let bb = format.block_bytes();
-    let blocks = xs[0].len();
-    assert!(row.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
-    let wp = row.as_ptr();
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut acc_m = [0.0f32; 4];
-    let eight = _mm256_set1_epi8(8);
-    let ones = _mm256_set1_epi16(1);
-    for i in 0..blocks {
-        let b = wp.add(i * bb);
-        let dw = f16_at(b);
-        match format {
-            WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
-                let q = if format == WeightFormat::Q8_0 {
-                    _mm256_loadu_si256(b.add(2) as *const __m256i)
-                } else {
-                    _mm256_sub_epi8(nibbles32(b.add(2)), eight)
-                };
-                // sign(q) applied to y once per token; |q| shared by all four.
-                let aq = _mm256_sign_epi8(q, q);
-                for k in 0..4 {
-                    let xb = &xs[k][i];
-                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-                    let dot = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q));
-                    let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, ones));
-                    acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), s, acc[k]);
-                }
-            }
-            WeightFormat::Q4_1 => {
-                let m = f16_at(b.add(2));
-                let q = nibbles32(b.add(4));
-                for k in 0..4 {
-                    let xb = &xs[k][i];
-                    acc_m[k] += m * xb.sum;
-                    let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-                    let s = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
-                    acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), _mm256_cvtepi32_ps(s), acc[k]);
-                }
-            }
-            _ => unreachable!("float formats take f32 activations"),
-        }
-    }
-    [hsum(acc[0]) + acc_m[0], hsum(acc[1]) + acc_m[1], hsum(acc[2]) + acc_m[2], hsum(acc[3]) + acc_m[3]]
-}
 
 /// Four tokens against one float-format weight row (weights loaded once).
 #[target_feature(enable = "avx2,fma,f16c")]
