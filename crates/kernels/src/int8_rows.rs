@@ -9,6 +9,63 @@ use crate::format::WeightFormat;
 use crate::q8::BlockQ8;
 use crate::scalar::{f16_at, iq4_at, iq4xs_scale, k2_pair, q2k_at, q3k_at, q3k_scale, scale_min_k4};
 
+// The formats as const generic parameters of the SIMD row kernels.
+pub(crate) const Q8_0: u8 = 0;
+pub(crate) const Q4_0: u8 = 1;
+pub(crate) const Q4_1: u8 = 2;
+pub(crate) const Q5_0: u8 = 3;
+pub(crate) const Q5_1: u8 = 4;
+pub(crate) const IQ4_NL: u8 = 5;
+pub(crate) const Q4_K: u8 = 6;
+pub(crate) const Q5_K: u8 = 7;
+pub(crate) const Q6_K: u8 = 8;
+pub(crate) const Q2_K: u8 = 9;
+pub(crate) const Q3_K: u8 = 10;
+pub(crate) const IQ4_XS: u8 = 11;
+
+/// The format of a kernel's const `KIND` (one compiled copy per format).
+pub(crate) const fn format_of(kind: u8) -> WeightFormat {
+    match kind {
+        Q8_0 => WeightFormat::Q8_0,
+        Q4_0 => WeightFormat::Q4_0,
+        Q4_1 => WeightFormat::Q4_1,
+        Q5_0 => WeightFormat::Q5_0,
+        Q5_1 => WeightFormat::Q5_1,
+        IQ4_NL => WeightFormat::Iq4Nl,
+        Q4_K => WeightFormat::Q4K,
+        Q5_K => WeightFormat::Q5K,
+        Q6_K => WeightFormat::Q6K,
+        Q2_K => WeightFormat::Q2K,
+        Q3_K => WeightFormat::Q3K,
+        _ => WeightFormat::Iq4Xs,
+    }
+}
+
+/// `$body` with `$kind` a const naming `$format`'s kind: the dispatch from a runtime
+/// format to a kernel compiled for it.
+macro_rules! with_kind {
+    ($format:expr, $kind:ident => $body:expr) => {{
+        use $crate::int8_rows as k;
+        match $format {
+            WeightFormat::Q8_0 => { const $kind: u8 = k::Q8_0; $body }
+            WeightFormat::Q4_0 => { const $kind: u8 = k::Q4_0; $body }
+            WeightFormat::Q4_1 => { const $kind: u8 = k::Q4_1; $body }
+            WeightFormat::Q5_0 => { const $kind: u8 = k::Q5_0; $body }
+            WeightFormat::Q5_1 => { const $kind: u8 = k::Q5_1; $body }
+            WeightFormat::Iq4Nl => { const $kind: u8 = k::IQ4_NL; $body }
+            WeightFormat::Q4K => { const $kind: u8 = k::Q4_K; $body }
+            WeightFormat::Q5K => { const $kind: u8 = k::Q5_K; $body }
+            WeightFormat::Q6K => { const $kind: u8 = k::Q6_K; $body }
+            WeightFormat::Q2K => { const $kind: u8 = k::Q2_K; $body }
+            WeightFormat::Q3K => { const $kind: u8 = k::Q3_K; $body }
+            WeightFormat::Iq4Xs => { const $kind: u8 = k::IQ4_XS; $body }
+            f => unreachable!("{f} takes f32 activations, or interleaves rows"),
+        }
+    }};
+}
+#[allow(unused_imports)]
+pub(crate) use with_kind;
+
 /// Bytes of the block (32-blocks) or super-block (256) that holds q8 block `k` of a
 /// stored row, and `k`'s index inside it.
 #[inline(always)]

@@ -383,11 +383,23 @@ fn dot_float_lanes(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
     for (i, &xi) in x[..whole].iter().enumerate() {
         lanes[i % 8] = w(i).mul_add(xi, lanes[i % 8]);
     }
+    float_lanes_total(format, row, x, &lanes)
+}
+
+/// The end of [`dot_float_lanes`], given its 8 lanes over the whole 8-column runs (the
+/// SIMD kernels' own): the tail's products added in order from zero, then to the lanes'.
+pub(crate) fn float_lanes_total(format: WeightFormat, row: &[u8], x: &[f32], lanes: &[f32; 8]) -> f32 {
+    let whole = x.len() / 8 * 8;
+    let w = |i: usize| match format {
+        WeightFormat::F32 => f32_at(row, 4 * i),
+        WeightFormat::F16 => f16_at(row, 2 * i),
+        _ => bf16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32(),
+    };
     let mut tail = 0.0f32;
     for (i, &xi) in x.iter().enumerate().skip(whole) {
         tail += w(i) * xi;
     }
-    lane_sum(&lanes) + tail
+    lane_sum(lanes) + tail
 }
 
 /// Dot product of a quantized weight row with q8 activations: the one arithmetic of
@@ -754,13 +766,13 @@ pub fn softmax_unnormalised(s: &mut [f32]) -> (f32, f32) {
 
 /// `((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))`: how the x86 kernels reduce a
 /// dot product's 8 lanes (two horizontal adds, then the halves).
-fn lane_tree(a: &[f32; 8]) -> f32 {
+pub(crate) fn lane_tree(a: &[f32; 8]) -> f32 {
     ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
 }
 
 /// `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`: how the x86 kernels sum a
 /// vector of 8 partial sums (halves, then pairs).
-fn lane_sum(a: &[f32; 8]) -> f32 {
+pub(crate) fn lane_sum(a: &[f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
@@ -785,7 +797,7 @@ pub fn exp_lane(x: f32) -> f32 {
 /// `s` becomes exp(s − max(s)); returns (max, Σ). The x86 kernels' arithmetic: whole
 /// runs of 8 through `exp_lane`, summed in 8 lanes (`lane_sum`), the rest through
 /// libm's exp, added in order.
-fn softmax_lanes(s: &mut [f32]) -> (f32, f32) {
+pub(crate) fn softmax_lanes(s: &mut [f32]) -> (f32, f32) {
     let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     let whole = s.len() / 8 * 8;
     let mut lanes = [0.0f32; 8];

@@ -364,6 +364,9 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
             Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::dot_q8_x4(format, row, xs) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: see dot_f32.
+            Isa::Neon => unsafe { arm::dot_q8_x4(format, row, xs) },
             _ => xs.map(|x| self.dot_q8(format, row, x)),
         }
     }
@@ -636,26 +639,6 @@ impl Isa {
         }
     }
 }
-
-/// The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block (12 packed bytes),
-/// unpacked with word operations (llama.cpp's layout, spec'd by `scale_min_k4`).
-#[inline]
-fn k4_scales(p: &[u8]) -> ([u8; 8], [u8; 8]) {
-    const M1: u32 = 0x3f3f_3f3f;
-    const M2: u32 = 0x0f0f_0f0f;
-    const M3: u32 = 0x0303_0303;
-    let w = |i: usize| u32::from_le_bytes([p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]]);
-    let (u0, u1, u2) = (w(0), w(1), w(2));
-    let sc_hi = (u2 & M2) | (((u0 >> 6) & M3) << 4);
-    let m_hi = ((u2 >> 4) & M2) | (((u1 >> 6) & M3) << 4);
-    let (sc_lo, m_lo) = (u0 & M1, u1 & M1);
-    let join = |a: u32, b: u32| {
-        let (a, b) = (a.to_le_bytes(), b.to_le_bytes());
-        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
-    };
-    (join(sc_lo, sc_hi), join(m_lo, m_hi))
-}
-
 
 /// What [`Isa::mac_probe`] measures: the 8-bit-activation products of the quantized
 /// formats, or the f32 products of the float and MLX formats.

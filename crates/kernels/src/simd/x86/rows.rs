@@ -5,37 +5,7 @@
 //! ([`crate::int8_rows::Chain`]), so these give the scalar reference's bits.
 
 use super::*;
-use crate::int8_rows::Chain;
-
-const Q8_0: u8 = 0;
-const Q4_0: u8 = 1;
-const Q4_1: u8 = 2;
-const Q5_0: u8 = 3;
-const Q5_1: u8 = 4;
-const IQ4_NL: u8 = 5;
-const Q4_K: u8 = 6;
-const Q5_K: u8 = 7;
-const Q6_K: u8 = 8;
-const Q2_K: u8 = 9;
-const Q3_K: u8 = 10;
-const IQ4_XS: u8 = 11;
-
-const fn format_of(kind: u8) -> WeightFormat {
-    match kind {
-        Q8_0 => WeightFormat::Q8_0,
-        Q4_0 => WeightFormat::Q4_0,
-        Q4_1 => WeightFormat::Q4_1,
-        Q5_0 => WeightFormat::Q5_0,
-        Q5_1 => WeightFormat::Q5_1,
-        IQ4_NL => WeightFormat::Iq4Nl,
-        Q4_K => WeightFormat::Q4K,
-        Q5_K => WeightFormat::Q5K,
-        Q6_K => WeightFormat::Q6K,
-        Q2_K => WeightFormat::Q2K,
-        Q3_K => WeightFormat::Q3K,
-        _ => WeightFormat::Iq4Xs,
-    }
-}
+use crate::int8_rows::*;
 
 /// Bytes with 0xFF where bit `j` of `bits` is set (byte `j`, 0..32).
 #[inline]
@@ -146,21 +116,7 @@ unsafe fn rows_t<const KIND: u8, const T: usize>(row: &[u8], xs: [&[BlockQ8]; T]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_any<const T: usize>(format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; T]) -> [f32; T] {
-    match format {
-        WeightFormat::Q8_0 => rows_t::<Q8_0, T>(row, xs),
-        WeightFormat::Q4_0 => rows_t::<Q4_0, T>(row, xs),
-        WeightFormat::Q4_1 => rows_t::<Q4_1, T>(row, xs),
-        WeightFormat::Q5_0 => rows_t::<Q5_0, T>(row, xs),
-        WeightFormat::Q5_1 => rows_t::<Q5_1, T>(row, xs),
-        WeightFormat::Iq4Nl => rows_t::<IQ4_NL, T>(row, xs),
-        WeightFormat::Q4K => rows_t::<Q4_K, T>(row, xs),
-        WeightFormat::Q5K => rows_t::<Q5_K, T>(row, xs),
-        WeightFormat::Q6K => rows_t::<Q6_K, T>(row, xs),
-        WeightFormat::Q2K => rows_t::<Q2_K, T>(row, xs),
-        WeightFormat::Q3K => rows_t::<Q3_K, T>(row, xs),
-        WeightFormat::Iq4Xs => rows_t::<IQ4_XS, T>(row, xs),
-        _ => unreachable!("{format} takes f32 activations, or interleaves rows"),
-    }
+    with_kind!(format, KIND => rows_t::<KIND, T>(row, xs))
 }
 
 /// One stored row against one token's q8 activations.

@@ -3,6 +3,10 @@
 use super::*;
 use std::arch::aarch64::*;
 
+mod rows;
+
+pub use rows::*;
+
 /// `acc += a·b` per 4-byte group (SDOT). Inline assembly: the intrinsic is not
 /// stable in Rust yet; the instruction is on every core `Isa::Neon` selects.
 #[inline]
@@ -202,6 +206,9 @@ unsafe fn dot32_t<const K: u8>(format: WeightFormat, row: &[u8], x: &[f32], acc:
     }
 }
 
+/// A plain float row (F32, F16, BF16) in the one arithmetic of
+/// `scalar::dot_float_lanes`: lanes 0–3 and 4–7 of each 8-column run in two fused
+/// chains, the tail and the lanes' sum as the scalar code has them.
 #[target_feature(enable = "neon,dotprod")]
 pub unsafe fn dot_float(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
     let es = match format {
@@ -212,32 +219,17 @@ pub unsafe fn dot_float(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
     let n = x.len();
     assert!(row.len() >= n * es);
     let (wp, xp) = (row.as_ptr(), x.as_ptr());
-    let mut acc = [vdupq_n_f32(0.0); 4];
+    let (mut lo, mut hi) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
     let mut i = 0;
-    while i + 16 <= n {
-        for (k, a) in acc.iter_mut().enumerate() {
-            let j = i + 4 * k;
-            *a = vfmaq_f32(*a, load4(format, wp.add(j * es)), vld1q_f32(xp.add(j)));
-        }
-        i += 16;
+    while i + 8 <= n {
+        lo = vfmaq_f32(lo, load4(format, wp.add(i * es)), vld1q_f32(xp.add(i)));
+        hi = vfmaq_f32(hi, load4(format, wp.add((i + 4) * es)), vld1q_f32(xp.add(i + 4)));
+        i += 8;
     }
-    while i + 4 <= n {
-        acc[0] = vfmaq_f32(acc[0], load4(format, wp.add(i * es)), vld1q_f32(xp.add(i)));
-        i += 4;
-    }
-    let mut total = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
-    if i < n {
-        total += scalar::dot_f32(format, &row[i * es..n * es], &x[i..]);
-    }
-    total
-}
-
-/// Σ over 32 signed bytes of a·b, with SDOT (two 16-byte halves).
-#[inline]
-#[target_feature(enable = "neon,dotprod")]
-unsafe fn dot32(a: [int8x16_t; 2], y: *const i8) -> i32 {
-    let acc = sdot(sdot(vdupq_n_s32(0), a[0], vld1q_s8(y)), a[1], vld1q_s8(y.add(16)));
-    vaddvq_s32(acc)
+    let mut lanes = [0.0f32; 8];
+    vst1q_f32(lanes.as_mut_ptr(), lo);
+    vst1q_f32(lanes.as_mut_ptr().add(4), hi);
+    scalar::float_lanes_total(format, row, x, &lanes)
 }
 
 /// See [`Isa::mac_probe`]: 12 accumulators; per round, 12 × 2 × (broadcast, SDOT)
@@ -276,162 +268,6 @@ pub unsafe fn mac_probe(kind: MacKind, rounds: usize, input: &ProbeInput) -> f32
             vaddvq_f32(acc.iter().fold(vdupq_n_f32(0.0), |s, a| vaddq_f32(s, *a)))
         }
     }
-}
-
-/// GGUF block formats against q8 activations (integer dots with SDOT); the
-/// arithmetic is [`scalar::dot_q8`]'s.
-#[target_feature(enable = "neon,dotprod")]
-pub unsafe fn dot_q8(format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {
-    let low = vdupq_n_u8(0x0F);
-    let nib = |p: *const u8| {
-        let c = vld1q_u8(p);
-        [vreinterpretq_s8_u8(vandq_u8(c, low)), vreinterpretq_s8_u8(vshrq_n_u8::<4>(c))]
-    };
-    let f16 = |p: *const u8| half::f16::from_bits(std::ptr::read_unaligned(p as *const u16)).to_f32();
-    let bb = format.block_bytes();
-    let mut acc = 0.0f32;
-    match format {
-        WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
-            assert!(row.len() >= x.len() * bb);
-            // Q5: 16 fifth bits (one per element) as 0x10 or 0 in 16 byte lanes.
-            let bit_of_lane: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
-            let fifth = |bits: u32| {
-                let v = vcombine_u8(vdup_n_u8(bits as u8), vdup_n_u8((bits >> 8) as u8));
-                vandq_u8(vtstq_u8(v, vld1q_u8(bit_of_lane.as_ptr())), vdupq_n_u8(0x10))
-            };
-            let five = |p: *const u8| {
-                let qh = std::ptr::read_unaligned(p as *const u32);
-                let c = vld1q_u8(p.add(4));
-                [vreinterpretq_s8_u8(vorrq_u8(vandq_u8(c, low), fifth(qh))), vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8::<4>(c), fifth(qh >> 16)))]
-            };
-            for (i, xb) in x.iter().enumerate() {
-                let b = row.as_ptr().add(i * bb);
-                let q = match format {
-                    WeightFormat::Q8_0 => [vld1q_s8(b.add(2) as *const i8), vld1q_s8(b.add(18) as *const i8)],
-                    WeightFormat::Q4_0 => nib(b.add(2)).map(|v| vsubq_s8(v, vdupq_n_s8(8))),
-                    WeightFormat::Q5_0 => five(b.add(2)).map(|v| vsubq_s8(v, vdupq_n_s8(16))),
-                    WeightFormat::Q5_1 => five(b.add(4)),
-                    _ => nib(b.add(4)),
-                };
-                let isum = dot32(q, xb.qs.as_ptr());
-                acc += f16(b) * xb.d * isum as f32;
-                if matches!(format, WeightFormat::Q4_1 | WeightFormat::Q5_1) {
-                    acc += f16(b.add(2)) * xb.sum;
-                }
-            }
-        }
-        WeightFormat::Q4K | WeightFormat::Q5K => {
-            let five = format == WeightFormat::Q5K;
-            assert!(x.len().is_multiple_of(8) && row.len() >= x.len() / 8 * bb);
-            let one = vdupq_n_u8(1);
-            for (sb, xs) in x.chunks_exact(8).enumerate() {
-                let b = row.as_ptr().add(sb * bb);
-                let (d, dmin) = (f16(b), f16(b.add(2)));
-                let (sc, mn) = k4_scales(std::slice::from_raw_parts(b.add(4), 12));
-                let qs = b.add(if five { 48 } else { 16 });
-                for (s, xb) in xs.iter().enumerate() {
-                    // Sub-block s: nibble s % 2 of bytes 32·(s / 2) .. + 32.
-                    let halves = [0, 16].map(|o| {
-                        let c = vld1q_u8(qs.add(32 * (s / 2) + o));
-                        let mut q = if s % 2 == 0 { vandq_u8(c, low) } else { vshrq_n_u8::<4>(c) };
-                        if five {
-                            let h = vshlq_u8(vld1q_u8(b.add(16 + o)), vdupq_n_s8(-(s as i8)));
-                            q = vorrq_u8(q, vshlq_n_u8::<4>(vandq_u8(h, one)));
-                        }
-                        vreinterpretq_s8_u8(q)
-                    });
-                    let isum = dot32(halves, xb.qs.as_ptr());
-                    acc += d * sc[s] as f32 * xb.d * isum as f32 - dmin * mn[s] as f32 * xb.sum;
-                }
-            }
-        }
-        WeightFormat::Q6K => {
-            assert!(x.len().is_multiple_of(8) && row.len() >= x.len() / 8 * 210);
-            let three = vdupq_n_u8(3);
-            for (sb, xs) in x.chunks_exact(8).enumerate() {
-                let b = row.as_ptr().add(sb * 210);
-                let d = f16(b.add(208));
-                let sc = std::slice::from_raw_parts(b.add(192) as *const i8, 16);
-                for (k, xb) in xs.iter().enumerate() {
-                    // Values 32k..32k+32: half h = k / 4, quarter j = k % 4.
-                    let (h, j) = (k / 4, k % 4);
-                    let mut isum = [0i32; 2];
-                    for (part, o) in [0usize, 16].into_iter().enumerate() {
-                        let ql = vld1q_u8(b.add(64 * h + 32 * (j % 2) + o));
-                        let nib = if j < 2 { vandq_u8(ql, low) } else { vshrq_n_u8::<4>(ql) };
-                        let qh = vshlq_u8(vld1q_u8(b.add(128 + 32 * h + o)), vdupq_n_s8(-2 * j as i8));
-                        let q = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(nib, vshlq_n_u8::<4>(vandq_u8(qh, three)))), vdupq_n_s8(32));
-                        isum[part] = vaddvq_s32(sdot(vdupq_n_s32(0), q, vld1q_s8(xb.qs.as_ptr().add(o))));
-                    }
-                    acc += d * xb.d * (sc[2 * k] as f32 * isum[0] as f32 + sc[2 * k + 1] as f32 * isum[1] as f32);
-                }
-            }
-        }
-        WeightFormat::Q2K | WeightFormat::Q3K => {
-            // As Q6_K: per q8 block two 16-element groups, SDOT on signed values
-            // (Q3_K's 3-bit value less 4; Q2_K's 0..3, its min term from `half_sums`).
-            let q3 = format == WeightFormat::Q3K;
-            assert!(x.len().is_multiple_of(8) && row.len() >= x.len() / 8 * bb);
-            let (three, one) = (vdupq_n_u8(3), vdupq_n_u8(1));
-            for (sb, xs) in x.chunks_exact(8).enumerate() {
-                let b = row.as_ptr().add(sb * bb);
-                let blk = std::slice::from_raw_parts(b, bb);
-                for (k, xb) in xs.iter().enumerate() {
-                    let (h, j) = (k / 4, k % 4);
-                    let mut isum = [0i32; 2];
-                    for (part, o) in [0usize, 16].into_iter().enumerate() {
-                        let qs = b.add(if q3 { 32 } else { 16 } + 32 * h + o);
-                        let low = vandq_u8(vshlq_u8(vld1q_u8(qs), vdupq_n_s8(-2 * j as i8)), three);
-                        let q = if q3 {
-                            let high = vandq_u8(vshlq_u8(vld1q_u8(b.add(o)), vdupq_n_s8(-(k as i8))), one);
-                            vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(low, vshlq_n_u8::<2>(high))), vdupq_n_s8(4))
-                        } else {
-                            vreinterpretq_s8_u8(low)
-                        };
-                        let y = vld1q_s8(xb.qs.as_ptr().add(o));
-                        isum[part] = vaddvq_s32(sdot(vdupq_n_s32(0), q, y));
-                    }
-                    if q3 {
-                        let d = f16(b.add(108));
-                        let (sa, sb) = (scalar::q3k_scale(blk, 2 * k) as f32, scalar::q3k_scale(blk, 2 * k + 1) as f32);
-                        acc += d * xb.d * (sa * isum[0] as f32 + sb * isum[1] as f32);
-                    } else {
-                        let (d, dmin) = (f16(b.add(80)), f16(b.add(82)));
-                        for g in 0..2 {
-                            let sc = blk[2 * k + g];
-                            acc += xb.d * (d * (sc & 0x0F) as f32 * isum[g] as f32 - dmin * (sc >> 4) as f32 * xb.half_sums[g] as f32);
-                        }
-                    }
-                }
-            }
-        }
-        WeightFormat::Iq4Nl | WeightFormat::Iq4Xs => {
-            // Indices to int8 levels with one table lookup (TBL) per 16, then SDOT.
-            let levels = vld1q_s8(scalar::IQ4_LEVELS.as_ptr());
-            let block = |qs: *const u8, xb: &BlockQ8| {
-                let c = vld1q_u8(qs);
-                dot32([vqtbl1q_s8(levels, vandq_u8(c, low)), vqtbl1q_s8(levels, vshrq_n_u8::<4>(c))], xb.qs.as_ptr())
-            };
-            if format == WeightFormat::Iq4Xs {
-                assert!(x.len().is_multiple_of(8) && row.len() >= x.len() / 8 * 136);
-                for (sb, xs) in x.chunks_exact(8).enumerate() {
-                    let b = row.as_ptr().add(sb * 136);
-                    let (d, blk) = (f16(b), std::slice::from_raw_parts(b, 136));
-                    for (ib, xb) in xs.iter().enumerate() {
-                        acc += d * scalar::iq4xs_scale(blk, ib) as f32 * xb.d * block(b.add(8 + 16 * ib), xb) as f32;
-                    }
-                }
-            } else {
-                assert!(row.len() >= x.len() * 18);
-                for (i, xb) in x.iter().enumerate() {
-                    let b = row.as_ptr().add(i * 18);
-                    acc += f16(b) * xb.d * block(b.add(2), xb) as f32;
-                }
-            }
-        }
-        _ => return scalar::dot_q8(format, row, x),
-    }
-    acc
 }
 
 /// 8 bytes at `p` (u8, or i8 when `SIGNED`) as rows 0–3 and 4–7 in f32.
@@ -686,8 +522,9 @@ unsafe fn rows8_super<const T: usize>(format: WeightFormat, group: &[u8], xs: [&
                             let v = vfmaq_f32(vmulq_f32(sb_[h], vcvtq_f32_s32(sum_b[t][h])), sa[h], vcvtq_f32_s32(sum_a[t][h]));
                             acc_s[t][h] = vfmaq_n_f32(acc_s[t][h], v, xb.d);
                             if q2 {
-                                let m = vfmaq_n_f32(vmulq_n_f32(mb[h], hb as f32), ma[h], ha as f32);
-                                acc_ms[t][h] = vfmaq_n_f32(acc_ms[t][h], m, xb.d);
+                                // fma(m_a, Σa·x_d, fma(m_b, Σb·x_d, acc)), as the scalar code.
+                                let inner = vfmaq_n_f32(acc_ms[t][h], mb[h], hb as f32 * xb.d);
+                                acc_ms[t][h] = vfmaq_n_f32(inner, ma[h], ha as f32 * xb.d);
                             }
                         }
                     }
@@ -812,71 +649,64 @@ unsafe fn kv_load4<E: KvElem>(row: *const E, i: usize) -> float32x4_t {
 
 /// After the scores (`g` rows of `len` in `scores`): softmax per head, then each
 /// head's weighted sum of the value rows (`stride` elements apart) into `out`, and
-/// each head's (max, Σ) into `stats`. `d` a multiple of 4.
+/// each head's (max, Σ) into `stats`. `scalar::attend_tail`'s arithmetic: its softmax,
+/// values fused key by key (four lanes at a time here), then × 1/Σ.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "neon")]
 pub unsafe fn attend_tail<E: KvElem>(scores: &mut [f32], g: usize, d: usize, v: &[E], stride: usize, len: usize, out: &mut [f32], stats: &mut [f32]) {
+    let (d4, row_len) = (d / 4 * 4, d / E::VALUES);
     for h in 0..g {
         let s = &mut scores[h * len..(h + 1) * len];
-        let (max, sum) = scalar::softmax_unnormalised(s);
+        let (max, sum) = scalar::softmax_lanes(s);
         let inv = 1.0 / sum;
         let o = &mut out[h * d..(h + 1) * d];
         o.fill(0.0);
         for (j, &p) in s.iter().enumerate() {
-            let (p, row) = (vdupq_n_f32(p * inv), v.as_ptr().add(j * stride));
+            let (pv, row) = (vdupq_n_f32(p), v.as_ptr().add(j * stride));
             let mut i = 0;
-            while i < d {
+            while i < d4 {
                 let op = o.as_mut_ptr().add(i);
-                vst1q_f32(op, vfmaq_f32(vld1q_f32(op), p, kv_load4(row, i)));
+                vst1q_f32(op, vfmaq_f32(vld1q_f32(op), pv, kv_load4(row, i)));
                 i += 4;
             }
+            let values = &v[j * stride..j * stride + row_len];
+            for (t, o) in o.iter_mut().enumerate().skip(d4) {
+                *o = p.mul_add(E::value(values, t), *o);
+            }
         }
+        o.iter_mut().for_each(|x| *x *= inv);
         stats[2 * h] = max;
         stats[2 * h + 1] = sum;
     }
 }
 
-/// [`scalar::attend`] with NEON dot products and axpy (exp stays libm's).
+/// [`scalar::attend`]'s arithmetic with NEON: q·k in 8 fused lanes (two vectors of
+/// 4; a tail of fewer than 8 into its lanes as the scalar code), summed as its tree;
+/// then [`attend_tail`].
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "neon,dotprod")]
 pub unsafe fn attend<E: KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) -> (f32, f32) {
     let d = q.len();
-    let d4 = d / 4 * 4;
-    let mut max = f32::NEG_INFINITY;
+    let (d8, row_len) = (d / 8 * 8, d / E::VALUES);
     for j in 0..len {
         let row = k.as_ptr().add(j * stride);
-        let mut a = vdupq_n_f32(0.0);
+        let (mut lo, mut hi) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
         let mut i = 0;
-        while i < d4 {
-            a = vfmaq_f32(a, vld1q_f32(q.as_ptr().add(i)), kv_load4(row, i));
-            i += 4;
+        while i < d8 {
+            lo = vfmaq_f32(lo, vld1q_f32(q.as_ptr().add(i)), kv_load4(row, i));
+            hi = vfmaq_f32(hi, vld1q_f32(q.as_ptr().add(i + 4)), kv_load4(row, i + 4));
+            i += 8;
         }
-        let mut sj = vaddvq_f32(a);
-        for t in d4..d {
-            sj += q[t] * E::value(std::slice::from_raw_parts(row, d / E::VALUES), t);
+        let mut lanes = [0.0f32; 8];
+        vst1q_f32(lanes.as_mut_ptr(), lo);
+        vst1q_f32(lanes.as_mut_ptr().add(4), hi);
+        let keys = &k[j * stride..j * stride + row_len];
+        for t in d8..d {
+            lanes[t % 8] = q[t].mul_add(E::value(keys, t), lanes[t % 8]);
         }
-        scores[j] = sj * scale;
-        max = max.max(scores[j]);
+        scores[j] = scalar::lane_tree(&lanes) * scale;
     }
-    let mut sum = 0.0;
-    for s in &mut scores[..len] {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    let inv = 1.0 / sum;
-    out.fill(0.0);
-    for j in 0..len {
-        let p = vdupq_n_f32(scores[j] * inv);
-        let row = v.as_ptr().add(j * stride);
-        let mut i = 0;
-        while i < d4 {
-            let o = out.as_mut_ptr().add(i);
-            vst1q_f32(o, vfmaq_f32(vld1q_f32(o), p, kv_load4(row, i)));
-            i += 4;
-        }
-        for t in d4..d {
-            out[t] += scores[j] * inv * E::value(std::slice::from_raw_parts(row, d / E::VALUES), t);
-        }
-    }
-    (max, sum)
+    let mut stats = [0.0; 2];
+    attend_tail(&mut scores[..len], 1, d, v, stride, len, out, &mut stats);
+    (stats[0], stats[1])
 }
