@@ -245,7 +245,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 for (sub, qs) in o.chunks_exact_mut(32).zip(b[8..].chunks_exact(16)) {
                     nibbles(qs, &mut q);
                     for j in 0..32 {
-                        sub[j] = sc * q[j] as f32 + bias;
+                        sub[j] = (q[j] as f32).mul_add(sc, bias);
                     }
                 }
             }
@@ -255,7 +255,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
             for (o, b) in out.chunks_exact_mut(g).zip(row.chunks_exact(format.block_bytes())) {
                 let (sc, bias) = (f32_at(b, 0), f32_at(b, 4));
                 for (w, &q) in o.iter_mut().zip(&b[8..]) {
-                    *w = sc * q as f32 + bias;
+                    *w = (q as f32).mul_add(sc, bias);
                 }
             }
         }
@@ -334,36 +334,33 @@ pub(crate) fn k2_pair(sa: u8, sb: u8, isum: [i32; 2]) -> f32 {
     (sa as f32).mul_add(isum[0] as f32, sb as f32 * isum[1] as f32)
 }
 
-/// Exact dot product of a weight row with f32 activations: dequantize block by block
-/// into a stack buffer, accumulate in order. The accuracy reference for every other
-/// path, and the portable path itself (no allocation).
+/// Dot product of a weight row with f32 activations, the one arithmetic of each format
+/// on every flavour: plain floats as [`dot_float_lanes`]; block formats dequantized
+/// block by block (into a stack buffer: no allocation), each weight fused into lane
+/// `c % 32` of 32 (column `c`), the lanes summed by [`lanes32_total`]. 32 lanes are the
+/// x86 kernels' four 8-wide accumulators and NEON's eight 4-wide ones.
 pub fn dot_f32(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
     if !format.is_quantized() {
         return dot_float_lanes(format, row, x);
     }
-    let (elems, bytes) = if format.is_quantized() {
-        (format.block_elems(), format.block_bytes())
-    } else {
-        (32, 32 * format.block_bytes())
-    };
+    let (elems, bytes) = (format.block_elems(), format.block_bytes());
+    assert!(x.len().is_multiple_of(elems) && row.len() >= x.len() / elems * bytes, "{format}: a row of {} columns is not whole blocks", x.len());
     let mut w = [0.0f32; WeightFormat::BLOCK_ELEMS_MAX];
-    let mut acc = 0.0f32;
-    let full = x.len() / elems;
+    let mut lanes = [0.0f32; 32];
     for (xb, rb) in x.chunks_exact(elems).zip(row.chunks_exact(bytes)) {
         dequantize_row(format, rb, &mut w[..elems]);
-        for (a, b) in w[..elems].iter().zip(xb) {
-            acc += a * b;
+        for (c, (a, b)) in w[..elems].iter().zip(xb).enumerate() {
+            lanes[c % 32] = a.mul_add(*b, lanes[c % 32]);
         }
     }
-    let rest = x.len() - full * elems;
-    if rest > 0 {
-        let eb = format.block_bytes();
-        dequantize_row(format, &row[full * bytes..full * bytes + rest * eb], &mut w[..rest]);
-        for (a, b) in w[..rest].iter().zip(&x[full * elems..]) {
-            acc += a * b;
-        }
-    }
-    acc
+    lanes32_total(&lanes)
+}
+
+/// The sum of 32 lanes as the SIMD kernels take it: lane `l` of the four 8-wide groups
+/// as `(L[l] + L[8 + l]) + (L[16 + l] + L[24 + l])`, then those 8 by [`lane_sum`].
+pub(crate) fn lanes32_total(lanes: &[f32; 32]) -> f32 {
+    let v: [f32; 8] = std::array::from_fn(|l| (lanes[l] + lanes[8 + l]) + (lanes[16 + l] + lanes[24 + l]));
+    lane_sum(&v)
 }
 
 /// A plain float row (F32, F16, BF16) with f32 activations, in the one arithmetic every
@@ -693,7 +690,9 @@ pub fn dot_q8_rows8(format: WeightFormat, group: &[u8], x: &[BlockQ8]) -> [f32; 
                 for i in 0..32 {
                     isum[i / 16] += rows8_q(format, blk, r, i).0 * xb.qs[i] as i32;
                 }
-                *a += xb.d * (rows8_d(format, blk, r, 0) * isum[0] as f32 + rows8_d(format, blk, r, 16) * isum[1] as f32);
+                // Each half fused in turn, as the SIMD kernels add them.
+                *a = (rows8_d(format, blk, r, 0) * xb.d).mul_add(isum[0] as f32, *a);
+                *a = (rows8_d(format, blk, r, 16) * xb.d).mul_add(isum[1] as f32, *a);
             }
         }
         return acc;

@@ -1350,8 +1350,67 @@ fn every_int8_path_gives_the_same_bits() {
     }
 }
 
+/// The int8 twins `TESSERA_MLX_INT8=1` runs MLX checkpoints as (MXFP4x8, NVFP4x8,
+/// MLX-A8x8; MLX 4-bit becomes Q4_1x8, tested above) on the same terms: every flavour
+/// and token count gives one token's bits on the scalar kernel.
+#[test]
+fn every_int8_twin_gives_the_same_bits() {
+    let mut rng = Rng(25);
+    let (rows, cols) = (24, 576);
+    let mut isas = vec![Isa::Scalar];
+    isas.extend(simd_flavours());
+    let pool = ThreadPool::new(1);
+    const TOKENS: usize = 13;
+    let twins: [(WeightFormat, WeightFormat); 3] = [(WeightFormat::Mxfp4, WeightFormat::Mxfp4x8), (WeightFormat::Nvfp4, WeightFormat::Nvfp4x8), (WeightFormat::A8 { group: 64 }, WeightFormat::A8x8)];
+    for (source, twin) in twins {
+        let data: Vec<u8> = if let WeightFormat::A8 { group } = source {
+            // Scales and biases that fit f16 (the twin's condition).
+            (0..rows * cols / group as usize)
+                .flat_map(|_| {
+                    let (scale, bias) = (f16::from_f32(rng.f32().abs() * 0.002 + 1e-4).to_f32(), f16::from_f32(rng.f32() * 0.2).to_f32());
+                    let mut g = [scale.to_le_bytes(), bias.to_le_bytes()].concat();
+                    g.extend((0..group).map(|_| rng.byte()));
+                    g
+                })
+                .collect()
+        } else {
+            let mut data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, source, cols)).collect();
+            if source == WeightFormat::Nvfp4 {
+                // The twin takes positive E4M3 scales only.
+                data.chunks_exact_mut(18).for_each(|b| (b[0], b[1]) = (b[0] & 0x7F, b[1] & 0x7F));
+            }
+            data
+        };
+        let packed = match twin {
+            WeightFormat::Mxfp4x8 => tessera_kernels::mxfp4_as_levels(rows, cols, &data),
+            WeightFormat::Nvfp4x8 => tessera_kernels::nvfp4_as_levels(rows, cols, &data),
+            _ => tessera_kernels::a8_as_rows8(64, rows, cols, &data),
+        }
+        .unwrap_or_else(|| panic!("{source}: the random rows fit the twin"));
+        let w = WeightRows::new(twin, rows, cols, &packed).unwrap();
+        let x = random_vec(&mut rng, TOKENS * cols);
+        let run = |isa: Isa, tokens: usize, x: &[f32]| {
+            let mut y = vec![0.0f32; tokens * rows];
+            matmul(&pool, isa, w, x, tokens, &mut y, &mut MatmulScratch::new(TOKENS, cols));
+            y.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+        };
+        let want: Vec<Vec<u32>> = (0..TOKENS).map(|t| run(Isa::Scalar, 1, &x[t * cols..(t + 1) * cols])).collect();
+        for &isa in &isas {
+            for tokens in 1..=TOKENS {
+                let y = run(isa, tokens, &x[..tokens * cols]);
+                for t in 0..tokens {
+                    if let Some(r) = (0..rows).find(|&r| y[t * rows + r] != want[t][r]) {
+                        panic!("{twin} on {}, {tokens} tokens: token {t} row {r} is {} where one token on the scalar kernel gives {}", isa.name(), f32::from_bits(y[t * rows + r]), f32::from_bits(want[t][r]));
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The plain float formats on the same terms, stored layout included, on widths with and
-/// without a tail of fewer than 8 columns (the interleaved F16x4/BF16x4 take 16s).
+/// without a tail of fewer than 8 columns (the interleaved F16x4/BF16x4 take 16s), and
+/// the block formats with f32 activations (MXFP4, NVFP4, FP8, MLX affine).
 #[test]
 fn every_float_path_gives_the_same_bits() {
     let mut rng = Rng(24);
@@ -1360,6 +1419,10 @@ fn every_float_path_gives_the_same_bits() {
             // An odd width is never interleaved (F16x4/BF16x4 take whole 16s).
             same_bits_on_every_path(format, cols, cols.is_multiple_of(16), &mut rng);
         }
+    }
+    // The block formats that keep f32 activations (as stored: their int8 twins are opt-in).
+    for format in [WeightFormat::Mxfp4, WeightFormat::Nvfp4, WeightFormat::Fp8, WeightFormat::A4 { group: 64 }, WeightFormat::A8 { group: 64 }, WeightFormat::A4 { group: 32 }] {
+        same_bits_on_every_path(format, 576, false, &mut rng);
     }
 }
 

@@ -162,20 +162,39 @@ pub unsafe fn dot_float_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) ->
     }
 }
 
+/// Two passes of two tokens, each with [`dot_block`]'s eight accumulators (its
+/// arithmetic: 32 lanes, `scalar::dot_f32`); each pass decodes the row again.
 #[inline]
 #[target_feature(enable = "neon")]
 unsafe fn dot32_x4_t<const K: u8>(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
-    let mut acc = [[vdupq_n_f32(0.0); 2]; 4];
-    for c in 0..xs[0].len() / 32 {
-        let w = decode32::<K>(format, row, c);
-        for (t, a) in acc.iter_mut().enumerate() {
-            let xp = xs[t].as_ptr().add(32 * c);
-            for (k, wk) in w.iter().enumerate() {
-                a[k % 2] = vfmaq_f32(a[k % 2], *wk, vld1q_f32(xp.add(4 * k)));
+    let mut out = [0.0f32; 4];
+    for pair in 0..2 {
+        let mut acc = [[vdupq_n_f32(0.0); 8]; 2];
+        for c in 0..xs[0].len() / 32 {
+            let w = decode32::<K>(format, row, c);
+            for (t, a) in acc.iter_mut().enumerate() {
+                let xp = xs[2 * pair + t].as_ptr().add(32 * c);
+                for (k, wk) in w.iter().enumerate() {
+                    a[k] = vfmaq_f32(a[k], *wk, vld1q_f32(xp.add(4 * k)));
+                }
             }
         }
+        for (t, a) in acc.iter().enumerate() {
+            out[2 * pair + t] = lanes32_total(a);
+        }
     }
-    acc.map(|[a, b]| vaddvq_f32(vaddq_f32(a, b)))
+    out
+}
+
+/// [`scalar::lanes32_total`] of eight 4-wide accumulators (acc `k` holds lanes 4k..4k+4).
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn lanes32_total(acc: &[float32x4_t; 8]) -> f32 {
+    let mut lanes = [0.0f32; 32];
+    for (k, a) in acc.iter().enumerate() {
+        vst1q_f32(lanes.as_mut_ptr().add(4 * k), *a);
+    }
+    scalar::lanes32_total(&lanes)
 }
 
 unsafe fn dot_block(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
@@ -192,8 +211,7 @@ unsafe fn dot_block(format: WeightFormat, row: &[u8], x: &[f32]) -> f32 {
         Some(KIND_NVFP4) => dot32_t::<KIND_NVFP4>(format, row, x, &mut acc),
         _ => return scalar::dot_f32(format, row, x),
     }
-    let s4 = [0, 2, 4, 6].map(|i| vaddq_f32(acc[i], acc[i + 1]));
-    vaddvq_f32(vaddq_f32(vaddq_f32(s4[0], s4[1]), vaddq_f32(s4[2], s4[3])))
+    lanes32_total(&acc)
 }
 
 #[inline]

@@ -277,27 +277,36 @@ unsafe fn dot_block_f32_x4(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) ->
     }
 }
 
+/// Two passes of two tokens: each token keeps [`dot_block_f32`]'s four accumulators
+/// (its arithmetic: 32 lanes, `scalar::dot_f32`), which for four tokens at once would
+/// not fit the 16 registers; each pass decodes the row again.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot32_x4_t<const K: u8>(format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
     let n = xs[0].len();
-    let mut accs = [[_mm256_setzero_ps(); 2]; 4];
     let bytes_per_chunk = 32 * format.block_bytes() / format.block_elems();
-    for c in 0..n / 32 {
-        prefetch_ahead(row.as_ptr().wrapping_add(c * bytes_per_chunk), 1);
-        let w = match decode32::<K>(format, row.as_ptr(), c) {
-            Some(w) => w,
-            None => decode32_scalar(format, row, c),
-        };
-        for (k, wk) in w.iter().enumerate() {
+    let mut out = [0.0f32; 4];
+    for pair in 0..2 {
+        let mut accs = [[_mm256_setzero_ps(); 4]; 2];
+        for c in 0..n / 32 {
+            prefetch_ahead(row.as_ptr().wrapping_add(c * bytes_per_chunk), 1);
+            let w = match decode32::<K>(format, row.as_ptr(), c) {
+                Some(w) => w,
+                None => decode32_scalar(format, row, c),
+            };
             for (t, a) in accs.iter_mut().enumerate() {
-                a[k % 2] = _mm256_fmadd_ps(*wk, _mm256_loadu_ps(xs[t].as_ptr().add(32 * c + 8 * k)), a[k % 2]);
+                let xp = xs[2 * pair + t].as_ptr().add(32 * c);
+                for (k, wk) in w.iter().enumerate() {
+                    a[k] = _mm256_fmadd_ps(*wk, _mm256_loadu_ps(xp.add(8 * k)), a[k]);
+                }
             }
         }
+        for (t, a) in accs.iter().enumerate() {
+            out[2 * pair + t] = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+        }
     }
-    accs.map(|[a, b]| hsum(_mm256_add_ps(a, b)))
+    out
 }
-
 
 /// 32 nibbles from 16 bytes: low nibbles in the low lane (elements 0..16), high
 /// nibbles in the high lane (16..32), each in 0..=15.

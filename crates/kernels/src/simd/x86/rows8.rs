@@ -132,14 +132,11 @@ macro_rules! rows8_kernels {
                 // MLX-A8x8: the biases after the scales, then the codes less 128.
                 let (bb, q0) = if MIN { (288, 32) } else { (272, 16) };
                 assert!(group.len() >= x.len() * bb);
-                let (mut acc, mut acc_m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut acc = _mm256_setzero_ps();
                 for (b, xb) in x.iter().enumerate() {
                     // No software prefetch, as in `u4`.
                     let p = group.as_ptr().add(b * bb);
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                    if MIN {
-                        acc_m = _mm256_fmadd_ps(a8_min(p, d), _mm256_set1_ps(xb.sum), acc_m);
-                    }
                     let y = xb.qs.as_ptr() as *const i32;
                     let mut sum: $acc = $zero;
                     for j in [0, 2, 4, 6] {
@@ -148,8 +145,12 @@ macro_rules! rows8_kernels {
                         sum = $i8_pair(sum, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(y0, w0), _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(y1, w1));
                     }
                     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps($sum_i8(sum)), acc);
+                    // MLX-A8x8's m after the block's products, in one accumulator (`scalar::dot_q8_rows8`).
+                    if MIN {
+                        acc = _mm256_fmadd_ps(a8_min(p, d), _mm256_set1_ps(xb.sum), acc);
+                    }
                 }
-                std::mem::transmute::<__m256, [f32; 8]>(_mm256_add_ps(acc, acc_m))
+                std::mem::transmute::<__m256, [f32; 8]>(acc)
             }
 
             /// Q4_Kx8 (Q5_Kx8 when `FIVE`): per 32-column sub-block the Q4_0x8 integer
