@@ -846,8 +846,11 @@ def part_kquants():
 
 LOWBIT_DIR = FIX / "gguf_lowbit"
 # llama.cpp file type -> what most matrices become (the mix adds Q3_K/Q4_K/Q5_K/Q6_K where its rules say).
+# Q4_0, Q4_K_M and Q6_K too: the types most downloads are in (the placement tests of issue 22).
 LOWBIT_FTYPES = {"q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "q3_k_s": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
-                 "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
+                 "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
+                 "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+                 "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 
 
 def lowbit_cfg():

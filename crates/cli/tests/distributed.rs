@@ -566,8 +566,8 @@ fn q8_kv_cache_every_placement() {
 
 /// GGUF formats with 8-bit activations (issue 22) on every placement: the logits of a
 /// prompt are one node's bit for bit, and after a 4,100-token prompt the greedy ids of
-/// 512 tokens are one node's. (llama.cpp's low-bit files and Q8_0; `smollm2_*` below
-/// for the real Q4_1 model.)
+/// 512 tokens are one node's. (Q8_0 and llama.cpp's Q2_K, Q3_K_S, IQ4_XS, Q4_0, Q4_K_M and
+/// Q6_K files; `smollm2_*` below for the real Q4_1 model.)
 #[test]
 fn gguf_8bit_formats_every_placement_to_the_bit() {
     let placements: [(usize, &[&str]); 7] = [
@@ -581,7 +581,8 @@ fn gguf_8bit_formats_every_placement_to_the_bit() {
     ];
     let long: Vec<u32> = (0..4100u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % 200 + 3).collect();
     let extra = ["--ctx", "4700"];
-    for file in ["gguf_moe/qwen3_moe.q8_0.gguf", "gguf_lowbit/qwen3_moe_w256.q3_k_s.gguf", "gguf_lowbit/qwen3_moe_w256.iq4_xs.gguf", "gguf_lowbit/qwen3_moe_w256.q2_k.gguf"] {
+    let lowbit = ["q3_k_s", "iq4_xs", "q2_k", "q4_0", "q4_k_m", "q6_k"].map(|t| format!("gguf_lowbit/qwen3_moe_w256.{t}.gguf"));
+    for file in std::iter::once("gguf_moe/qwen3_moe.q8_0.gguf").chain(lowbit.iter().map(String::as_str)) {
         let model = fixture(file);
         let dir = scratch(&file.replace('/', "_"));
         let prompt = &long[..40];

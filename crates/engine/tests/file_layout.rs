@@ -39,7 +39,7 @@ fn file_layout_kernels_compute_llama_cpp_arithmetic() {
     let dir = fixtures().join("gguf_lowbit");
     let readme: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
     let prompt: Vec<u32> = readme["model"]["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    for name in ["q2_k", "q3_k_s", "iq4_nl", "iq4_xs"] {
+    for name in ["q2_k", "q3_k_s", "iq4_nl", "iq4_xs", "q4_0", "q4_k_m", "q6_k"] {
         let mut model = load_in_file_layout(&dir.join(format!("qwen3_moe_w256.{name}.gguf")));
         let want = common::llama_cpp(&dir.join(format!("qwen3_moe_w256.{name}.llama_cpp.safetensors")));
         common::check_against_llama_cpp(&format!("{name}, file layout"), &mut model, &prompt, &want, None);

@@ -2,7 +2,10 @@
 //! against llama.cpp's recorded outputs (`tools/reference/make_llamacpp_refs.py`):
 //! token ids for tricky texts, chat-template rendering and ids, and greedy continuations.
 
+mod common;
+
 use std::path::{Path, PathBuf};
+use tessera_kernels::Isa;
 use tessera_engine::{EngineConfig, Generator, SamplingParams};
 use tessera_model::{load_model, ChatTemplate, Model, KvDtype, Message, Tokenizer};
 
@@ -83,6 +86,47 @@ fn greedy_continuations_match_llama_cpp_for_32_tokens() {
         let (got, _, _) = gen.generate(&prompt, 32, &SamplingParams::default(), &[], |_| true).unwrap();
         let text = case["prompt_text"].as_str().unwrap_or("");
         assert_eq!(got, want[..32], "prompt {text:?}");
+    }
+}
+
+/// Our logits against llama.cpp's on the default model: the prompt's last 4 positions
+/// and 16 greedy decode steps (`tools/reference/make_smollm2_logits.py`, every 12th
+/// vocabulary entry), scored by NMSE (the kernel flavours give the same bits: tested in
+/// `kernels`), and llama.cpp's greedy ids (a prompt whose margins are ≥ 0.5). Measured: prompt 1.5e-3,
+/// steps 9e-5 to 2.4e-2 (median ~1e-3). SmolLM2's 30 layers re-quantize activations to 8
+/// bits 150 times, so any last-bit difference (llama.cpp sums RMSNorm in double, takes
+/// its own exp and RoPE recurrences) re-rolls the rounding noise: a float64 reference of
+/// the same weights is as far from llama.cpp (1.3e-3) as we are. Here NMSE checks the
+/// model (that float64 reference with a RoPE base of 10⁴ for 10⁵: 4e-2); the fixtures of
+/// `mlx_reference.rs` and `file_layout.rs` check the arithmetic (1e-14).
+#[test]
+fn logits_match_llama_cpp_by_nmse() {
+    const PROMPT_NMSE_MAX: f64 = 5e-3;
+    const STEP_NMSE_TYPICAL: f64 = 5e-3;
+    const STEP_NMSE_MAX: f64 = 5e-2;
+    let mut m = model();
+    let bytes = std::fs::read(repo().join("tests/fixtures/smollm2/llama_cpp_logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let i32s = |k: &str| st.tensor(k).unwrap().data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32).collect::<Vec<u32>>();
+    let f32s = |k: &str| st.tensor(k).unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect::<Vec<f32>>();
+    let (keep, prompt, greedy) = (i32s("vocab_ids"), i32s("prompt_ids"), i32s("greedy_ids"));
+    let (want_prompt, want_decode) = (f32s("prompt_logits"), f32s("decode_logits"));
+    let (k, vocab) = (keep.len(), m.cfg.vocab);
+    let rows = want_prompt.len() / k;
+    assert!(k >= 4000 && rows == 4 && greedy.len() == 16, "fixture: {k} vocabulary entries, {rows} prompt rows, {} steps", greedy.len());
+    let subset = |logits: &[f32], row: usize| keep.iter().map(|&i| logits[row * vocab + i as usize]).collect::<Vec<f32>>();
+    for isa in [Isa::detect()] {
+        let (got_prompt, got_decode) = common::logits_along(&mut m, isa, &prompt, &greedy);
+        let p: Vec<f32> = (prompt.len() - rows..prompt.len()).flat_map(|r| subset(&got_prompt, r)).collect();
+        let prompt_nmse = common::nmse(&p, &want_prompt);
+        let steps: Vec<f64> = (0..greedy.len()).map(|s| common::nmse(&subset(&got_decode, s), &want_decode[s * k..(s + 1) * k])).collect();
+        let typical = steps.iter().filter(|&&x| x < STEP_NMSE_TYPICAL).count();
+        eprintln!("SmolLM2 Q4_1 ({}) vs llama.cpp: NMSE prompt {prompt_nmse:.1e}, steps within {STEP_NMSE_TYPICAL:.0e}: {typical} of {}, worst {:.1e}", isa.name(), steps.len(), steps.iter().cloned().fold(0.0, f64::max));
+        assert!(prompt_nmse < PROMPT_NMSE_MAX, "{}: prompt NMSE against llama.cpp {prompt_nmse:.2e} (allowed {PROMPT_NMSE_MAX:.0e})", isa.name());
+        assert!(4 * typical >= 3 * steps.len() && steps.iter().all(|&x| x < STEP_NMSE_MAX), "{}: decode NMSE per step against llama.cpp {steps:?}", isa.name());
+        for (s, &id) in greedy.iter().enumerate() {
+            assert_eq!(common::argmax(&got_decode[s * vocab..(s + 1) * vocab]), id, "{}: decode step {s} chose another token than llama.cpp", isa.name());
+        }
     }
 }
 

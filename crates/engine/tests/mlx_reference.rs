@@ -245,14 +245,14 @@ fn gguf_moe_q8_0_matches_llama_cpp() {
 
 /// A MoE of the same kind with every matrix 256 wide, quantized by llama.cpp's own quantizer
 /// into its 2-, 3- and 4-bit file types (mostly Q2_K with Q3_K; Q3_K; IQ4_NL; IQ4_XS; each
-/// with a Q6_K head): our logits against llama.cpp's for each file, with SIMD kernels and
+/// with a Q6_K head) and the common Q4_0, Q4_K_M and Q6_K: our logits against llama.cpp's for each file, with SIMD kernels and
 /// with the scalar reference.
 #[test]
 fn gguf_low_bit_files_match_llama_cpp() {
     let dir = fixtures().join("gguf_lowbit");
     let readme: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
     let prompt: Vec<u32> = readme["model"]["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    for name in ["q2_k", "q3_k_s", "iq4_nl", "iq4_xs"] {
+    for name in ["q2_k", "q3_k_s", "iq4_nl", "iq4_xs", "q4_0", "q4_k_m", "q6_k"] {
         let mut model = load_model(&dir.join(format!("qwen3_moe_w256.{name}.gguf"))).unwrap();
         let want = llama_cpp(&dir.join(format!("qwen3_moe_w256.{name}.llama_cpp.safetensors")));
         check_against_llama_cpp(name, &mut model, &prompt, &want, None);

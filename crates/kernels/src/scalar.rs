@@ -245,7 +245,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 for (sub, qs) in o.chunks_exact_mut(32).zip(b[8..].chunks_exact(16)) {
                     nibbles(qs, &mut q);
                     for j in 0..32 {
-                        sub[j] = (q[j] as f32).mul_add(sc, bias);
+                        sub[j] = sc * q[j] as f32 + bias;
                     }
                 }
             }
@@ -255,7 +255,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
             for (o, b) in out.chunks_exact_mut(g).zip(row.chunks_exact(format.block_bytes())) {
                 let (sc, bias) = (f32_at(b, 0), f32_at(b, 4));
                 for (w, &q) in o.iter_mut().zip(&b[8..]) {
-                    *w = (q as f32).mul_add(sc, bias);
+                    *w = sc * q as f32 + bias;
                 }
             }
         }

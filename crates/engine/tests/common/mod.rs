@@ -45,7 +45,8 @@ pub fn llama_cpp(file: &Path) -> LlamaCpp {
 pub fn logits_along(model: &mut Model, isa: Isa, prompt: &[u32], ids: &[u32]) -> (Vec<f32>, Vec<f32>) {
     model.set_isa(isa);
     let vocab = model.cfg.vocab;
-    let limits = StepLimits { tokens_per_step_max: 64, context_max: 64, sequences_per_step_max: 1 };
+    let context = (prompt.len() + ids.len()).max(64);
+    let limits = StepLimits { tokens_per_step_max: prompt.len().max(64), context_max: context, sequences_per_step_max: 1 };
     let pool = ThreadPool::new(2);
     let mut ws = model.new_workspace(limits, pool.n_threads());
     let mut cache = model.new_cache(limits, KvDtype::F32);

@@ -105,7 +105,8 @@ unsafe fn decode32<const K: u8>(format: WeightFormat, row: &[u8], c: usize) -> [
         let mut w = [vdupq_n_f32(0.0); 8];
         for (h, qh) in q.into_iter().enumerate() {
             for (k, v) in widen16(qh, signed).into_iter().enumerate() {
-                w[4 * h + k] = vfmaq_f32(bias, v, scale);
+                // s·q + b unfused, as MLX dequantizes (and `scalar::dequantize_row`).
+                w[4 * h + k] = vaddq_f32(vmulq_f32(v, scale), bias);
             }
         }
         w

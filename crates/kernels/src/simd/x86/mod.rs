@@ -180,7 +180,8 @@ unsafe fn decode32<const K: u8>(format: WeightFormat, row: *const u8, c: usize) 
             } else {
                 _mm256_loadu_si256(b.add(8 + sub * 32) as *const __m256i)
             };
-            Some(widen32(q, false).map(|qf| _mm256_fmadd_ps(qf, sc, bias)))
+            // s·q + b unfused, as MLX dequantizes (and `scalar::dequantize_row`).
+            Some(widen32(q, false).map(|qf| _mm256_add_ps(_mm256_mul_ps(qf, sc), bias)))
         }
         WeightFormat::Fp8 if K == KIND_FP8 => {
             // E4M3 bits moved into an f16 (sign to bit 15, exponent and mantissa to
