@@ -376,8 +376,11 @@ impl Isa {
     pub fn dot_f32_x4(self, format: WeightFormat, row: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
         match self {
             #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_q8_rows8 (Avx512Vnni implies avx512f and avx512vl).
+            Isa::Avx512Vnni => unsafe { x86::dot_float_x4_vl(format, row, xs) },
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: see dot_f32.
-            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::dot_float_x4(format, row, xs) },
+            Isa::Avx2 => unsafe { x86::dot_float_x4(format, row, xs) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: see dot_f32.
             Isa::Neon => unsafe { arm::dot_float_x4(format, row, xs) },
