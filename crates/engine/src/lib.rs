@@ -9,8 +9,10 @@ pub mod bench;
 pub mod dist;
 pub mod generate;
 pub mod sampling;
+pub mod scheduler;
 
 pub use batch::{generate_batch, BatchStats, Completion, Request};
 pub use dist::{DistLeader, Placement, Rank};
 pub use generate::{EngineConfig, EngineError, Generator, GenerationStats, LocalStepper, StopReason, Stepper};
 pub use sampling::{Sampler, SamplingError, SamplingParams};
+pub use scheduler::{Event, QueueLimits, Refusal, RequestId, Scheduler};

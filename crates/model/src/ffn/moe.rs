@@ -41,6 +41,7 @@ impl Loader<'_> {
     /// Routed experts: per-expert HF tensors, or stacked (MLX `switch_mlp`, GGUF `_exps`).
     /// Routed experts `owned`, each sliced to rows `width` of gate and up and rows
     /// `hidden` of down.
+    #[allow(clippy::too_many_arguments)] // a loader: names, geometry and this rank's three ranges
     fn experts(&self, prefix: &str, names: [&str; 3], m: &MoeConfig, hidden_size: usize, owned: Range<usize>, width: Range<usize>, hidden: Range<usize>) -> Result<[Vec<Linear>; 3]> {
         let h = hidden_size;
         let (e, w) = (m.experts, m.expert_width);

@@ -47,7 +47,7 @@ unsafe fn weights32<const KIND: u8>(row: *const u8, k: usize) -> [int8x16_t; 2] 
             let qs = b.add(if KIND == Q5_K { 48 } else { 16 } + 32 * (sub / 2));
             [0, 16].map(|o| {
                 let c = vld1q_u8(qs.add(o));
-                let q = if sub % 2 == 0 { vandq_u8(c, low) } else { vshrq_n_u8::<4>(c) };
+                let q = if sub.is_multiple_of(2) { vandq_u8(c, low) } else { vshrq_n_u8::<4>(c) };
                 if KIND == Q5_K {
                     // Bit `sub` of qh[j] is the fifth bit of weight j.
                     let h = vshlq_u8(vld1q_u8(b.add(16 + o)), vdupq_n_s8(-(sub as i8)));
