@@ -370,7 +370,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 messages.push(Message::new("system", s));
             }
             messages.push(Message::new("user", user));
-            tok.encode(&render_chat(&model, &tok, &messages)?, true).map_err(anyhow::Error::msg)?
+            chat_ids(&model, &tok, &messages)?
         }
         (None, None) => bail!("give --prompt or --chat"),
     };
@@ -424,20 +424,22 @@ fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// The prompt text for a conversation, through the checkpoint's chat template.
-fn render_chat(model: &Model, tok: &Tokenizer, messages: &[Message]) -> Result<String> {
-    let template = ChatTemplate::from_checkpoint(model.checkpoint())?.with_context(|| {
-        format!("{} has no chat template: use --prompt for raw text", model.checkpoint().path.display())
-    })?;
-    let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or_default();
-    Ok(template.render(messages, true, &name(tok.bos), &name(tok.eos))?)
+/// The checkpoint's chat template (an error naming the file where it has none).
+pub(crate) fn chat_template(model: &Model) -> Result<ChatTemplate> {
+    ChatTemplate::from_checkpoint(model.checkpoint())?
+        .with_context(|| format!("{} has no chat template: use --prompt for raw text", model.checkpoint().path.display()))
+}
+
+/// The prompt ids of a conversation: the template's markers special, the messages' text
+/// plain (`ChatTemplate::encode`).
+fn chat_ids(model: &Model, tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+    Ok(chat_template(model)?.encode(tok, messages)?)
 }
 
 fn tokenize(path: &Path, text: &str, chat: bool) -> Result<()> {
     let model = tessera_model::load_model(path).with_context(|| format!("loading {}", path.display()))?;
     let tok = Tokenizer::from_checkpoint(model.checkpoint())?;
-    let text = if chat { render_chat(&model, &tok, &[Message::new("user", text)])? } else { text.to_string() };
-    let ids = tok.encode(&text, true).map_err(anyhow::Error::msg)?;
+    let ids = if chat { chat_ids(&model, &tok, &[Message::new("user", text)])? } else { tok.encode(text, true).map_err(anyhow::Error::msg)? };
     let list: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
     println!("{}", list.join(","));
     Ok(())

@@ -27,6 +27,10 @@ pub struct ChatTemplate {
     path: PathBuf,
 }
 
+/// Marks message `i`'s content in a rendering (private-use characters no template writes).
+const CONTENT_OPEN: char = '\u{F8F0}';
+const CONTENT_CLOSE: char = '\u{F8F1}';
+
 impl ChatTemplate {
     /// The template from `tokenizer_config.json` (HF) or `tokenizer.chat_template`
     /// (GGUF); `Ok(None)` when the checkpoint has none.
@@ -99,5 +103,37 @@ impl ChatTemplate {
             eos_token => eos,
         })
         .map_err(|e| err(format!("rendering failed: {e}")))
+    }
+
+    /// The token ids of `messages` rendered for generation: the template's own text
+    /// with its special tokens recognised, each message's content as plain text, so a
+    /// user who writes `<|im_start|>` gets those characters, never a control token (a
+    /// prompt cannot forge a turn). BOS as the tokenizer asks.
+    pub fn encode(&self, tok: &crate::Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+        let err = |reason: String| LoadError::ChatTemplate { path: self.path.clone(), reason };
+        let marked: Vec<Message> = messages.iter().enumerate().map(|(i, m)| Message { role: m.role.clone(), content: format!("{CONTENT_OPEN}{i}{CONTENT_CLOSE}") }).collect();
+        let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or_default();
+        let text = self.render(&marked, true, &name(tok.bos), &name(tok.eos))?;
+        let mut ids = Vec::new();
+        let mut rest = text.as_str();
+        let mut first = true;
+        let mut push = |piece: &str, special: bool, ids: &mut Vec<u32>| -> Result<()> {
+            if !piece.is_empty() || first {
+                ids.extend(tok.encode_with(piece, first, special).map_err(err)?);
+                first = false;
+            }
+            Ok(())
+        };
+        while let Some(open) = rest.find(CONTENT_OPEN) {
+            push(&rest[..open], true, &mut ids)?;
+            let after = &rest[open + CONTENT_OPEN.len_utf8()..];
+            let close = after.find(CONTENT_CLOSE).ok_or_else(|| err("the template cut a message's content apart".into()))?;
+            let i: usize = after[..close].parse().map_err(|_| err("the template rewrote a message's content".into()))?;
+            let content = &messages.get(i).ok_or_else(|| err("the template rewrote a message's content".into()))?.content;
+            push(content, false, &mut ids)?;
+            rest = &after[close + CONTENT_CLOSE.len_utf8()..];
+        }
+        push(rest, true, &mut ids)?;
+        Ok(ids)
     }
 }
