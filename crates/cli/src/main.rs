@@ -5,6 +5,7 @@ mod bench;
 mod cluster;
 mod doctor;
 mod npy;
+mod serve;
 mod shard;
 
 use anyhow::{bail, Context, Result};
@@ -80,6 +81,8 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Measure prompt, decode and batched-decode speed on random tokens, and read bandwidth.
     Bench(bench::BenchArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (continuous batching).
+    Serve(serve::ServeArgs),
 }
 
 #[derive(Args, Clone)]
@@ -200,6 +203,7 @@ fn main() {
         Command::Shard { model, world, placement, rank, out } => shard_cmd(&model, world, &placement, rank, &out),
         Command::Doctor(a) => doctor::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Tokenize { model, text, chat } => tokenize(&model, &text, chat),
     };
     if let Err(e) = result {

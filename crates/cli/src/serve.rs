@@ -1,0 +1,79 @@
+//! `tessera serve`: the model behind an OpenAI-compatible HTTP API (`tessera-serve`), on
+//! one machine or, under `tessera launch`, a cluster (rank 0 serves; the others follow
+//! its step plans).
+
+use crate::{chat_template, engine_for, load_for, Engine, Loaded, RuntimeArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use tessera_engine::QueueLimits;
+use tessera_model::Tokenizer;
+
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    /// A GGUF file or a Hugging Face directory.
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// 0: any free port (printed as `listening on http://…`).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// A file holding the API key clients must send (`Authorization: Bearer KEY`).
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// Requests generating at once (KV-cache slots).
+    #[arg(long, default_value_t = 8)]
+    parallel: usize,
+    /// Requests waiting for a slot; beyond them, 429.
+    #[arg(long, default_value_t = 64)]
+    queue_max: usize,
+    /// Prompt tokens waiting for slots, all requests together; beyond them, 429.
+    #[arg(long, default_value_t = 262_144)]
+    queued_prompt_tokens_max: usize,
+    /// Request bodies over this many bytes are refused (413).
+    #[arg(long, default_value_t = 4 << 20)]
+    body_bytes_max: usize,
+    /// The model name clients use (default: the file or directory name).
+    #[arg(long)]
+    served_name: Option<String>,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+}
+
+pub(crate) fn run(a: ServeArgs) -> Result<()> {
+    if !(1..=tessera_engine::generate::SEQUENCES_MAX).contains(&a.parallel) {
+        bail!("--parallel {}: choose 1..={}", a.parallel, tessera_engine::generate::SEQUENCES_MAX);
+    }
+    if a.queue_max == 0 {
+        bail!("--queue-max 0 would refuse every request");
+    }
+    let api_key = match &a.api_key_file {
+        Some(f) => {
+            let key = std::fs::read_to_string(f).with_context(|| format!("reading the API key from {}", f.display()))?.trim().to_string();
+            if key.is_empty() {
+                bail!("{} holds no API key", f.display());
+            }
+            Some(key)
+        }
+        None => None,
+    };
+    let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
+    let leads = cluster.as_ref().is_none_or(|(c, _)| c.rank() == 0);
+    let (tok, template) = if leads { (Some(Tokenizer::from_checkpoint(model.checkpoint())?), chat_template(&model).ok()) } else { (None, None) };
+    let mut gen = match engine_for(&model, cluster, &a.runtime, 0, a.parallel)? {
+        Engine::Follow(rank) => return Ok(rank.follow()?),
+        Engine::Drive(g) => g,
+    };
+    let model_name = a.served_name.clone().unwrap_or_else(|| a.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()));
+    let cfg = tessera_serve::ServeConfig {
+        addr: SocketAddr::new(a.host, a.port),
+        model_name,
+        api_key,
+        queue: QueueLimits { requests_max: a.queue_max, prompt_tokens_max: a.queued_prompt_tokens_max },
+        body_bytes_max: a.body_bytes_max,
+        commands_max: a.queue_max + a.parallel + 64,
+    };
+    tessera_serve::run(cfg, gen.stepper(), tok.expect("the leader has the tokenizer"), template).map_err(anyhow::Error::msg)
+}

@@ -1,0 +1,328 @@
+//! `tessera serve` as a real process over real HTTP (a plain HTTP/1.1 client here; the
+//! official `openai` client in `openai_client_talks_to_the_server`): the default model,
+//! greedy chat equal to `tessera generate --chat`, streaming, concurrency, stop strings,
+//! the queue's bound, cancellation, API keys, and every error's status and shape.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn smollm2() -> PathBuf {
+    let m = repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(m.exists(), "{} is missing: run scripts/fetch-model (scripts/test does)", m.display());
+    m
+}
+
+const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// A running server, stopped when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(extra: &[&str]) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["serve", "--model", &smollm2().to_string_lossy(), "--port", "0", "--threads", "2", "--ctx", "1024"])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("starting tessera serve");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("tessera serve exited before listening").unwrap();
+        if let Some(a) = line.split("listening on http://").nth(1) {
+            break a.trim().to_string();
+        }
+    };
+    // Keep draining stderr so the server never blocks on it.
+    std::thread::spawn(move || for _ in lines {});
+    Server { child, addr }
+}
+
+/// One request; the status, the headers (lower-case names) and the body.
+fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, Vec<(String, String)>, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").expect("a response head");
+    let mut lines = head.lines();
+    let status: u16 = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    let headers: Vec<(String, String)> = lines.filter_map(|l| l.split_once(": ")).map(|(k, v)| (k.to_ascii_lowercase(), v.to_string())).collect();
+    let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    let body = if chunked { dechunk(rest) } else { rest.to_string() };
+    (status, headers, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn post(addr: &str, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let (status, _, text) = http(addr, "POST", path, &[], &body.to_string());
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
+}
+
+fn chat(content: &str, max_tokens: usize) -> serde_json::Value {
+    serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": max_tokens})
+}
+
+/// `tessera generate --chat` for one message: the text it prints.
+fn generate_chat(content: &str, max_tokens: usize) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["generate", "--model", &smollm2().to_string_lossy(), "--chat", content, "--max-tokens", &max_tokens.to_string(), "--threads", "2", "--ctx", "1024"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    text.strip_suffix('\n').unwrap_or(&text).to_string()
+}
+
+/// The `data:` payloads of an SSE body, in order.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(String::from).collect()
+}
+
+/// A greedy chat completion is `tessera generate --chat`'s text; streamed, its chunks
+/// concatenate to the same text, `include_usage` adds one chunk with no choices and the
+/// usage, and `[DONE]` ends it; /v1/completions and the tokenizer routes agree.
+#[test]
+fn greedy_chat_equals_generate_streamed_or_not() {
+    let server = serve(&[]);
+    let question = "What is the capital of France?";
+    let want = generate_chat(question, 24);
+    let (status, v) = post(&server.addr, "/v1/chat/completions", &chat(question, 24));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"].as_str().unwrap(), want);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+
+    let mut req = chat(question, 24);
+    req["stream"] = true.into();
+    req["stream_options"] = serde_json::json!({"include_usage": true});
+    let (status, headers, body) = http(&server.addr, "POST", "/v1/chat/completions", &[], &req.to_string());
+    assert_eq!(status, 200);
+    assert!(headers.iter().any(|(k, v)| k == "content-type" && v.starts_with("text/event-stream")), "{headers:?}");
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let chunks: Vec<serde_json::Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?.get("delta")?.get("content")?.as_str().map(String::from)).collect();
+    assert_eq!(text, want, "streamed chunks");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"].as_array().unwrap().len(), 0, "the usage chunk has no choices");
+    assert_eq!(usage["usage"]["completion_tokens"], 24);
+    assert_eq!(usage["usage"]["prompt_tokens"].as_u64().unwrap(), prompt_tokens);
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks.iter().filter(|c| c.get("usage").is_some()).count(), 1);
+    // Without include_usage: no usage chunk.
+    req.as_object_mut().unwrap().remove("stream_options");
+    let (_, _, body) = http(&server.addr, "POST", "/v1/chat/completions", &[], &req.to_string());
+    assert!(!body.contains("\"usage\""), "{body}");
+
+    // The same prompt through /tokenize, then /v1/completions on those ids.
+    let (status, t) = post(&server.addr, "/tokenize", &serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": question}]}));
+    assert_eq!(status, 200);
+    assert_eq!(t["count"].as_u64().unwrap(), prompt_tokens);
+    let (status, c) = post(&server.addr, "/v1/completions", &serde_json::json!({"model": MODEL, "prompt": t["tokens"], "temperature": 0, "max_tokens": 24}));
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(c["object"], "text_completion");
+    assert_eq!(c["choices"][0]["text"].as_str().unwrap(), want);
+    let (status, d) = post(&server.addr, "/detokenize", &serde_json::json!({"tokens": t["tokens"]}));
+    assert_eq!(status, 200);
+    assert!(d["prompt"].as_str().unwrap().contains(question));
+}
+
+/// Concurrent greedy requests (more than the slots) each get their output alone; a
+/// stop string across tokens ends the text before it with finish_reason `stop`.
+#[test]
+fn concurrent_requests_and_stop_strings() {
+    let server = serve(&["--parallel", "3"]);
+    let questions: Vec<String> = (0..6).map(|i| format!("Write a short sentence about the number {i}.")).collect();
+    let alone: Vec<String> = questions.iter().map(|q| post(&server.addr, "/v1/chat/completions", &chat(q, 16)).1["choices"][0]["message"]["content"].as_str().unwrap().to_string()).collect();
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = questions.iter().map(|q| s.spawn(|| post(&server.addr, "/v1/chat/completions", &chat(q, 16)))).collect();
+        handles.into_iter().map(|h| h.join().unwrap().1["choices"][0]["message"]["content"].as_str().unwrap().to_string()).collect()
+    });
+    assert_eq!(together, alone, "concurrent requests differ from each alone");
+
+    // A stop string in the middle of a known output, spanning tokens.
+    let full = &alone[0];
+    let cut = full.char_indices().map(|(i, _)| i).find(|&i| i >= full.len() / 2).unwrap();
+    let stop: String = full[cut..].chars().take(3).collect();
+    let want = &full[..full.find(&stop).unwrap()];
+    let mut req = chat(&questions[0], 16);
+    req["stop"] = serde_json::json!(["\u{1F980}never", stop]);
+    let (status, v) = post(&server.addr, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"].as_str().unwrap(), want, "stop {stop:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    req["stream"] = true.into();
+    let (_, _, body) = http(&server.addr, "POST", "/v1/chat/completions", &[], &req.to_string());
+    let data = sse_data(&body);
+    let text: String = data.iter().filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok()?["choices"][0]["delta"]["content"].as_str().map(String::from)).collect();
+    assert_eq!(text, want, "streamed with a stop string");
+}
+
+/// With one slot and one place in the queue, a third request is refused at once (429,
+/// Retry-After); a client that disconnects mid-stream cancels its request, and the
+/// waiting one runs; `/metrics` shows it all and ends with nothing running.
+#[test]
+fn queue_bound_cancellation_and_metrics() {
+    let server = serve(&["--parallel", "1", "--queue-max", "1"]);
+    let mut long = chat("Tell me a very long story about a dragon.", 400);
+    long["stream"] = true.into();
+    // A: streams, holding the slot.
+    let mut a = TcpStream::connect(&server.addr).unwrap();
+    let body = long.to_string();
+    write!(a, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut reader = BufReader::new(a.try_clone().unwrap());
+    let mut line = String::new();
+    while !line.contains("\"content\"") || line.contains("\"content\":\"\"") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    // B: waits in the queue (not streamed, 8 tokens).
+    let b = std::thread::spawn({
+        let addr = server.addr.clone();
+        move || post(&addr, "/v1/chat/completions", &chat("Say hi.", 8))
+    });
+    let t0 = Instant::now();
+    let metric = |name: &str| -> f64 {
+        let (_, _, m) = http(&server.addr, "GET", "/metrics", &[], "");
+        m.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).unwrap().parse().unwrap()
+    };
+    while metric("tessera:num_requests_waiting") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "B never waited");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // C: refused at once.
+    let (status, headers, text) = http(&server.addr, "POST", "/v1/chat/completions", &[], &chat("Hello", 4).to_string());
+    assert_eq!(status, 429, "{text}");
+    assert!(headers.iter().any(|(k, v)| k == "retry-after" && v == "1"), "{headers:?}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["type"], "rate_limit_exceeded");
+    assert!(v["error"]["message"].as_str().unwrap().contains("queue limit"), "{v}");
+    // A's client goes away: its request is cancelled, B takes the slot and finishes.
+    drop(reader);
+    a.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(a);
+    let (status, v) = b.join().unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    let t0 = Instant::now();
+    while metric("tessera:num_requests_running") > 0.0 || metric("tessera:request_success_total{finished_reason=\"abort\"}") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the cancelled request never ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(metric("tessera:num_requests_waiting"), 0.0);
+    assert!(metric("tessera:generation_tokens_total") >= 9.0);
+    assert!(metric("tessera:request_refused_total") >= 1.0);
+    // Every line is a comment or `name{labels} value` (Prometheus' text format).
+    let (_, _, m) = http(&server.addr, "GET", "/metrics", &[], "");
+    for l in m.lines().filter(|l| !l.starts_with('#')) {
+        let (name, value) = l.rsplit_once(' ').unwrap();
+        assert!(name.starts_with("tessera:") && value.parse::<f64>().is_ok(), "{l}");
+    }
+}
+
+/// Every error in OpenAI's shape with its status; API keys on the API routes only.
+#[test]
+fn errors_and_api_keys() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tessera-serve");
+    std::fs::create_dir_all(&dir).unwrap();
+    let key_file = dir.join("key");
+    std::fs::write(&key_file, "sk-test-123\n").unwrap();
+    let server = serve(&["--api-key-file", &key_file.to_string_lossy(), "--body-bytes-max", "4096"]);
+    let auth = [("Authorization", "Bearer sk-test-123")];
+    let call = |body: &serde_json::Value, headers: &[(&str, &str)]| {
+        let (status, _, text) = http(&server.addr, "POST", "/v1/chat/completions", headers, &body.to_string());
+        (status, serde_json::from_str::<serde_json::Value>(&text).unwrap_or_else(|_| panic!("not JSON: {text}")))
+    };
+    let shape = |v: &serde_json::Value| {
+        let e = &v["error"];
+        assert!(e["message"].is_string() && e["type"].is_string() && e.get("param").is_some() && e.get("code").is_some(), "{v}");
+    };
+    for headers in [&[][..], &[("Authorization", "Bearer wrong")][..]] {
+        let (status, v) = call(&chat("hi", 2), headers);
+        assert_eq!(status, 401, "{v}");
+        assert_eq!(v["error"]["code"], "invalid_api_key");
+        shape(&v);
+    }
+    assert_eq!(call(&chat("hi", 2), &auth).0, 200);
+    for open in ["/health", "/ready", "/metrics"] {
+        assert_eq!(http(&server.addr, "GET", open, &[], "").0, 200, "{open} without a key");
+    }
+    assert_eq!(http(&server.addr, "GET", "/v1/models", &[], "").0, 401);
+    let with = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut v = chat("hi", 2);
+        f(&mut v);
+        v
+    };
+    let cases: Vec<(serde_json::Value, u16, Option<&str>, Option<&str>)> = vec![
+        (with(&|v| v["model"] = "gpt-4".into()), 400, Some("model"), Some("model_not_found")),
+        (with(&|v| v["temperature"] = 3.into()), 400, Some("temperature"), None),
+        (with(&|v| v["n"] = 2.into()), 400, Some("n"), None),
+        (with(&|v| v["logprobs"] = true.into()), 400, Some("logprobs"), None),
+        (with(&|v| v["stop"] = serde_json::json!(["a", "b", "c", "d", "e"])), 400, Some("stop"), None),
+        (with(&|v| v["max_tokens"] = 5000.into()), 400, Some("max_tokens"), Some("context_length_exceeded")),
+        (with(&|v| v["messages"] = serde_json::json!([])), 400, Some("messages"), None),
+        (with(&|v| v["messages"][0]["content"] = "word ".repeat(1000).into()), 413, None, None),
+        (with(&|v| v["stream_options"] = serde_json::json!({"include_usage": true})), 400, Some("stream_options"), None),
+        (with(&|v| v["unknown_field"] = "ignored".into()), 200, None, None),
+    ];
+    for (body, status, param, code) in cases {
+        let (got, v) = call(&body, &auth);
+        assert_eq!(got, status, "{body}: {v}");
+        if status != 200 {
+            shape(&v);
+            assert_eq!(v["error"]["param"].as_str(), param, "{v}");
+            assert_eq!(v["error"]["code"].as_str(), code, "{v}");
+        }
+    }
+    // A prompt longer than the context (1024): 400 context_length_exceeded.
+    let server2 = serve(&[]);
+    let (status, v) = post(&server2.addr, "/v1/chat/completions", &chat(&"word ".repeat(1100), 2));
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    let (status, _, text) = http(&server2.addr, "POST", "/v1/chat/completions", &[], "{not json");
+    assert_eq!(status, 400, "{text}");
+    let (status, _, text) = http(&server2.addr, "GET", "/v1/nothing", &[], "");
+    assert_eq!(status, 404, "{text}");
+    shape(&serde_json::from_str(&text).unwrap());
+}

@@ -1,0 +1,116 @@
+//! The engine loop: the thread that owns the `Stepper` and the `Scheduler`. HTTP
+//! handlers reach it only through a bounded command channel; it answers each request on
+//! the request's own channel, so a slow or gone client never blocks a step.
+
+use crate::metrics::Metrics;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_engine::{Completion, EngineError, Event, QueueLimits, Refusal, Request, RequestId, Scheduler, Stepper, StopReason};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What a handler asks of the engine.
+pub(crate) enum Command {
+    /// Admit `request`; the answers (admission first) go to `reply`.
+    Submit { request: Request, reply: UnboundedSender<Reply> },
+    /// Stop request `id` (a client gone or a stop string matched); a finished one is ignored.
+    Cancel(RequestId),
+}
+
+/// What the engine tells a handler about its request.
+#[derive(Debug)]
+pub(crate) enum Reply {
+    Admitted(RequestId),
+    Refused(Refusal),
+    Token(u32),
+    Done(Completion),
+    /// The engine failed (a step's error): the request cannot finish.
+    Failed(String),
+}
+
+/// How long an idle engine waits for a command before looking again (shutdown checks).
+const IDLE_POLL: Duration = Duration::from_millis(100);
+
+/// Runs until every command sender is gone (the server stopped), or a step fails: then
+/// every request in flight gets `Failed`, readiness drops, and the error is returned.
+pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u32], commands: Receiver<Command>, metrics: Arc<Metrics>) -> Result<(), EngineError> {
+    let mut sched = Scheduler::new(stepper, limits, stop_ids);
+    let mut replies: HashMap<RequestId, UnboundedSender<Reply>> = HashMap::new();
+    let mut events = Vec::new();
+    let mut next_id: RequestId = 0;
+    loop {
+        // Idle: block for the next command. Busy: take what has arrived, then step.
+        let first = if sched.is_idle() {
+            match commands.recv_timeout(IDLE_POLL) {
+                Ok(c) => Some(c),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            }
+        } else {
+            None
+        };
+        for command in first.into_iter().chain(commands.try_iter()) {
+            match command {
+                Command::Submit { request, reply } => {
+                    let id = next_id;
+                    next_id += 1;
+                    let prompt = request.prompt.len();
+                    match sched.admit(stepper, id, request) {
+                        Ok(()) => {
+                            metrics.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
+                            if reply.send(Reply::Admitted(id)).is_ok() {
+                                replies.insert(id, reply);
+                            } else {
+                                sched.cancel(id);
+                            }
+                        }
+                        Err(why) => {
+                            let _ = reply.send(Reply::Refused(why));
+                        }
+                    }
+                }
+                Command::Cancel(id) => {
+                    sched.cancel(id);
+                }
+            }
+        }
+        if let Err(e) = sched.step(stepper, &mut events) {
+            metrics.ready.store(false, Ordering::Relaxed);
+            for (_, reply) in replies.drain() {
+                let _ = reply.send(Reply::Failed(e.to_string()));
+            }
+            return Err(e);
+        }
+        for event in events.drain(..) {
+            match event {
+                Event::Token { id, token, .. } => {
+                    metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
+                    // A client that is gone cancels its request at the next step.
+                    if replies.get(&id).is_none_or(|r| r.send(Reply::Token(token)).is_err()) {
+                        sched.cancel(id);
+                    }
+                }
+                Event::Done { id, completion } => {
+                    metrics.finished(completion.reason);
+                    if let Some(reply) = replies.remove(&id) {
+                        let _ = reply.send(Reply::Done(completion));
+                    }
+                }
+            }
+        }
+        let (waiting, running) = sched.counts();
+        metrics.waiting.store(waiting as u64, Ordering::Relaxed);
+        metrics.running.store(running as u64, Ordering::Relaxed);
+    }
+}
+
+/// OpenAI's name for why a request ended.
+pub(crate) fn finish_reason(reason: StopReason) -> &'static str {
+    match reason {
+        StopReason::Stop => "stop",
+        StopReason::Length | StopReason::Context => "length",
+        StopReason::Cancelled => "stop",
+    }
+}

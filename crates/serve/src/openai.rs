@@ -1,0 +1,211 @@
+//! OpenAI's request fields and error shape. A request is read as JSON: unknown fields are
+//! ignored, a known field with a value we cannot honour is a 400 naming it (never
+//! silently dropped).
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use tessera_engine::SamplingParams;
+use tessera_model::Message;
+
+/// Stop strings a request may give (OpenAI's limit).
+pub(crate) const STOP_STRINGS_MAX: usize = 4;
+
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    pub(crate) status: StatusCode,
+    pub(crate) message: String,
+    pub(crate) kind: &'static str,
+    pub(crate) param: Option<&'static str>,
+    pub(crate) code: Option<&'static str>,
+    /// Seconds, for 429.
+    pub(crate) retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub(crate) fn invalid(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: Some(param), code: None, retry_after: None }
+    }
+    pub(crate) fn unsupported(param: &'static str, what: &str) -> ApiError {
+        ApiError::invalid(param, format!("{what} is not supported by this server yet; leave `{param}` out"))
+    }
+    pub(crate) fn with_code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+    pub(crate) fn status(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+    }
+    pub(crate) fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert("retry-after", HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+/// What the two completion endpoints share, read from the request.
+#[derive(Debug)]
+pub(crate) struct Common {
+    pub(crate) max_tokens: Option<usize>,
+    pub(crate) sampling: SamplingParams,
+    pub(crate) stop: Vec<String>,
+    pub(crate) stream: bool,
+    pub(crate) include_usage: bool,
+}
+
+fn number(v: &Value, param: &'static str, range: std::ops::RangeInclusive<f64>) -> Result<Option<f64>, ApiError> {
+    match v.get(param) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => {
+            let x = n.as_f64().unwrap_or(f64::NAN);
+            if range.contains(&x) {
+                Ok(Some(x))
+            } else {
+                Err(ApiError::invalid(param, format!("`{param}` is {x}; it must be within {}..={}", range.start(), range.end())))
+            }
+        }
+        Some(other) => Err(ApiError::invalid(param, format!("`{param}` must be a number, not {other}"))),
+    }
+}
+
+fn integer(v: &Value, param: &'static str, min: u64) -> Result<Option<u64>, ApiError> {
+    match v.get(param) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => match x.as_u64() {
+            Some(n) if n >= min => Ok(Some(n)),
+            _ => Err(ApiError::invalid(param, format!("`{param}` must be an integer of at least {min}, not {x}"))),
+        },
+    }
+}
+
+fn boolean(v: &Value, param: &'static str) -> Result<bool, ApiError> {
+    match v.get(param) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(ApiError::invalid(param, format!("`{param}` must be true or false, not {other}"))),
+    }
+}
+
+/// The fields both endpoints take: the model, lengths, sampling, stop strings, streaming.
+/// `seed_default` is used when the request gives none (OpenAI samples differently each time).
+pub(crate) fn common(v: &Value, model: &str, seed_default: u64) -> Result<Common, ApiError> {
+    if !v.is_object() {
+        return Err(ApiError::invalid("body", "the request body must be a JSON object"));
+    }
+    match v.get("model") {
+        Some(Value::String(m)) if m == model => {}
+        Some(Value::String(m)) => return Err(ApiError::invalid("model", format!("model `{m}` is not served here; this server serves `{model}` (GET /v1/models)")).with_code("model_not_found")),
+        _ => return Err(ApiError::invalid("model", format!("`model` is required: \"{model}\""))),
+    }
+    let max_tokens = match integer(v, "max_completion_tokens", 1)? {
+        Some(n) => Some(n),
+        None => integer(v, "max_tokens", 1)?,
+    }
+    .map(|n| n as usize);
+    if let Some(n) = integer(v, "n", 1)? {
+        if n != 1 {
+            return Err(ApiError::unsupported("n", "more than one choice per request"));
+        }
+    }
+    if boolean(v, "logprobs")? || v.get("top_logprobs").is_some_and(|x| !x.is_null()) {
+        return Err(ApiError::unsupported("logprobs", "log probabilities"));
+    }
+    if v.get("logit_bias").is_some_and(|b| b.as_object().is_some_and(|o| !o.is_empty())) {
+        return Err(ApiError::unsupported("logit_bias", "logit bias"));
+    }
+    if v.get("tools").is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty())) {
+        return Err(ApiError::unsupported("tools", "tool calls"));
+    }
+    if let Some(f) = v.get("response_format").filter(|f| !f.is_null()) {
+        if f.get("type").and_then(Value::as_str) != Some("text") {
+            return Err(ApiError::unsupported("response_format", "structured output"));
+        }
+    }
+    if number(v, "frequency_penalty", -2.0..=2.0)?.is_some_and(|x| x != 0.0) {
+        return Err(ApiError::unsupported("frequency_penalty", "a frequency penalty"));
+    }
+    let mut sampling = SamplingParams {
+        // OpenAI's default temperature is 1.
+        temperature: number(v, "temperature", 0.0..=2.0)?.unwrap_or(1.0) as f32,
+        top_p: number(v, "top_p", 0.0..=1.0)?.unwrap_or(1.0) as f32,
+        min_p: number(v, "min_p", 0.0..=1.0)?.unwrap_or(0.0) as f32,
+        presence_penalty: number(v, "presence_penalty", -2.0..=2.0)?.unwrap_or(0.0) as f32,
+        repetition_penalty: number(v, "repetition_penalty", 0.01..=10.0)?.unwrap_or(1.0) as f32,
+        top_k: integer(v, "top_k", 0)?.unwrap_or(0) as usize,
+        seed: integer(v, "seed", 0)?.unwrap_or(seed_default),
+        ..SamplingParams::default()
+    };
+    if sampling.top_p == 0.0 {
+        // OpenAI accepts 0: only the most likely token.
+        sampling.top_k = 1;
+        sampling.top_p = 1.0;
+    }
+    let stop = match v.get("stop") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            let strings: Option<Vec<String>> = a.iter().map(|s| s.as_str().map(String::from)).collect();
+            let strings = strings.ok_or_else(|| ApiError::invalid("stop", "`stop` must be a string or a list of strings"))?;
+            if strings.len() > STOP_STRINGS_MAX {
+                return Err(ApiError::invalid("stop", format!("{} stop strings; at most {STOP_STRINGS_MAX}", strings.len())));
+            }
+            strings
+        }
+        Some(other) => return Err(ApiError::invalid("stop", format!("`stop` must be a string or a list of strings, not {other}"))),
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "a stop string is empty"));
+    }
+    let stream = boolean(v, "stream")?;
+    let include_usage = match v.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(o) if stream => boolean(o, "include_usage").map_err(|_| ApiError::invalid("stream_options", "`stream_options.include_usage` must be true or false"))?,
+        Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed with `stream: true`")),
+    };
+    Ok(Common { max_tokens, sampling, stop, stream, include_usage })
+}
+
+/// Chat messages: `role` system, user or assistant; `content` a string or a list of
+/// text parts.
+pub(crate) fn messages(v: &Value) -> Result<Vec<Message>, ApiError> {
+    let list = v.get("messages").and_then(Value::as_array).ok_or_else(|| ApiError::invalid("messages", "`messages` must be a list of {role, content}"))?;
+    if list.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` is empty"));
+    }
+    list.iter()
+        .map(|m| {
+            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| ApiError::invalid("messages", "a message without a `role`"))?;
+            if !matches!(role, "system" | "user" | "assistant" | "developer") {
+                return Err(ApiError::invalid("messages", format!("role `{role}` is not supported (system, developer, user, assistant)")));
+            }
+            let content = match m.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => Ok(t),
+                        _ => Err(ApiError::unsupported("messages", "content other than text")),
+                    })
+                    .collect::<Result<Vec<&str>, ApiError>>()?
+                    .concat(),
+                _ => return Err(ApiError::invalid("messages", "a message's `content` must be a string or a list of text parts")),
+            };
+            let role = if role == "developer" { "system" } else { role };
+            Ok(Message::new(role, &content))
+        })
+        .collect()
+}
+
+/// `usage` as OpenAI reports it.
+pub(crate) fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 0}})
+}
