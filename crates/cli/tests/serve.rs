@@ -326,3 +326,42 @@ fn errors_and_api_keys() {
     assert_eq!(status, 404, "{text}");
     shape(&serde_json::from_str(&text).unwrap());
 }
+
+/// The official `openai` Python client (pinned in tools/serve/requirements.txt; scripts/test
+/// installs it and sets TESSERA_TEST_PYTHON): models, a greedy chat equal to `generate
+/// --chat` with a system message, streaming with usage, a text completion, and errors as
+/// the client's exception classes with OpenAI's param and code.
+#[test]
+fn openai_client_talks_to_the_server() {
+    let python = std::env::var("TESSERA_TEST_PYTHON").expect("TESSERA_TEST_PYTHON is not set: run scripts/test, which installs the pinned openai client");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tessera-serve-openai");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("key"), "sk-openai-test").unwrap();
+    let server = serve(&["--api-key-file", &dir.join("key").to_string_lossy()]);
+    let out = Command::new(&python).arg(repo().join("tools/serve/openai_client.py")).args([&format!("http://{}/v1", server.addr), MODEL, "sk-openai-test"]).output().unwrap();
+    assert!(out.status.success(), "the openai client failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["models"], serde_json::json!([MODEL]));
+    // The same conversation through `tessera generate --chat --system`.
+    let gen = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["generate", "--model", &smollm2().to_string_lossy(), "--system", "You are terse.", "--chat", "Name three colours.", "--max-tokens", "20", "--threads", "2", "--ctx", "1024"])
+        .output()
+        .unwrap();
+    let want = String::from_utf8(gen.stdout).unwrap();
+    let want = want.strip_suffix('\n').unwrap_or(&want);
+    assert_eq!(v["chat"]["content"].as_str().unwrap(), want, "{v}");
+    assert_eq!(v["stream"]["content"].as_str().unwrap(), want, "{v}");
+    let usage = &v["chat"]["usage"];
+    assert_eq!(usage[0].as_u64().unwrap() + usage[1].as_u64().unwrap(), usage[2].as_u64().unwrap());
+    assert_eq!(v["stream"]["usage_chunks"], serde_json::json!([[usage[0], usage[1]]]), "{v}");
+    assert_eq!(v["stream"]["empty_choices"], 1);
+    assert_eq!(v["stream"]["finish_reason"], serde_json::json!([v["chat"]["finish_reason"]]));
+    assert_eq!(v["chat"]["cached"], 0);
+    assert!(v["completion"]["text"].as_str().is_some_and(|t| !t.is_empty()), "{v}");
+    let e = &v["errors"];
+    assert_eq!(e["unknown_model"], serde_json::json!({"status": 400, "class": "BadRequestError", "param": "model", "code": "model_not_found"}));
+    assert_eq!(e["bad_temperature"]["status"], 400);
+    assert_eq!(e["bad_temperature"]["param"], "temperature");
+    assert_eq!(e["wrong_key"]["status"], 401);
+    assert_eq!(e["wrong_key"]["class"], "AuthenticationError");
+}
