@@ -35,9 +35,20 @@ impl Drop for Server {
 }
 
 fn serve(extra: &[&str]) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(["serve", "--model", &smollm2().to_string_lossy(), "--port", "0", "--threads", "2", "--ctx", "1024"])
+    serve_on(1, extra)
+}
+
+/// `tessera serve` alone (`ranks` 1) or under `tessera launch -n RANKS` (one thread each).
+fn serve_on(ranks: usize, extra: &[&str]) -> Server {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    if ranks > 1 {
+        cmd.args(["launch", "-n", &ranks.to_string(), "--"]);
+    }
+    let threads = if ranks > 1 { "1" } else { "2" };
+    let mut child = cmd
+        .args(["serve", "--model", &smollm2().to_string_lossy(), "--port", "0", "--threads", threads, "--ctx", "1024"])
         .args(extra)
+        .env_remove("TESSERA_RANK")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
@@ -166,6 +177,26 @@ fn greedy_chat_equals_generate_streamed_or_not() {
     let (status, d) = post(&server.addr, "/detokenize", &serde_json::json!({"tokens": t["tokens"]}));
     assert_eq!(status, 200);
     assert!(d["prompt"].as_str().unwrap().contains(question));
+}
+
+/// Under `tessera launch` (rank 0 serves HTTP, the others follow its step plans), TP2 and
+/// PP2 answer a greedy chat as `generate --chat` on one node does, alone and with
+/// requests beside it.
+#[test]
+fn serving_under_launch_gives_one_nodes_output() {
+    let question = "What is the capital of France?";
+    let want = generate_chat(question, 16);
+    for placement in [["--tp", "2"], ["--pp", "2"]] {
+        let server = serve_on(2, &[placement[0], placement[1], "--parallel", "3"]);
+        let (status, v) = post(&server.addr, "/v1/chat/completions", &chat(question, 16));
+        assert_eq!(status, 200, "{placement:?}: {v}");
+        assert_eq!(v["choices"][0]["message"]["content"].as_str().unwrap(), want, "{placement:?}");
+        let together: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3).map(|_| s.spawn(|| post(&server.addr, "/v1/chat/completions", &chat(question, 16)))).collect();
+            handles.into_iter().map(|h| h.join().unwrap().1["choices"][0]["message"]["content"].as_str().unwrap().to_string()).collect()
+        });
+        assert!(together.iter().all(|t| *t == want), "{placement:?}: concurrent requests {together:?}");
+    }
 }
 
 /// Concurrent greedy requests (more than the slots) each get their output alone; a
@@ -364,4 +395,60 @@ fn openai_client_talks_to_the_server() {
     assert_eq!(e["bad_temperature"]["param"], "temperature");
     assert_eq!(e["wrong_key"]["status"], 401);
     assert_eq!(e["wrong_key"]["class"], "AuthenticationError");
+}
+
+/// The pid of rank `rank` among the children of launcher `launcher` (its environment says
+/// `TESSERA_RANK=rank`).
+fn rank_pid(launcher: u32, rank: usize) -> u32 {
+    let want = format!("TESSERA_RANK={rank}");
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        let parent = status.lines().find_map(|l| l.strip_prefix("PPid:")).map(|p| p.trim().parse::<u32>().unwrap_or(0));
+        let env = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        if parent == Some(launcher) && env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()) {
+            return pid;
+        }
+    }
+    panic!("no rank {rank} under launcher {launcher}")
+}
+
+/// A rank SIGKILLed under `serve` fails the requests in flight (a stream gets one error
+/// event, then `[DONE]`; a plain request a 503) within the bound, and the server exits
+/// non-zero so a supervisor can restart it.
+#[test]
+fn a_killed_rank_fails_the_requests_in_flight_and_stops_the_server() {
+    let mut server = serve_on(2, &["--tp", "2", "--parallel", "2"]);
+    let rank1 = rank_pid(server.child.id(), 1);
+    let mut long = chat("Tell me a very long story about a dragon.", 900);
+    long["stream"] = true.into();
+    let streamed = std::thread::spawn({
+        let (addr, body) = (server.addr.clone(), long.to_string());
+        move || http(&addr, "POST", "/v1/chat/completions", &[], &body)
+    });
+    let plain = std::thread::spawn({
+        let addr = server.addr.clone();
+        move || http(&addr, "POST", "/v1/chat/completions", &[], &chat("Tell me another long story.", 900).to_string())
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed = Instant::now();
+    assert!(Command::new("kill").args(["-9", &rank1.to_string()]).status().unwrap().success());
+    let (status, _, body) = streamed.join().unwrap();
+    assert_eq!(status, 200);
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let error: serde_json::Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(error["error"]["message"].as_str().unwrap().contains("lost rank 1"), "{error}");
+    let (status, _, body) = plain.join().unwrap();
+    assert_eq!(status, 503, "{body}");
+    // The collective notices a closed connection at once; the deadline (30 s) bounds a silent one.
+    assert!(killed.elapsed() < Duration::from_secs(32), "requests failed after {:?}", killed.elapsed());
+    let exit = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(killed.elapsed() < Duration::from_secs(40), "the server is still up");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!exit.success(), "the server exits non-zero");
 }

@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -34,6 +34,8 @@ pub(crate) struct AppState {
     body_bytes_max: usize,
     metrics: Arc<Metrics>,
     seeds: Arc<AtomicU64>,
+    /// Requests whose response is still being written (see [`Open`]).
+    pub(crate) open: Arc<AtomicUsize>,
 }
 
 impl AppState {
@@ -49,6 +51,7 @@ impl AppState {
             body_bytes_max: cfg.body_bytes_max,
             metrics,
             seeds: Arc::new(AtomicU64::new(now)),
+            open: Arc::new(AtomicUsize::new(0)),
         }
     }
 }
@@ -106,6 +109,23 @@ async fn json_body(s: &AppState, body: Body) -> Result<Value, ApiError> {
         .await
         .map_err(|_| ApiError::status(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("the request body is over {} bytes (--body-bytes-max)", s.body_bytes_max)))?;
     serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid("body", format!("the body is not valid JSON: {e}")))
+}
+
+/// Counts a response being written, until dropped: after an engine failure the server
+/// waits (boundedly) for these to deliver their errors before it exits.
+struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    fn new(count: &Arc<AtomicUsize>) -> Open {
+        count.fetch_add(1, Ordering::SeqCst);
+        Open(count.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Sends a cancel for its request when dropped before the request finished (a client
@@ -217,13 +237,15 @@ impl Output {
 
 async fn generate(s: AppState, prompt: Vec<u32>, c: Common, kind: Kind, prompt_param: &'static str) -> Result<Response, ApiError> {
     let prompt_tokens = prompt.len();
+    let open = Open::new(&s.open);
     let (replies, guard) = submit(&s, prompt, &c, prompt_param).await?;
     let out = Output { text: TextStream::new(), stops: StopMatcher::new(c.stop.clone()), tokens: 0 };
     let meta = Meta { id: format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, guard.id), created: unix_secs(), model: s.model_name.to_string(), kind, prompt_tokens };
     if c.stream {
-        return Ok(stream(s, replies, guard, out, meta, c.include_usage));
+        return Ok(stream(s, replies, guard, out, meta, c.include_usage, open));
     }
     let (text, reason, completion_tokens) = collect(&s, replies, guard, out).await?;
+    drop(open);
     let choice = match kind {
         Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason}),
         Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason}),
@@ -308,9 +330,10 @@ impl Meta {
 /// no choices, then `[DONE]`; an error midway is one error event, then `[DONE]`. A task
 /// turns the engine's replies into events; the response streams them. A client that
 /// goes away drops the stream, the task's next send fails, and its guard cancels.
-fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelOnDrop, mut out: Output, meta: Meta, include_usage: bool) -> Response {
+fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelOnDrop, mut out: Output, meta: Meta, include_usage: bool, open: Open) -> Response {
     let (events, mut events_rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
     tokio::spawn(async move {
+        let _open = open;
         let send = |e: SseEvent| {
             let events = events.clone();
             async move { events.send(e).await.is_ok() }

@@ -34,6 +34,9 @@ pub struct ServeConfig {
     pub commands_max: usize,
 }
 
+/// How long a failed server waits for its responses in flight to deliver their errors.
+const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Serves until the engine fails (its error returned) or the process is stopped. Prints
 /// `listening on http://ADDR` to stderr once the port is bound.
 pub fn run(cfg: ServeConfig, stepper: &mut dyn Stepper, tok: Tokenizer, template: Option<ChatTemplate>) -> Result<(), String> {
@@ -43,6 +46,7 @@ pub fn run(cfg: ServeConfig, stepper: &mut dyn Stepper, tok: Tokenizer, template
     let metrics = Arc::new(metrics::Metrics::new());
     let (commands, receiver) = std::sync::mpsc::sync_channel(cfg.commands_max);
     let state = http::AppState::new(&cfg, commands, Arc::new(tok), template.map(Arc::new), stepper.capacity(), metrics.clone());
+    let open = state.open.clone();
     let stop_ids = state.tok.stop.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_io().enable_time().thread_name("tessera-http").build().map_err(|e| format!("starting the HTTP runtime: {e}"))?;
     let server = runtime.spawn(async move {
@@ -51,6 +55,12 @@ pub fn run(cfg: ServeConfig, stepper: &mut dyn Stepper, tok: Tokenizer, template
     });
     eprintln!("tessera serve: listening on http://{bound}");
     let result = engine::run(stepper, cfg.queue, &stop_ids, receiver, metrics).map_err(|e| format!("engine failed: {e}"));
+    // Every request in flight was told; let their responses reach the clients.
+    let t0 = std::time::Instant::now();
+    while open.load(std::sync::atomic::Ordering::SeqCst) > 0 && t0.elapsed() < FLUSH_WAIT {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
     server.abort();
     runtime.shutdown_timeout(std::time::Duration::from_secs(2));
     result
