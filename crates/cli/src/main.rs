@@ -459,6 +459,7 @@ fn sampling_of(a: &GenerateArgs) -> SamplingParams {
         presence_penalty: a.presence_penalty,
         penalty_window: a.penalty_window,
         seed: a.seed,
+        ..SamplingParams::default()
     }
 }
 

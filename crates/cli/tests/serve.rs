@@ -199,18 +199,42 @@ fn serving_under_launch_gives_one_nodes_output() {
     }
 }
 
-/// Concurrent greedy requests (more than the slots) each get their output alone; a
-/// stop string across tokens ends the text before it with finish_reason `stop`.
+/// 32 concurrent greedy requests (four times the slots) each get their output alone; a
+/// seeded sample is the same alone and with 8 other requests running; a stop string
+/// across tokens ends the text before it with finish_reason `stop`.
 #[test]
-fn concurrent_requests_and_stop_strings() {
-    let server = serve(&["--parallel", "3"]);
-    let questions: Vec<String> = (0..6).map(|i| format!("Write a short sentence about the number {i}.")).collect();
+fn concurrent_requests_seeds_and_stop_strings() {
+    let server = serve(&["--parallel", "8"]);
+    let questions: Vec<String> = (0..32).map(|i| format!("Write a short sentence about the number {i}.")).collect();
     let alone: Vec<String> = questions.iter().map(|q| post(&server.addr, "/v1/chat/completions", &chat(q, 16)).1["choices"][0]["message"]["content"].as_str().unwrap().to_string()).collect();
     let together: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = questions.iter().map(|q| s.spawn(|| post(&server.addr, "/v1/chat/completions", &chat(q, 16)))).collect();
         handles.into_iter().map(|h| h.join().unwrap().1["choices"][0]["message"]["content"].as_str().unwrap().to_string()).collect()
     });
     assert_eq!(together, alone, "concurrent requests differ from each alone");
+
+    let mut sampled = chat("Invent a name for a cat.", 16);
+    sampled["temperature"] = 0.9.into();
+    sampled["seed"] = 1234.into();
+    let by_itself = post(&server.addr, "/v1/chat/completions", &sampled).1;
+    let beside = std::thread::scope(|s| {
+        let others: Vec<_> = questions[..8].iter().map(|q| s.spawn(|| post(&server.addr, "/v1/chat/completions", &chat(q, 24)))).collect();
+        let mine = s.spawn(|| post(&server.addr, "/v1/chat/completions", &sampled));
+        others.into_iter().for_each(|h| assert_eq!(h.join().unwrap().0, 200));
+        mine.join().unwrap().1
+    });
+    assert_eq!(beside["choices"][0]["message"]["content"], by_itself["choices"][0]["message"]["content"], "a seeded sample with 8 others running");
+    // A logit bias of +100 on one token: every token is that one.
+    let (_, t) = post(&server.addr, "/tokenize", &serde_json::json!({"prompt": " banana", "add_special_tokens": false}));
+    let banana = t["tokens"][0].as_u64().unwrap();
+    let mut biased = chat("Say something.", 5);
+    biased["logit_bias"] = serde_json::json!({banana.to_string(): 100});
+    let v = post(&server.addr, "/v1/chat/completions", &biased).1;
+    let (_, d) = post(&server.addr, "/detokenize", &serde_json::json!({"tokens": [banana, banana, banana, banana, banana]}));
+    assert_eq!(v["choices"][0]["message"]["content"], d["prompt"], "{v}");
+    sampled["seed"] = 99.into();
+    let other_seed = post(&server.addr, "/v1/chat/completions", &sampled).1;
+    assert_ne!(other_seed["choices"][0]["message"]["content"], by_itself["choices"][0]["message"]["content"], "another seed, another sample");
 
     // A stop string in the middle of a known output, spanning tokens.
     let full = &alone[0];
@@ -330,6 +354,9 @@ fn errors_and_api_keys() {
         (with(&|v| v["temperature"] = 3.into()), 400, Some("temperature"), None),
         (with(&|v| v["n"] = 2.into()), 400, Some("n"), None),
         (with(&|v| v["logprobs"] = true.into()), 400, Some("logprobs"), None),
+        (with(&|v| v["logit_bias"] = serde_json::json!({"99999999": 5})), 400, Some("logit_bias"), None),
+        (with(&|v| v["logit_bias"] = serde_json::json!({"5": 500})), 400, Some("logit_bias"), None),
+        (with(&|v| v["frequency_penalty"] = 3.into()), 400, Some("frequency_penalty"), None),
         (with(&|v| v["stop"] = serde_json::json!(["a", "b", "c", "d", "e"])), 400, Some("stop"), None),
         (with(&|v| v["max_tokens"] = 5000.into()), 400, Some("max_tokens"), Some("context_length_exceeded")),
         (with(&|v| v["messages"] = serde_json::json!([])), 400, Some("messages"), None),

@@ -1,7 +1,7 @@
-//! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition and presence
-//! penalties, seeded so the same seed gives the same text.
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition, presence and
+//! frequency penalties, logit bias, seeded so the same seed gives the same text.
 //!
-//! Order (as llama.cpp's default chain): penalties → top-k → temperature softmax →
+//! Order (as llama.cpp's default chain): logit bias → penalties → top-k → temperature softmax →
 //! top-p → min-p → draw. Temperature 0 is greedy (argmax after penalties). The draw
 //! walks the candidates best first where top-k or top-p chose them, else in token order
 //! (the same distribution, without sorting the vocabulary).
@@ -10,6 +10,10 @@ use tessera_kernels::{ops, Isa};
 
 /// Bound on the penalty window, so a penalty pass stays O(window).
 pub const PENALTY_WINDOW_MAX: usize = 4096;
+
+/// Tokens a logit bias may name (OpenAI's limit), each biased within ±`LOGIT_BIAS_MAX`.
+pub const LOGIT_BIAS_TOKENS_MAX: usize = 300;
+pub const LOGIT_BIAS_MAX: f32 = 100.0;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -25,6 +29,10 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// 0 = off: subtracted from logits of recent tokens.
     pub presence_penalty: f32,
+    /// 0 = off: subtracted from logits of recent tokens once per occurrence.
+    pub frequency_penalty: f32,
+    /// Added to those tokens' logits before anything else.
+    pub logit_bias: Vec<(u32, f32)>,
     /// Recent tokens the penalties look at.
     pub penalty_window: usize,
     pub seed: u64,
@@ -39,6 +47,8 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             penalty_window: 64,
             seed: 0,
         }
@@ -70,6 +80,15 @@ impl SamplingParams {
         }
         if !self.presence_penalty.is_finite() {
             return bad("presence_penalty", self.presence_penalty.to_string(), "a finite number");
+        }
+        if !self.frequency_penalty.is_finite() {
+            return bad("frequency_penalty", self.frequency_penalty.to_string(), "a finite number");
+        }
+        if self.logit_bias.len() > LOGIT_BIAS_TOKENS_MAX {
+            return bad("logit_bias", format!("{} tokens", self.logit_bias.len()), "at most 300 tokens");
+        }
+        if let Some(&(t, b)) = self.logit_bias.iter().find(|(_, b)| !(b.abs() <= LOGIT_BIAS_MAX)) {
+            return bad("logit_bias", format!("{b} for token {t}"), "within -100..=100");
         }
         if self.penalty_window > PENALTY_WINDOW_MAX {
             return bad("penalty_window", self.penalty_window.to_string(), "at most 4096");
@@ -125,6 +144,9 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(params: SamplingParams, vocab: usize) -> Result<Sampler, SamplingError> {
         params.validate()?;
+        if let Some(&(t, _)) = params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            return Err(SamplingError::Invalid { name: "logit_bias", value: format!("token {t}"), expected: "a token id inside the vocabulary" });
+        }
         Ok(Sampler {
             rng: Rng::new(params.seed),
             params,
@@ -150,22 +172,26 @@ impl Sampler {
             return Err(SamplingError::NaN { index });
         }
         let p = &self.params;
-        if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 {
+        for &(t, b) in &p.logit_bias {
+            logits[t as usize] += b;
+        }
+        let penalised = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        if penalised {
             let window = &history[history.len().saturating_sub(p.penalty_window)..];
             self.seen.clear();
             self.seen.extend_from_slice(window);
             self.seen.sort_unstable();
-            self.seen.dedup();
-            for &t in &self.seen {
-                if let Some(l) = logits.get_mut(t as usize) {
+            // Each distinct token once, with its count in the window.
+            for run in self.seen.chunk_by(|a, b| a == b) {
+                if let Some(l) = logits.get_mut(run[0] as usize) {
                     *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
-                    *l -= p.presence_penalty;
+                    *l -= p.presence_penalty + p.frequency_penalty * run.len() as f32;
                 }
             }
         }
+        // The bias and penalties may have moved the maximum: find it again then.
+        let max = if penalised || !p.logit_bias.is_empty() { max_and_nan(logits).0 } else { max };
         if p.temperature == 0.0 {
-            // The penalties may have lowered the maximum: find it again then.
-            let max = if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 { max_and_nan(logits).0 } else { max };
             return Ok(logits.iter().position(|&v| v == max).unwrap_or(0) as u32);
         }
         let inv_t = 1.0 / p.temperature;
@@ -363,6 +389,51 @@ mod tests {
             h[s.sample(&mut l, &[]).unwrap() as usize] += 1;
         }
         h
+    }
+
+    /// Logit bias and the three penalties against a naive computation: each distinct
+    /// recent token divided (or multiplied) by the repetition penalty once, less the
+    /// presence penalty once and the frequency penalty per occurrence, after the bias;
+    /// greedy takes the naive argmax, and a temperature draw never takes a token the bias
+    /// pushed to -100 below the rest.
+    #[test]
+    fn bias_and_penalties_match_a_naive_reference() {
+        let mut rng = Rng::new(9);
+        for round in 0..200 {
+            let n = 40;
+            let logits: Vec<f32> = (0..n).map(|_| (rng.unit() * 6.0 - 3.0) as f32).collect();
+            let history: Vec<u32> = (0..30).map(|_| (rng.next_u64() % n as u64) as u32).collect();
+            let bias: Vec<(u32, f32)> = (0..3).map(|_| ((rng.next_u64() % n as u64) as u32, (rng.unit() * 4.0 - 2.0) as f32)).collect();
+            let p = SamplingParams {
+                repetition_penalty: 1.0 + (round % 3) as f32 * 0.2,
+                presence_penalty: (round % 2) as f32 * 0.5,
+                frequency_penalty: ((round / 2) % 3) as f32 * 0.3,
+                logit_bias: bias.clone(),
+                penalty_window: 20,
+                ..SamplingParams::default()
+            };
+            let mut want = logits.clone();
+            for &(t, b) in &bias {
+                want[t as usize] += b;
+            }
+            let window = &history[history.len() - 20..];
+            for t in 0..n as u32 {
+                let count = window.iter().filter(|&&h| h == t).count();
+                if count > 0 {
+                    let l = &mut want[t as usize];
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                    *l -= p.presence_penalty + p.frequency_penalty * count as f32;
+                }
+            }
+            let argmax = (0..n).fold(0, |b, i| if want[i] > want[b] { i } else { b }) as u32;
+            let mut s = Sampler::new(p.clone(), n).unwrap();
+            assert_eq!(s.sample(&mut logits.clone(), &history).unwrap(), argmax, "round {round}");
+        }
+        let banned = SamplingParams { temperature: 1.0, logit_bias: vec![(1, -100.0)], ..SamplingParams::default() };
+        assert_eq!(histogram(banned, &[1.0, 1.0, 1.0], 2000)[1], 0);
+        assert!(Sampler::new(SamplingParams { logit_bias: vec![(7, 1.0)], ..SamplingParams::default() }, 5).is_err(), "a bias outside the vocabulary");
+        assert!(SamplingParams { logit_bias: vec![(0, 101.0)], ..SamplingParams::default() }.validate().is_err());
+        assert!(SamplingParams { frequency_penalty: f32::NAN, ..SamplingParams::default() }.validate().is_err());
     }
 
     #[test]

@@ -31,6 +31,7 @@ pub(crate) struct AppState {
     model_name: Arc<str>,
     api_key: Option<Arc<str>>,
     context: usize,
+    vocab: usize,
     body_bytes_max: usize,
     metrics: Arc<Metrics>,
     seeds: Arc<AtomicU64>,
@@ -39,7 +40,7 @@ pub(crate) struct AppState {
 }
 
 impl AppState {
-    pub(crate) fn new(cfg: &ServeConfig, commands: SyncSender<Command>, tok: Arc<Tokenizer>, template: Option<Arc<ChatTemplate>>, context: usize, metrics: Arc<Metrics>) -> AppState {
+    pub(crate) fn new(cfg: &ServeConfig, commands: SyncSender<Command>, tok: Arc<Tokenizer>, template: Option<Arc<ChatTemplate>>, (context, vocab): (usize, usize), metrics: Arc<Metrics>) -> AppState {
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         AppState {
             commands,
@@ -48,6 +49,7 @@ impl AppState {
             model_name: cfg.model_name.as_str().into(),
             api_key: cfg.api_key.as_deref().map(Into::into),
             context,
+            vocab,
             body_bytes_max: cfg.body_bytes_max,
             metrics,
             seeds: Arc::new(AtomicU64::new(now)),
@@ -153,6 +155,12 @@ impl Drop for CancelOnDrop {
 
 /// Hands `prompt` to the engine and waits for admission.
 async fn submit(s: &AppState, prompt: Vec<u32>, c: &Common, prompt_param: &'static str) -> Result<(UnboundedReceiver<Reply>, CancelOnDrop), ApiError> {
+    if let Some(&(t, _)) = c.sampling.logit_bias.iter().find(|(t, _)| *t as usize >= s.vocab) {
+        return Err(ApiError::invalid("logit_bias", format!("token {t} is outside the vocabulary of {}", s.vocab)));
+    }
+    if let Some(&t) = prompt.iter().find(|&&t| t as usize >= s.vocab) {
+        return Err(ApiError::invalid(prompt_param, format!("token {t} is outside the vocabulary of {}", s.vocab)));
+    }
     if prompt.len() >= s.context {
         return Err(ApiError::invalid(prompt_param, format!("the prompt is {} tokens; this server's context is {} (--ctx)", prompt.len(), s.context)).with_code("context_length_exceeded"));
     }

@@ -45,7 +45,7 @@ pub fn run(cfg: ServeConfig, stepper: &mut dyn Stepper, tok: Tokenizer, template
     let bound = listener.local_addr().map_err(|e| e.to_string())?;
     let metrics = Arc::new(metrics::Metrics::new());
     let (commands, receiver) = std::sync::mpsc::sync_channel(cfg.commands_max);
-    let state = http::AppState::new(&cfg, commands, Arc::new(tok), template.map(Arc::new), stepper.capacity(), metrics.clone());
+    let state = http::AppState::new(&cfg, commands, Arc::new(tok), template.map(Arc::new), (stepper.capacity(), stepper.vocab()), metrics.clone());
     let open = state.open.clone();
     let stop_ids = state.tok.stop.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_io().enable_time().thread_name("tessera-http").build().map_err(|e| format!("starting the HTTP runtime: {e}"))?;

@@ -119,9 +119,17 @@ pub(crate) fn common(v: &Value, model: &str, seed_default: u64) -> Result<Common
     if boolean(v, "logprobs")? || v.get("top_logprobs").is_some_and(|x| !x.is_null()) {
         return Err(ApiError::unsupported("logprobs", "log probabilities"));
     }
-    if v.get("logit_bias").is_some_and(|b| b.as_object().is_some_and(|o| !o.is_empty())) {
-        return Err(ApiError::unsupported("logit_bias", "logit bias"));
-    }
+    let logit_bias = match v.get("logit_bias") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Object(o)) => o
+            .iter()
+            .map(|(t, b)| match (t.parse::<u32>(), b.as_f64()) {
+                (Ok(t), Some(b)) if b.abs() <= 100.0 => Ok((t, b as f32)),
+                _ => Err(ApiError::invalid("logit_bias", format!("`logit_bias` maps token ids to numbers within -100..=100; not {t}: {b}"))),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(other) => return Err(ApiError::invalid("logit_bias", format!("`logit_bias` must be an object of token id → bias, not {other}"))),
+    };
     if v.get("tools").is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty())) {
         return Err(ApiError::unsupported("tools", "tool calls"));
     }
@@ -130,15 +138,17 @@ pub(crate) fn common(v: &Value, model: &str, seed_default: u64) -> Result<Common
             return Err(ApiError::unsupported("response_format", "structured output"));
         }
     }
-    if number(v, "frequency_penalty", -2.0..=2.0)?.is_some_and(|x| x != 0.0) {
-        return Err(ApiError::unsupported("frequency_penalty", "a frequency penalty"));
-    }
     let mut sampling = SamplingParams {
         // OpenAI's default temperature is 1.
         temperature: number(v, "temperature", 0.0..=2.0)?.unwrap_or(1.0) as f32,
         top_p: number(v, "top_p", 0.0..=1.0)?.unwrap_or(1.0) as f32,
         min_p: number(v, "min_p", 0.0..=1.0)?.unwrap_or(0.0) as f32,
         presence_penalty: number(v, "presence_penalty", -2.0..=2.0)?.unwrap_or(0.0) as f32,
+        frequency_penalty: number(v, "frequency_penalty", -2.0..=2.0)?.unwrap_or(0.0) as f32,
+        logit_bias,
+        // The penalties look at the whole text so far (prompt and output), as far as the
+        // sampler's window reaches.
+        penalty_window: tessera_engine::sampling::PENALTY_WINDOW_MAX,
         repetition_penalty: number(v, "repetition_penalty", 0.01..=10.0)?.unwrap_or(1.0) as f32,
         top_k: integer(v, "top_k", 0)?.unwrap_or(0) as usize,
         seed: integer(v, "seed", 0)?.unwrap_or(seed_default),
