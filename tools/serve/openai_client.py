@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """The official `openai` client against a running `tessera serve` (crates/cli/tests/serve.rs runs
-this): prints one JSON object of what it saw, which the Rust test checks.
+this), and /metrics through prometheus_client's parser: prints one JSON object of what it saw,
+which the Rust test checks.
 
   python tools/serve/openai_client.py BASE_URL MODEL API_KEY
 """
 import json
 import sys
 
+import urllib.request
+
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 base, model, key = sys.argv[1:4]
 client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=120)
@@ -43,4 +47,9 @@ for name, call in [
         body = e.body if isinstance(e.body, dict) else {}
         errors[name] = {"status": e.status_code, "class": type(e).__name__, "param": body.get("param"), "code": body.get("code")}
 out["errors"] = errors
+
+text = urllib.request.urlopen(base.removesuffix("/v1") + "/metrics").read().decode()
+families = {f.name: {"type": f.type, "samples": {s.name + json.dumps(s.labels, sort_keys=True): s.value for s in f.samples}}
+            for f in text_string_to_metric_families(text)}
+out["metrics"] = families
 print(json.dumps(out))

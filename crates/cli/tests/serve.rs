@@ -308,6 +308,13 @@ fn queue_bound_cancellation_and_metrics() {
     assert_eq!(metric("tessera:num_requests_waiting"), 0.0);
     assert!(metric("tessera:generation_tokens_total") >= 9.0);
     assert!(metric("tessera:request_refused_total") >= 1.0);
+    // The latency histograms saw the two finished requests (B's 8 tokens: 7 gaps), and B
+    // waited in the queue for a while.
+    assert!(metric("tessera:time_to_first_token_seconds_count") >= 2.0);
+    assert!(metric("tessera:inter_token_latency_seconds_count") >= 7.0);
+    assert!(metric("tessera:e2e_request_latency_seconds_count") >= 2.0);
+    assert!(metric("tessera:request_queue_time_seconds_sum") > 0.0);
+    assert_eq!(metric("tessera:kv_cache_usage_perc"), 0.0, "nothing cached once all ended");
     // Every line is a comment or `name{labels} value` (Prometheus' text format).
     let (_, _, m) = http(&server.addr, "GET", "/metrics", &[], "");
     for l in m.lines().filter(|l| !l.starts_with('#')) {
@@ -422,6 +429,15 @@ fn openai_client_talks_to_the_server() {
     assert_eq!(e["bad_temperature"]["param"], "temperature");
     assert_eq!(e["wrong_key"]["status"], 401);
     assert_eq!(e["wrong_key"]["class"], "AuthenticationError");
+    // /metrics through Prometheus' own parser: the families and their types.
+    let m = &v["metrics"];
+    for (family, kind) in [("tessera:prompt_tokens", "counter"), ("tessera:generation_tokens", "counter"), ("tessera:num_requests_running", "gauge"), ("tessera:time_to_first_token_seconds", "histogram"), ("tessera:e2e_request_latency_seconds", "histogram")] {
+        assert_eq!(m[family]["type"], kind, "{family}: {m}");
+    }
+    // Three generations finished (chat, stream, completion): 20 + 20 + 8 tokens at most.
+    let generated = m["tessera:generation_tokens"]["samples"]["tessera:generation_tokens_total{}"].as_f64().unwrap();
+    assert!((3.0..=48.0).contains(&generated), "{generated}");
+    assert_eq!(m["tessera:e2e_request_latency_seconds"]["samples"]["tessera:e2e_request_latency_seconds_count{}"], 3.0);
 }
 
 /// The pid of rank `rank` among the children of launcher `launcher` (its environment says

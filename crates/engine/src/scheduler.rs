@@ -197,6 +197,11 @@ impl Scheduler {
         (self.waiting.len(), self.slots.iter().flatten().count())
     }
 
+    /// Tokens the running requests' KV slots hold (prompt prefilled so far and generated).
+    pub fn tokens_cached(&self) -> usize {
+        self.slots.iter().flatten().map(|s| s.prefilled + s.generated).sum()
+    }
+
     /// Nothing waiting, running or in flight.
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.finished_waiting.is_empty() && self.in_flight.is_empty() && self.slots.iter().all(Option::is_none)

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tessera_engine::{Completion, EngineError, Event, QueueLimits, Refusal, Request, RequestId, Scheduler, Stepper, StopReason};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -30,6 +30,14 @@ pub(crate) enum Reply {
     Failed(String),
 }
 
+/// A request's reply channel and its clock.
+struct Live {
+    reply: UnboundedSender<Reply>,
+    admitted: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
 /// How long an idle engine waits for a command before looking again (shutdown checks).
 const IDLE_POLL: Duration = Duration::from_millis(100);
 
@@ -37,7 +45,8 @@ const IDLE_POLL: Duration = Duration::from_millis(100);
 /// every request in flight gets `Failed`, readiness drops, and the error is returned.
 pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u32], commands: Receiver<Command>, metrics: Arc<Metrics>) -> Result<(), EngineError> {
     let mut sched = Scheduler::new(stepper, limits, stop_ids);
-    let mut replies: HashMap<RequestId, UnboundedSender<Reply>> = HashMap::new();
+    let mut replies: HashMap<RequestId, Live> = HashMap::new();
+    metrics.kv_tokens_max.store((stepper.sequences_max() * stepper.capacity()) as u64, Ordering::Relaxed);
     let mut events = Vec::new();
     let mut next_id: RequestId = 0;
     loop {
@@ -61,7 +70,7 @@ pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u3
                         Ok(()) => {
                             metrics.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
                             if reply.send(Reply::Admitted(id)).is_ok() {
-                                replies.insert(id, reply);
+                                replies.insert(id, Live { reply, admitted: Instant::now(), first_token: None, last_token: None });
                             } else {
                                 sched.cancel(id);
                             }
@@ -78,8 +87,8 @@ pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u3
         }
         if let Err(e) = sched.step(stepper, &mut events) {
             metrics.ready.store(false, Ordering::Relaxed);
-            for (_, reply) in replies.drain() {
-                let _ = reply.send(Reply::Failed(e.to_string()));
+            for (_, live) in replies.drain() {
+                let _ = live.reply.send(Reply::Failed(e.to_string()));
             }
             return Err(e);
         }
@@ -87,19 +96,40 @@ pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u3
             match event {
                 Event::Token { id, token, .. } => {
                     metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
+                    let now = Instant::now();
                     // A client that is gone cancels its request at the next step.
-                    if replies.get(&id).is_none_or(|r| r.send(Reply::Token(token)).is_err()) {
+                    let Some(live) = replies.get_mut(&id) else {
+                        sched.cancel(id);
+                        continue;
+                    };
+                    match live.last_token.replace(now) {
+                        None => {
+                            live.first_token = Some(now);
+                            metrics.ttft.observe((now - live.admitted).as_secs_f64());
+                        }
+                        Some(t) => metrics.inter_token.observe((now - t).as_secs_f64()),
+                    }
+                    if live.reply.send(Reply::Token(token)).is_err() {
                         sched.cancel(id);
                     }
                 }
                 Event::Done { id, completion } => {
                     metrics.finished(completion.reason);
-                    if let Some(reply) = replies.remove(&id) {
-                        let _ = reply.send(Reply::Done(completion));
+                    if let Some(live) = replies.remove(&id) {
+                        let e2e = live.admitted.elapsed().as_secs_f64();
+                        metrics.e2e.observe(e2e);
+                        // The slot's clock started when the request took it: the wait
+                        // is the time to the first token less the slot's part of it.
+                        if let Some(first) = live.first_token {
+                            let to_first = (first - live.admitted).as_secs_f64();
+                            metrics.queue_time.observe((to_first - completion.stats.time_to_first_token_secs).max(0.0));
+                        }
+                        let _ = live.reply.send(Reply::Done(completion));
                     }
                 }
             }
         }
+        metrics.kv_tokens.store(sched.tokens_cached() as u64, Ordering::Relaxed);
         let (waiting, running) = sched.counts();
         metrics.waiting.store(waiting as u64, Ordering::Relaxed);
         metrics.running.store(running as u64, Ordering::Relaxed);

@@ -6,6 +6,41 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use tessera_engine::StopReason;
 
+/// Upper bounds (seconds) of the latency histograms' buckets, as vLLM's TTFT buckets.
+const BUCKETS_SECS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0];
+
+/// A Prometheus histogram: cumulative-on-render bucket counts, the sum and the count.
+#[derive(Default)]
+pub(crate) struct Histogram {
+    buckets: [AtomicU64; BUCKETS_SECS.len()],
+    /// f64 bits of the sum of observations.
+    sum: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    pub(crate) fn observe(&self, secs: f64) {
+        if let Some(i) = BUCKETS_SECS.iter().position(|&b| secs <= b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = self.sum.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| Some((f64::from_bits(bits) + secs).to_bits()));
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP tessera:{name} {help}\n# TYPE tessera:{name} histogram");
+        let mut cumulative = 0;
+        for (b, n) in BUCKETS_SECS.iter().zip(&self.buckets) {
+            cumulative += n.load(Ordering::Relaxed);
+            let _ = writeln!(out, "tessera:{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "tessera:{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "tessera:{name}_sum {}", f64::from_bits(self.sum.load(Ordering::Relaxed)));
+        let _ = writeln!(out, "tessera:{name}_count {count}");
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Metrics {
     pub(crate) prompt_tokens: AtomicU64,
@@ -18,6 +53,14 @@ pub(crate) struct Metrics {
     pub(crate) refused: AtomicU64,
     /// Cleared when the engine fails: `/ready` answers 503 from then on.
     pub(crate) ready: AtomicBool,
+    /// Tokens cached in the KV slots, and what the slots hold at most.
+    pub(crate) kv_tokens: AtomicU64,
+    pub(crate) kv_tokens_max: AtomicU64,
+    /// From admission to the first token; between tokens; admission to the end; waiting for a slot.
+    pub(crate) ttft: Histogram,
+    pub(crate) inter_token: Histogram,
+    pub(crate) e2e: Histogram,
+    pub(crate) queue_time: Histogram,
 }
 
 const REASONS: [&str; 3] = ["stop", "length", "abort"];
@@ -52,6 +95,12 @@ impl Metrics {
         let finished: Vec<(String, u64)> = REASONS.iter().zip(&self.finished).map(|(r, a)| (format!("{{finished_reason=\"{r}\"}}"), get(a))).collect();
         metric("request_success_total", "counter", "Finished requests by reason.", &finished);
         metric("request_refused_total", "counter", "Requests refused at admission (a limit, or invalid).", &[(String::new(), get(&self.refused))]);
+        let usage = get(&self.kv_tokens) as f64 / get(&self.kv_tokens_max).max(1) as f64;
+        let _ = writeln!(out, "# HELP tessera:kv_cache_usage_perc Share of the KV slots' token capacity in use (1 = full).\n# TYPE tessera:kv_cache_usage_perc gauge\ntessera:kv_cache_usage_perc {usage}");
+        self.ttft.render(&mut out, "time_to_first_token_seconds", "From admission to the first generated token.");
+        self.inter_token.render(&mut out, "inter_token_latency_seconds", "Between consecutive generated tokens of a request.");
+        self.e2e.render(&mut out, "e2e_request_latency_seconds", "From admission to the end of a request.");
+        self.queue_time.render(&mut out, "request_queue_time_seconds", "Waiting for a KV slot.");
         out
     }
 }
