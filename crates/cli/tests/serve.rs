@@ -495,3 +495,31 @@ fn a_killed_rank_fails_the_requests_in_flight_and_stops_the_server() {
     };
     assert!(!exit.success(), "the server exits non-zero");
 }
+
+/// A client that disconnects while its long prompt is still being prefilled (in chunks
+/// of 16 tokens) cancels it there: it never produces a token, and the request behind it
+/// runs.
+#[test]
+fn a_client_gone_during_prefill_cancels_its_request() {
+    let server = serve(&["--parallel", "1", "--prefill-chunk", "16"]);
+    let mut long = chat(&"word ".repeat(850), 100);
+    long["stream"] = true.into();
+    let body = long.to_string();
+    let mut a = TcpStream::connect(&server.addr).unwrap();
+    write!(a, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut reader = BufReader::new(a.try_clone().unwrap());
+    let mut line = String::new();
+    while !line.contains("\"role\"") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    drop(reader);
+    a.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(a);
+    let (status, v) = post(&server.addr, "/v1/chat/completions", &chat("Say hi.", 8));
+    assert_eq!(status, 200, "{v}");
+    let (_, _, m) = http(&server.addr, "GET", "/metrics", &[], "");
+    let metric = |name: &str| -> f64 { m.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).unwrap().parse().unwrap() };
+    assert_eq!(metric("tessera:generation_tokens_total"), 8.0, "the cancelled prompt produced tokens:\n{m}");
+    assert_eq!(metric("tessera:request_success_total{finished_reason=\"abort\"}"), 1.0, "{m}");
+}

@@ -350,7 +350,13 @@ fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelO
             return;
         }
         let reason = loop {
-            match replies.recv().await {
+            // A client gone while nothing is written (waiting, in prefill) drops the
+            // response body: stop waiting then, and the guard cancels.
+            let reply = tokio::select! {
+                r = replies.recv() => r,
+                _ = events.closed() => return,
+            };
+            match reply {
                 Some(Reply::Token(t)) => match out.push(&s.tok, t) {
                     Ok((piece, stopped)) => {
                         if !piece.is_empty() && !send(meta.chunk(Some(&piece), false, None)).await {

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""`tessera serve` against llama.cpp's `llama-server` under concurrent clients (issue 23).
+
+For each round and client count, each server in turn (interleaved: the host is noisy) is started on
+the same GGUF with the same threads and as many slots as clients (llama-server `-np`, continuous
+batching on; tessera `--parallel`), warmed with one request, then every client sends one streamed
+`/v1/completions` request at once (greedy, a counting prompt that does not stop early). Reported:
+aggregate generated tok/s (all completion tokens over the wall time from the first request to the
+last token), and time to first token and inter-token latency p50 / p99 (from the SSE chunks'
+arrival; one chunk per token on both servers).
+
+  tools/bench/build_llama_server.sh /work/llama-bin
+  python tools/bench/serve_bench.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      --llama-server /work/llama-bin/llama-server --clients 1,4,16,32 --rounds 2
+"""
+
+import argparse
+import http.client
+import json
+import os
+import re
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+
+
+def start(cmd, env=None, pattern=None, port=None):
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    if pattern:
+        for line in p.stderr:
+            m = re.search(pattern, line)
+            if m:
+                threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()
+                return p, int(m.group(1))
+        raise SystemExit(f"{cmd[0]} exited before listening")
+    threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()
+    while time.time() < deadline:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return p, port
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{cmd[0]} never became healthy")
+
+
+def one_request(port, model, tokens, out, i):
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    arrivals, n = [], 0
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        d = json.loads(line[6:])
+        if d.get("usage"):
+            n = d["usage"]["completion_tokens"]
+        if d.get("choices") and d["choices"][0].get("text"):
+            arrivals.append(time.perf_counter())
+    out[i] = (t0, arrivals, n or len(arrivals))
+
+
+def run_clients(port, model, clients, tokens):
+    out = [None] * clients
+    threads = [threading.Thread(target=one_request, args=(port, model, tokens, out, i)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    start = min(o[0] for o in out)
+    end = max(o[1][-1] for o in out if o[1])
+    total = sum(o[2] for o in out)
+    ttft = [o[1][0] - o[0] for o in out if o[1]]
+    itl = [b - a for o in out for a, b in zip(o[1], o[1][1:])]
+    return total / (end - start), ttft, itl
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--tessera", default=str(REPO / "target/release/tessera"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clients", default="1,4,16,32")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    name = Path(a.model).name
+    ctx = 256
+    results = {}
+    for rnd in range(a.rounds):
+        for clients in [int(c) for c in a.clients.split(",")]:
+            for engine in ["tessera", "llama-server"]:
+                if engine == "tessera":
+                    cmd = [a.tessera, "serve", "--model", a.model, "--port", "0", "--threads", str(a.threads), "--ctx", str(ctx),
+                           "--parallel", str(clients), "--queue-max", "64"]
+                    p, port = start(cmd, pattern=r"listening on http://[0-9.]+:(\d+)")
+                else:
+                    port = 18000 + rnd * 100 + clients
+                    env = dict(os.environ, LD_LIBRARY_PATH=str(Path(a.llama_server).parent))
+                    cmd = [a.llama_server, "-m", a.model, "--port", str(port), "-t", str(a.threads), "-tb", str(a.threads),
+                           "-np", str(clients), "-c", str(ctx * clients), "-cb", "--alias", name, "--log-disable"]
+                    p, port = start(cmd, env=env, port=port)
+                try:
+                    run_clients(port, name, 1, 8)  # warm-up
+                    rate, ttft, itl = run_clients(port, name, clients, a.tokens)
+                finally:
+                    p.terminate()
+                    p.wait()
+                results.setdefault((clients, engine), []).append((rate, ttft, itl))
+                print(f"round {rnd + 1}, {clients} clients, {engine}: {rate:.1f} tok/s, TTFT p50 {pct(ttft, .5):.0f} ms "
+                      f"p99 {pct(ttft, .99):.0f} ms, ITL p50 {pct(itl, .5):.1f} ms p99 {pct(itl, .99):.1f} ms", flush=True)
+    print("\n| clients | engine | aggregate tok/s (rounds) | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("|---|---|---|---|---|")
+    for (clients, engine), rs in sorted(results.items()):
+        ttft = [x for r in rs for x in r[1]]
+        itl = [x for r in rs for x in r[2]]
+        rates = ", ".join(f"{r[0]:.0f}" for r in rs)
+        print(f"| {clients} | {engine} | {rates} (median {statistics.median(r[0] for r in rs):.0f}) | {pct(ttft, .5):.0f} / {pct(ttft, .99):.0f} "
+              f"| {pct(itl, .5):.1f} / {pct(itl, .99):.1f} |")
+    for clients in sorted({c for c, _ in results}):
+        t = statistics.median(r[0] for r in results[(clients, "tessera")])
+        l = statistics.median(r[0] for r in results[(clients, "llama-server")])
+        print(f"{clients} clients: tessera / llama-server aggregate tok/s = {t / l:.2f}")
+
+
+if __name__ == "__main__":
+    main()
