@@ -48,8 +48,11 @@ fn tokenizer_matches_llama_cpp() {
         // The reference tokenized with special=False: control-token strings are text.
         let got = tok.encode_with(text, case["add_bos"].as_bool().unwrap(), false).unwrap();
         assert_eq!(got, ids(&case["ids"]), "text {text:?}");
-        // And back: decoding gives the text again.
+        // And back: decoding gives the text again, whole or streamed token by token.
         assert_eq!(tok.decode(&got, true).unwrap(), text, "round trip of {text:?}");
+        let mut stream = tessera_model::TextStream::new();
+        let streamed: String = got.iter().map(|&id| stream.push(&tok, id).unwrap()).collect();
+        assert_eq!(streamed, text, "streamed decode of {text:?}");
     }
 }
 
@@ -193,5 +196,9 @@ fn gguf_sentencepiece_tokenizer_matches_llama_cpp() {
         assert_eq!(want, ids(&case["sentencepiece_ids"]), "the reference itself disagrees for {text:?}");
         let got = tok.encode_with(text, add_bos, false).unwrap();
         assert_eq!(got, want, "text {text:?} add_bos {add_bos}");
+        // Streamed token by token (a window at a time), the same text as decoded whole.
+        let mut stream = tessera_model::TextStream::new();
+        let streamed: String = got.iter().map(|&id| stream.push(&tok, id).unwrap()).collect();
+        assert_eq!(streamed, tok.decode(&got, true).unwrap(), "streamed decode of {text:?}");
     }
 }

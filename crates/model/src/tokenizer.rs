@@ -248,26 +248,32 @@ impl Tokenizer {
 }
 
 /// Streams text as tokens arrive, holding back bytes that do not yet form whole
-/// UTF-8 characters (a multi-token emoji prints once complete).
+/// UTF-8 characters (a multi-token emoji prints once complete). Each token decodes a
+/// short window, not the whole output (which made a long answer quadratic): the ids from
+/// `prefix` on, less the text of those before `read`, so a decoder that treats the
+/// first token of a window specially (a leading space) treats both alike.
 pub struct TextStream {
     ids: Vec<u32>,
-    printed: usize,
+    prefix: usize,
+    read: usize,
 }
 
 impl TextStream {
     pub fn new() -> Self {
-        TextStream { ids: Vec::new(), printed: 0 }
+        TextStream { ids: Vec::new(), prefix: 0, read: 0 }
     }
 
     /// The new text that `id` completes (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> std::result::Result<String, String> {
         self.ids.push(id);
-        let text = tok.decode(&self.ids, true)?;
-        if text.ends_with('\u{FFFD}') {
+        let before = tok.decode(&self.ids[self.prefix..self.read], true)?;
+        let text = tok.decode(&self.ids[self.prefix..], true)?;
+        if text.len() <= before.len() || text.ends_with('\u{FFFD}') || !text.is_char_boundary(before.len()) {
             return Ok(String::new());
         }
-        let new = text.get(self.printed..).unwrap_or("").to_string();
-        self.printed = text.len();
+        let new = text[before.len()..].to_string();
+        self.prefix = self.read;
+        self.read = self.ids.len();
         Ok(new)
     }
 }
