@@ -87,7 +87,7 @@ impl SamplingParams {
         if self.logit_bias.len() > LOGIT_BIAS_TOKENS_MAX {
             return bad("logit_bias", format!("{} tokens", self.logit_bias.len()), "at most 300 tokens");
         }
-        if let Some(&(t, b)) = self.logit_bias.iter().find(|(_, b)| !(b.abs() <= LOGIT_BIAS_MAX)) {
+        if let Some(&(t, b)) = self.logit_bias.iter().find(|(_, b)| b.is_nan() || b.abs() > LOGIT_BIAS_MAX) {
             return bad("logit_bias", format!("{b} for token {t}"), "within -100..=100");
         }
         if self.penalty_window > PENALTY_WINDOW_MAX {

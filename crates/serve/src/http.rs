@@ -95,8 +95,8 @@ fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let given = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
     let (a, b) = (given.as_bytes(), key.as_bytes());
     let mut diff = (a.len() != b.len()) as u8;
-    for i in 0..b.len() {
-        diff |= b[i] ^ a.get(i).copied().unwrap_or(0);
+    for (i, byte) in b.iter().enumerate() {
+        diff |= byte ^ a.get(i).copied().unwrap_or(0);
     }
     if diff == 0 {
         Ok(())

@@ -152,7 +152,6 @@ pub(crate) fn common(v: &Value, model: &str, seed_default: u64) -> Result<Common
         repetition_penalty: number(v, "repetition_penalty", 0.01..=10.0)?.unwrap_or(1.0) as f32,
         top_k: integer(v, "top_k", 0)?.unwrap_or(0) as usize,
         seed: integer(v, "seed", 0)?.unwrap_or(seed_default),
-        ..SamplingParams::default()
     };
     if sampling.top_p == 0.0 {
         // OpenAI accepts 0: only the most likely token.
