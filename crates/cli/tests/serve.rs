@@ -497,8 +497,8 @@ fn a_killed_rank_fails_the_requests_in_flight_and_stops_the_server() {
 }
 
 /// A client that disconnects while its long prompt is still being prefilled (in chunks
-/// of 16 tokens) cancels it there: it never produces a token, and the request behind it
-/// runs.
+/// of 16 tokens), streamed or not, cancels it there: it never produces a token, and the
+/// request behind it runs.
 #[test]
 fn a_client_gone_during_prefill_cancels_its_request() {
     let server = serve(&["--parallel", "1", "--prefill-chunk", "16"]);
@@ -516,10 +516,18 @@ fn a_client_gone_during_prefill_cancels_its_request() {
     drop(reader);
     a.shutdown(std::net::Shutdown::Both).unwrap();
     drop(a);
+    // The same prompt not streamed: its client goes away 300 ms in, mid-prefill.
+    long.as_object_mut().unwrap().remove("stream");
+    let body = long.to_string();
+    let mut a2 = TcpStream::connect(&server.addr).unwrap();
+    write!(a2, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    a2.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(a2);
     let (status, v) = post(&server.addr, "/v1/chat/completions", &chat("Say hi.", 8));
     assert_eq!(status, 200, "{v}");
     let (_, _, m) = http(&server.addr, "GET", "/metrics", &[], "");
     let metric = |name: &str| -> f64 { m.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).unwrap().parse().unwrap() };
-    assert_eq!(metric("tessera:generation_tokens_total"), 8.0, "the cancelled prompt produced tokens:\n{m}");
-    assert_eq!(metric("tessera:request_success_total{finished_reason=\"abort\"}"), 1.0, "{m}");
+    assert_eq!(metric("tessera:generation_tokens_total"), 8.0, "a cancelled prompt produced tokens:\n{m}");
+    assert_eq!(metric("tessera:request_success_total{finished_reason=\"abort\"}"), 2.0, "{m}");
 }
