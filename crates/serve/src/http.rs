@@ -158,9 +158,6 @@ async fn submit(s: &AppState, prompt: Vec<u32>, c: &Common, prompt_param: &'stat
     if let Some(&(t, _)) = c.sampling.logit_bias.iter().find(|(t, _)| *t as usize >= s.vocab) {
         return Err(ApiError::invalid("logit_bias", format!("token {t} is outside the vocabulary of {}", s.vocab)));
     }
-    if let Some(&t) = prompt.iter().find(|&&t| t as usize >= s.vocab) {
-        return Err(ApiError::invalid(prompt_param, format!("token {t} is outside the vocabulary of {}", s.vocab)));
-    }
     if prompt.len() >= s.context {
         return Err(ApiError::invalid(prompt_param, format!("the prompt is {} tokens; this server's context is {} (--ctx)", prompt.len(), s.context)).with_code("context_length_exceeded"));
     }
@@ -380,7 +377,7 @@ fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelO
                     }
                     break finish_reason(reason);
                 }
-                Some(Reply::Failed(why)) | Some(Reply::Refused(Refusal::Invalid(why))) => {
+                Some(Reply::Failed(why)) => {
                     guard.disarm();
                     let _ = send(SseEvent::default().data(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", why).body().to_string())).await;
                     let _ = send(SseEvent::default().data("[DONE]")).await;
