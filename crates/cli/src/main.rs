@@ -483,7 +483,7 @@ fn requests_of(prompts: &[Vec<u32>], a: &GenerateArgs) -> Vec<tessera_engine::Re
     for p in prompts {
         for _ in 0..a.parallel {
             let sampling = SamplingParams { seed: base.seed.wrapping_add(out.len() as u64), ..base.clone() };
-            out.push(tessera_engine::Request { prompt: p.clone(), max_tokens: a.max_tokens, sampling });
+            out.push(tessera_engine::Request::new(p.clone(), a.max_tokens, sampling));
         }
     }
     out

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use tessera_engine::QueueLimits;
+use tessera_engine::{CacheConfig, QueueLimits};
 use tessera_model::Tokenizer;
 
 #[derive(Args)]
@@ -35,6 +35,14 @@ pub(crate) struct ServeArgs {
     /// Request bodies over this many bytes are refused (413).
     #[arg(long, default_value_t = 4 << 20)]
     body_bytes_max: usize,
+    /// Tokens of KV cache all requests together may hold (reserved for running requests'
+    /// prompts and outputs, or kept for the prefix cache); default: --parallel × --ctx.
+    #[arg(long)]
+    kv_tokens_max: Option<usize>,
+    /// Tokens per prefix-cache block (requests that share a prompt prefix reuse its
+    /// cache); 0 turns the prefix cache off.
+    #[arg(long, default_value_t = 16)]
+    prefix_block_tokens: usize,
     /// The model name clients use (default: the file or directory name).
     #[arg(long)]
     served_name: Option<String>,
@@ -45,6 +53,9 @@ pub(crate) struct ServeArgs {
 pub(crate) fn run(a: ServeArgs) -> Result<()> {
     if !(1..=tessera_engine::generate::SEQUENCES_MAX).contains(&a.parallel) {
         bail!("--parallel {}: choose 1..={}", a.parallel, tessera_engine::generate::SEQUENCES_MAX);
+    }
+    if a.kv_tokens_max == Some(0) {
+        bail!("--kv-tokens-max 0 would refuse every request");
     }
     if a.queue_max == 0 {
         bail!("--queue-max 0 would refuse every request");
@@ -72,6 +83,7 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
         model_name,
         api_key,
         queue: QueueLimits { requests_max: a.queue_max, prompt_tokens_max: a.queued_prompt_tokens_max },
+        cache: CacheConfig { kv_tokens_max: a.kv_tokens_max.unwrap_or(usize::MAX), prefix_block_tokens: a.prefix_block_tokens },
         body_bytes_max: a.body_bytes_max,
         commands_max: a.queue_max + a.parallel + 64,
     };

@@ -40,13 +40,17 @@ fn serve(extra: &[&str]) -> Server {
 
 /// `tessera serve` alone (`ranks` 1) or under `tessera launch -n RANKS` (one thread each).
 fn serve_on(ranks: usize, extra: &[&str]) -> Server {
+    serve_model(ranks, &smollm2(), extra)
+}
+
+fn serve_model(ranks: usize, model: &Path, extra: &[&str]) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
     if ranks > 1 {
         cmd.args(["launch", "-n", &ranks.to_string(), "--"]);
     }
     let threads = if ranks > 1 { "1" } else { "2" };
     let mut child = cmd
-        .args(["serve", "--model", &smollm2().to_string_lossy(), "--port", "0", "--threads", threads, "--ctx", "1024"])
+        .args(["serve", "--model", &model.to_string_lossy(), "--port", "0", "--threads", threads, "--ctx", "1024"])
         .args(extra)
         .env_remove("TESSERA_RANK")
         .stderr(Stdio::piped())
@@ -140,7 +144,8 @@ fn greedy_chat_equals_generate_streamed_or_not() {
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["message"]["content"].as_str().unwrap(), want);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
-    assert_eq!(v["usage"]["completion_tokens"], 24);
+    assert_eq!(v["usage"]["completion_tokens"], 16);
+    assert_eq!(v["choices"][1]["finish_reason"], "length");
     let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
 
     let mut req = chat(question, 24);
@@ -196,7 +201,36 @@ fn serving_under_launch_gives_one_nodes_output() {
             handles.into_iter().map(|h| h.join().unwrap().1["choices"][0]["message"]["content"].as_str().unwrap().to_string()).collect()
         });
         assert!(together.iter().all(|t| *t == want), "{placement:?}: concurrent requests {together:?}");
+        // Again, with two choices: every rank copies the cached prompt.
+        let mut two = chat(question, 16);
+        two["n"] = 2.into();
+        let (status, v) = post(&server.addr, "/v1/chat/completions", &two);
+        assert_eq!(status, 200, "{placement:?}: {v}");
+        assert!(v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{placement:?}: {v}");
+        for k in 0..2 {
+            assert_eq!(v["choices"][k]["message"]["content"].as_str().unwrap(), want, "{placement:?} choice {k}");
+        }
     }
+    // Expert parallelism, on a tiny MoE GGUF (8-bit activations, its byte-level
+    // vocabulary): the same ids as one node, concurrent and with a cache hit.
+    let moe = repo().join("tests/fixtures/gguf_moe/qwen3_moe.q8_0.gguf");
+    let body = serde_json::json!({"model": "qwen3_moe.q8_0.gguf", "prompt": [5, 17, 99, 3, 64, 120, 7], "max_tokens": 12, "temperature": 0, "logprobs": 0});
+    let ids = |v: &serde_json::Value| v["choices"][0]["logprobs"]["tokens"].clone();
+    let single = serve_model(1, &moe, &[]);
+    let (status, want) = post(&single.addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{want}");
+    assert_eq!(ids(&want).as_array().map(Vec::len), Some(12), "{want}");
+    let server = serve_model(2, &moe, &["--ep", "2", "--parallel", "3"]);
+    let together: Vec<serde_json::Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3).map(|_| s.spawn(|| post(&server.addr, "/v1/completions", &body).1)).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for v in &together {
+        assert_eq!(ids(v), ids(&want), "EP2: {v}");
+    }
+    let again = post(&server.addr, "/v1/completions", &body).1;
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 6, "{again}");
+    assert_eq!(ids(&again), ids(&want));
 }
 
 /// 32 concurrent greedy requests (four times the slots) each get their output alone; a
@@ -314,7 +348,7 @@ fn queue_bound_cancellation_and_metrics() {
     assert!(metric("tessera:inter_token_latency_seconds_count") >= 7.0);
     assert!(metric("tessera:e2e_request_latency_seconds_count") >= 2.0);
     assert!(metric("tessera:request_queue_time_seconds_sum") > 0.0);
-    assert_eq!(metric("tessera:kv_cache_usage_perc"), 0.0, "nothing cached once all ended");
+    assert_eq!(metric("tessera:kv_cache_usage_perc"), 0.0, "no running request holds KV once all ended");
     // Every line is a comment or `name{labels} value` (Prometheus' text format).
     let (_, _, m) = http(&server.addr, "GET", "/metrics", &[], "");
     for l in m.lines().filter(|l| !l.starts_with('#')) {
@@ -359,8 +393,11 @@ fn errors_and_api_keys() {
     let cases: Vec<(serde_json::Value, u16, Option<&str>, Option<&str>)> = vec![
         (with(&|v| v["model"] = "gpt-4".into()), 400, Some("model"), Some("model_not_found")),
         (with(&|v| v["temperature"] = 3.into()), 400, Some("temperature"), None),
-        (with(&|v| v["n"] = 2.into()), 400, Some("n"), None),
-        (with(&|v| v["logprobs"] = true.into()), 400, Some("logprobs"), None),
+        (with(&|v| v["n"] = 17.into()), 400, Some("n"), None),
+        (with(&|v| v["n"] = 0.into()), 400, Some("n"), None),
+        (with(&|v| { v["logprobs"] = true.into(); v["top_logprobs"] = 21.into() }), 400, Some("top_logprobs"), None),
+        (with(&|v| v["top_logprobs"] = 2.into()), 400, Some("top_logprobs"), None),
+        (with(&|v| v["logprobs"] = 3.into()), 400, Some("logprobs"), None),
         (with(&|v| v["logit_bias"] = serde_json::json!({"99999999": 5})), 400, Some("logit_bias"), None),
         (with(&|v| v["logit_bias"] = serde_json::json!({"5": 500})), 400, Some("logit_bias"), None),
         (with(&|v| v["frequency_penalty"] = 3.into()), 400, Some("frequency_penalty"), None),
@@ -530,4 +567,112 @@ fn a_client_gone_during_prefill_cancels_its_request() {
     let metric = |name: &str| -> f64 { m.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).unwrap().parse().unwrap() };
     assert_eq!(metric("tessera:generation_tokens_total"), 8.0, "a cancelled prompt produced tokens:\n{m}");
     assert_eq!(metric("tessera:request_success_total{finished_reason=\"abort\"}"), 2.0, "{m}");
+}
+
+/// `n` choices, log-probabilities and the prefix cache over HTTP: greedy choices are each
+/// `generate --chat`'s text, streamed by index; a sampled request's first choice is the
+/// same request with `n` 1; logprobs' tokens spell the text, the sampled token is the
+/// best alternative at temperature 0, in both endpoints' formats; a second conversation
+/// that shares a system prompt, and a second turn, report cached prompt tokens and give
+/// the text a server without a prefix cache gives.
+#[test]
+fn choices_logprobs_and_the_prefix_cache() {
+    let server = serve(&["--parallel", "4"]);
+    let plain = serve(&["--parallel", "4", "--prefix-block-tokens", "0"]);
+    // 8 tokens: the answer is longer, so every choice ends for length.
+    let want = generate_chat("Name a fruit.", 8);
+    let mut two = chat("Name a fruit.", 8);
+    two["n"] = 2.into();
+    let (status, v) = post(&server.addr, "/v1/chat/completions", &two);
+    assert_eq!(status, 200, "{v}");
+    for k in 0..2 {
+        assert_eq!(v["choices"][k]["index"], k);
+        assert_eq!(v["choices"][k]["message"]["content"].as_str().unwrap(), want, "choice {k}: {v}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 16);
+    assert_eq!(v["choices"][1]["finish_reason"], "length");
+    two["stream"] = true.into();
+    two["stream_options"] = serde_json::json!({"include_usage": true});
+    let (_, _, body) = http(&server.addr, "POST", "/v1/chat/completions", &[], &two.to_string());
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<serde_json::Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    for k in 0..2 {
+        let of_k = chunks.iter().filter(|c| c["choices"].as_array().is_some_and(|a| !a.is_empty()) && c["choices"][0]["index"] == k);
+        let text: String = of_k.clone().filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(String::from)).collect();
+        assert_eq!(text, want, "streamed choice {k}");
+        assert_eq!(of_k.filter(|c| !c["choices"][0]["finish_reason"].is_null()).count(), 1, "one end for choice {k}");
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 16);
+    let mut sampled = chat("Invent a word.", 10);
+    (sampled["temperature"], sampled["seed"]) = (1.0.into(), 77.into());
+    let one = post(&server.addr, "/v1/chat/completions", &sampled).1;
+    sampled["n"] = 3.into();
+    let three = post(&server.addr, "/v1/chat/completions", &sampled).1;
+    assert_eq!(three["choices"][0]["message"]["content"], one["choices"][0]["message"]["content"], "{three}");
+    assert_eq!(three["choices"].as_array().unwrap().len(), 3);
+
+    // Log-probabilities, chat format.
+    let mut lp = chat("Name a fruit.", 8);
+    (lp["logprobs"], lp["top_logprobs"]) = (true.into(), 3.into());
+    let v = post(&server.addr, "/v1/chat/completions", &lp).1;
+    assert_eq!(v["choices"][0]["message"]["content"].as_str().unwrap(), want);
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 8);
+    assert_eq!(content.iter().map(|t| t["token"].as_str().unwrap()).collect::<String>(), want);
+    for t in content {
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["token"], t["token"], "greedy takes the best: {t}");
+        assert_eq!(top[0]["logprob"], t["logprob"]);
+        let lps: Vec<f64> = top.iter().map(|a| a["logprob"].as_f64().unwrap()).collect();
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0, "{t}");
+        assert_eq!(t["bytes"], serde_json::json!(t["token"].as_str().unwrap().as_bytes()));
+    }
+    // The legacy completions format.
+    let body = serde_json::json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 2});
+    let v = post(&server.addr, "/v1/completions", &body).1;
+    let (text, l) = (v["choices"][0]["text"].as_str().unwrap(), &v["choices"][0]["logprobs"]);
+    let tokens: Vec<&str> = l["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.concat(), text, "{v}");
+    let offsets: Vec<usize> = l["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap() as usize).collect();
+    assert_eq!(offsets, tokens.iter().scan(0, |at, t| Some(std::mem::replace(at, *at + t.len()))).collect::<Vec<_>>());
+    for (i, top) in l["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(top.as_object().unwrap().len(), 2);
+        assert_eq!(top[tokens[i]], l["token_logprobs"][i], "{v}");
+    }
+
+    // The prefix cache: a shared system prompt, then a second turn.
+    let system = "You are a helpful assistant who answers in one short sentence, always politely, and never uses lists or bullet points.";
+    let convo = |turns: &[(&str, &str)]| {
+        let messages: Vec<serde_json::Value> = std::iter::once(serde_json::json!({"role": "system", "content": system})).chain(turns.iter().map(|(r, c)| serde_json::json!({"role": r, "content": c}))).collect();
+        serde_json::json!({"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 16})
+    };
+    let ask = |addr: &str, body: &serde_json::Value| {
+        let (status, v) = post(addr, "/v1/chat/completions", body);
+        assert_eq!(status, 200, "{v}");
+        (v["choices"][0]["message"]["content"].as_str().unwrap().to_string(), v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), v["usage"]["prompt_tokens"].as_u64().unwrap())
+    };
+    let (a1, cached, _) = ask(&server.addr, &convo(&[("user", "What is rust?")]));
+    // Earlier requests' template head (`<|im_start|>system\n`) at most.
+    assert!(cached < 10, "{cached}");
+    let (b1, cached_b, _) = ask(&server.addr, &convo(&[("user", "What is iron?")]));
+    assert!(cached_b >= cached + 20, "the system prompt is reused: {cached_b} tokens");
+    let second = convo(&[("user", "What is rust?"), ("assistant", &a1), ("user", "And steel?")]);
+    let (a2, cached_2, prompt_2) = ask(&server.addr, &second);
+    let (_, _, prompt_1) = ask(&plain.addr, &convo(&[("user", "What is rust?")]));
+    assert!(cached_2 >= prompt_1, "the second turn reuses the whole first prompt ({cached_2} of {prompt_2}, the first was {prompt_1})");
+    for (body, got) in [(convo(&[("user", "What is rust?")]), &a1), (convo(&[("user", "What is iron?")]), &b1), (second, &a2)] {
+        let (reference, cached, _) = ask(&plain.addr, &body);
+        assert_eq!(cached, 0, "no prefix cache there");
+        assert_eq!(&reference, got, "the same text without the prefix cache");
+    }
+    let metric = |addr: &str, name: &str| -> f64 {
+        let (_, _, m) = http(addr, "GET", "/metrics", &[], "");
+        m.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).unwrap().parse().unwrap()
+    };
+    assert!(metric(&server.addr, "tessera:prefix_cache_hits_total") >= (cached_b + cached_2) as f64);
+    assert!(metric(&server.addr, "tessera:prefix_cache_queries_total") > metric(&server.addr, "tessera:prefix_cache_hits_total"));
+    assert_eq!(metric(&plain.addr, "tessera:prefix_cache_hits_total"), 0.0);
+    assert!(metric(&server.addr, "tessera:prefix_cache_kept_tokens") > 0.0);
 }

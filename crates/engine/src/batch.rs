@@ -3,15 +3,28 @@
 
 use crate::generate::{EngineError, GenerationStats, StopReason, Stepper};
 use crate::sampling::SamplingParams;
-use crate::scheduler::{Event, QueueLimits, Scheduler};
+use crate::scheduler::{CacheConfig, Event, QueueLimits, Scheduler};
 use tessera_model::StepError;
 
-/// One sequence to generate.
+/// One sequence to generate (or `choices` of them from one prompt).
 #[derive(Clone, Debug)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
+    /// Completions of the prompt (OpenAI's `n`): the first prefills it, the others copy
+    /// its cache and sample with seeds `seed + 1, seed + 2, …`.
+    pub choices: usize,
+    /// Report each sampled token's log-probability and this many alternatives
+    /// ([`crate::scheduler::TokenLogprobs`]); `None`: nothing.
+    pub logprobs: Option<usize>,
+}
+
+impl Request {
+    /// One greedy-or-sampled completion of `prompt`, no log-probabilities.
+    pub fn new(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Request {
+        Request { prompt, max_tokens, sampling, choices: 1, logprobs: None }
+    }
 }
 
 /// What one sequence produced.
@@ -31,6 +44,9 @@ pub struct BatchStats {
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
     pub steps: usize,
+    /// Prompt tokens looked up in the prefix cache, and those found there (not prefilled).
+    pub prefix_queried_tokens: usize,
+    pub prefix_hit_tokens: usize,
     /// From the first step to the last collected one.
     pub secs: f64,
     /// From the moment every sequence had its first token to the end, and the tokens
@@ -66,9 +82,10 @@ pub fn generate_batch(
             stepper.sequences_max()
         )));
     }
-    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: n, prompt_tokens_max: usize::MAX }, stop_ids);
+    // No prefix cache: a batch measures every prompt's prefill.
+    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: n, prompt_tokens_max: usize::MAX }, CacheConfig::NONE, stop_ids);
     for (i, r) in requests.iter().enumerate() {
-        sched.admit(stepper, i as u64, r.clone()).map_err(|why| EngineError::Request(format!("sequence {i}: {why}")))?;
+        sched.admit(stepper, i as u64, Request { choices: 1, ..r.clone() }).map_err(|why| EngineError::Request(format!("sequence {i}: {why}")))?;
     }
     let mut done: Vec<Option<Completion>> = vec![None; n];
     let mut events = Vec::with_capacity(n);
@@ -81,7 +98,7 @@ pub fn generate_batch(
                         sched.cancel(id);
                     }
                 }
-                Event::Done { id, completion } => done[id as usize] = Some(completion),
+                Event::Done { id, completion, .. } => done[id as usize] = Some(completion),
             }
         }
     }

@@ -179,7 +179,8 @@ const PLAN_HEAD_WORDS: usize = 4;
 const PLAN_CHUNK_WORDS: usize = 3;
 const PLAN_MAGIC: u32 = 0x7E55_E8A2;
 const OP_STEP: u32 = 1;
-const OP_RESET: u32 = 2;
+/// One chunk: slot `to`, tokens `[from, len]` ([`Stepper::keep_prefix`]).
+const OP_PREFIX: u32 = 2;
 const OP_STOP: u32 = 3;
 /// Every rank starts profiling its steps.
 const OP_PROFILE_START: u32 = 4;
@@ -430,10 +431,8 @@ impl<'m> Rank<'m> {
         if sum != tokens {
             return bad(format!("chunk lengths add up to {sum}, not {tokens}"));
         }
-        if p[PLAN_OP] == OP_RESET {
-            if let Some(c) = table.chunks(PLAN_CHUNK_WORDS).find(|c| c[0] as usize >= self.caches.len()) {
-                return bad(format!("slot {} is beyond this rank's {} sequence slots", c[0], self.caches.len()));
-            }
+        if p[PLAN_OP] == OP_PREFIX && (chunks != 1 || tokens != 2) {
+            return bad(format!("a prefix plan of {chunks} chunks and {tokens} words, not 1 and 2"));
         }
         Ok(())
     }
@@ -510,11 +509,10 @@ impl<'m> Rank<'m> {
         self.pass_plan_on()?;
         match self.plan[PLAN_OP] {
             OP_STEP => self.run_step().map(Some),
-            OP_RESET => {
-                let nc = self.plan[PLAN_CHUNKS] as usize;
-                for c in self.plan[PLAN_HEAD_WORDS..PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * nc].chunks(PLAN_CHUNK_WORDS) {
-                    self.caches[c[0] as usize].clear();
-                }
+            OP_PREFIX => {
+                let p = &self.plan;
+                let (to, from, len) = (p[PLAN_HEAD_WORDS] as usize, p[PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS] as usize, p[PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS + 1] as usize);
+                crate::generate::keep_prefix(&mut self.caches, to, from, len).map_err(|e| dist_err(format!("rank {}: {e}", self.rank)))?;
                 Ok(None)
             }
             OP_STOP => Ok(None),
@@ -608,12 +606,18 @@ impl Stepper for DistLeader<'_> {
     fn in_flight_max(&self) -> usize {
         self.r_ref().placement.pp
     }
-    fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
+    fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), EngineError> {
         let r = self.r();
-        if seq >= r.caches.len() {
-            return Err(tessera_model::StepError::NoSuchCache { index: seq, caches: r.caches.len() }.into());
+        // Checked here first, so a bad call never reaches the followers.
+        let n = r.caches.len();
+        if let Some(&slot) = [to, from].iter().find(|&&s| s >= n) {
+            return Err(tessera_model::StepError::NoSuchCache { index: slot, caches: n }.into());
         }
-        r.lead(OP_RESET, &[SeqChunk { cache: seq, tokens: &[], logits: LogitsFor::Last }])?;
+        if len > r.caches[from].len() {
+            return Err(EngineError::Config(format!("slot {to}: a prefix of {len} tokens from slot {from}, which holds {}", r.caches[from].len())));
+        }
+        let words = [from as u32, len as u32];
+        r.lead(OP_PREFIX, &[SeqChunk { cache: to, tokens: &words, logits: LogitsFor::Last }])?;
         Ok(())
     }
     fn submit(&mut self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError> {

@@ -86,6 +86,9 @@ pub enum StopReason {
 #[derive(Clone, Debug, Default)]
 pub struct GenerationStats {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose cache was reused (a prefix cache hit, or another choice's
+    /// prompt), not prefilled.
+    pub cached_tokens: usize,
     pub generated_tokens: usize,
     pub prompt_secs: f64,
     /// Time from the start of prefill to the first sampled token.
@@ -120,8 +123,14 @@ pub trait Stepper {
     fn capacity(&self) -> usize;
     /// Steps that may be submitted before the oldest is collected.
     fn in_flight_max(&self) -> usize;
+    /// Slot `to`'s cache becomes the first `len` positions of slot `from`'s: a shared
+    /// prefix copied (`to != from`), or its own sequence cut back to `len` (`to == from`;
+    /// 0 forgets it). What `to` held past `len` is given back.
+    fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), EngineError>;
     /// Forget slot `seq`'s sequence (a new one starts there).
-    fn reset(&mut self, seq: usize) -> Result<(), EngineError>;
+    fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
+        self.keep_prefix(seq, seq, 0)
+    }
     /// Starts a step: each chunk appends its tokens to its slot's cache. At most
     /// `in_flight_max` steps may be outstanding.
     fn submit(&mut self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError>;
@@ -219,10 +228,8 @@ impl Stepper for LocalStepper<'_> {
     fn take_profiles(&mut self) -> Result<Vec<Profile>, EngineError> {
         Ok(vec![self.ws.take_profile().unwrap_or_default()])
     }
-    fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
-        let n = self.caches.len();
-        self.caches.get_mut(seq).ok_or(StepError::NoSuchCache { index: seq, caches: n })?.clear();
-        Ok(())
+    fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), EngineError> {
+        keep_prefix(&mut self.caches, to, from, len)
     }
     fn submit(&mut self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError> {
         if self.pending.is_some() {
@@ -358,4 +365,29 @@ impl<'m> Generator<'m> {
         stats.decode_secs = decode_start.elapsed().as_secs_f64() - (stats.time_to_first_token_secs - stats.prompt_secs).max(0.0);
         Ok((generated, reason, stats))
     }
+}
+
+/// [`Stepper::keep_prefix`] on one process's caches (every rank runs it on its own).
+pub(crate) fn keep_prefix(caches: &mut [KvCache], to: usize, from: usize, len: usize) -> Result<(), EngineError> {
+    let n = caches.len();
+    for slot in [to, from] {
+        if slot >= n {
+            return Err(StepError::NoSuchCache { index: slot, caches: n }.into());
+        }
+    }
+    if len > caches[from].len() {
+        return Err(EngineError::Config(format!("slot {to}: a prefix of {len} tokens from slot {from}, which holds {}", caches[from].len())));
+    }
+    if to == from {
+        caches[to].truncate(len);
+        return Ok(());
+    }
+    let (dst, src) = if to < from {
+        let (a, b) = caches.split_at_mut(from);
+        (&mut a[to], &b[0])
+    } else {
+        let (a, b) = caches.split_at_mut(to);
+        (&mut b[0], &a[from])
+    };
+    dst.copy_prefix(src, len).map_err(|why| EngineError::Config(format!("slot {to} from slot {from}: {why}")))
 }

@@ -15,4 +15,4 @@ pub use batch::{generate_batch, BatchStats, Completion, Request};
 pub use dist::{DistLeader, Placement, Rank};
 pub use generate::{EngineConfig, EngineError, Generator, GenerationStats, LocalStepper, StopReason, Stepper};
 pub use sampling::{Sampler, SamplingError, SamplingParams};
-pub use scheduler::{Event, QueueLimits, Refusal, RequestId, Scheduler};
+pub use scheduler::{CacheConfig, Event, QueueLimits, Refusal, RequestId, Scheduler, TokenLogprobs, CHOICES_MAX, TOP_LOGPROBS_MAX};

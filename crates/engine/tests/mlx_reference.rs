@@ -109,7 +109,7 @@ fn check_with(name: &str, path: &Path, exp: Expected) {
         let cfg = EngineConfig { threads: 2, prefill_chunk: 512, context_max: 64, sequences_max: 1, kv_cache: KvDtype::F32 };
         Generator::new(&model, cfg).unwrap().generate(short, exp.greedy.len(), &SamplingParams::default(), &[], |_| true).unwrap().0
     };
-    let request = |prompt: &[u32]| Request { prompt: prompt.to_vec(), max_tokens: exp.greedy.len(), sampling: SamplingParams::default() };
+    let request = |prompt: &[u32]| Request::new(prompt.to_vec(), exp.greedy.len(), SamplingParams::default());
     let requests = [request(&exp.prompt), request(short), request(&exp.prompt)];
     let cfg = EngineConfig { threads: 2, prefill_chunk: 4, context_max: 64, sequences_max: 3, kv_cache: KvDtype::F32 };
     let mut gen = Generator::new(&model, cfg).unwrap();

@@ -3,7 +3,7 @@
 //! what it gets alone (a tiny MoE fixture, prompt chunks of 5 beside decodes).
 
 use std::path::Path;
-use tessera_engine::{EngineConfig, Event, Generator, QueueLimits, Refusal, Request, SamplingParams, Scheduler, StopReason};
+use tessera_engine::{CacheConfig, EngineConfig, Event, Generator, QueueLimits, Refusal, Request, SamplingParams, Scheduler, StopReason, Stepper};
 use tessera_model::{load_model, KvDtype, Model};
 
 fn model() -> Model {
@@ -11,7 +11,7 @@ fn model() -> Model {
 }
 
 fn request(prompt: &[u32], max_tokens: usize) -> Request {
-    Request { prompt: prompt.to_vec(), max_tokens, sampling: SamplingParams::default() }
+    Request::new(prompt.to_vec(), max_tokens, SamplingParams::default())
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -33,7 +33,7 @@ fn requests_joining_between_steps_get_their_ids_alone() {
     let cfg = EngineConfig { threads: 1, prefill_chunk: 5, context_max: 128, sequences_max: 3, kv_cache: KvDtype::F32 };
     let mut gen = Generator::new(&m, cfg).unwrap();
     let stepper = gen.stepper();
-    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, &[]);
+    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, CacheConfig::NONE, &[]);
     let mut got: Vec<Option<Vec<u32>>> = vec![None; prompts.len()];
     let mut streamed: Vec<Vec<u32>> = vec![vec![]; prompts.len()];
     let mut events = Vec::new();
@@ -50,11 +50,11 @@ fn requests_joining_between_steps_get_their_ids_alone() {
         assert!(steps < 10_000, "the scheduler stopped making progress");
         for e in events.drain(..) {
             match e {
-                Event::Token { id, token, n } => {
+                Event::Token { id, token, n, .. } => {
                     streamed[id as usize].push(token);
                     assert_eq!(streamed[id as usize].len(), n);
                 }
-                Event::Done { id, completion } => {
+                Event::Done { id, completion, .. } => {
                     assert_eq!(completion.reason, StopReason::Length);
                     got[id as usize] = Some(completion.ids);
                 }
@@ -80,7 +80,7 @@ fn cancellations_touch_only_their_request() {
     let cfg = EngineConfig { threads: 1, prefill_chunk: 5, context_max: 128, sequences_max: 2, kv_cache: KvDtype::F32 };
     let mut gen = Generator::new(&m, cfg).unwrap();
     let stepper = gen.stepper();
-    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, &[]);
+    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, CacheConfig::NONE, &[]);
     for (i, p) in prompts.iter().enumerate().take(4) {
         sched.admit(stepper, i as u64, request(p, 12)).unwrap();
     }
@@ -102,7 +102,7 @@ fn cancellations_touch_only_their_request() {
                     }
                 }
                 Event::Token { .. } => {}
-                Event::Done { id, completion } => {
+                Event::Done { id, completion, .. } => {
                     done.insert(id, completion);
                 }
             }
@@ -127,13 +127,13 @@ fn the_queue_is_bounded_and_bad_requests_are_refused() {
     let cfg = EngineConfig { threads: 1, prefill_chunk: 5, context_max: 64, sequences_max: 1, kv_cache: KvDtype::F32 };
     let mut gen = Generator::new(&m, cfg).unwrap();
     let stepper = gen.stepper();
-    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 2, prompt_tokens_max: 20 }, &[]);
+    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 2, prompt_tokens_max: 20 }, CacheConfig::NONE, &[]);
     sched.admit(stepper, 0, request(&[5; 8], 4)).unwrap();
     sched.admit(stepper, 1, request(&[6; 8], 4)).unwrap();
     let full = sched.admit(stepper, 2, request(&[7; 2], 4)).unwrap_err();
     assert_eq!(full, Refusal::QueueFull { queue_max: 2 });
     assert!(full.to_string().contains("2 requests are waiting"), "{full}");
-    let mut fresh = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 20 }, &[]);
+    let mut fresh = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 20 }, CacheConfig::NONE, &[]);
     fresh.admit(stepper, 0, request(&[5; 15], 4)).unwrap();
     let tokens = fresh.admit(stepper, 1, request(&[5; 6], 4)).unwrap_err();
     assert_eq!(tokens, Refusal::QueuedPromptTokens { waiting: 15, prompt: 6, prompt_tokens_max: 20 });
@@ -159,4 +159,178 @@ fn the_queue_is_bounded_and_bad_requests_are_refused() {
     }
     finished.sort();
     assert_eq!(finished, vec![0, 1]);
+}
+
+fn load(fixture: &str) -> Model {
+    load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(fixture)).unwrap()
+}
+
+fn alone_with(model: &Model, kv: KvDtype, prompt: &[u32], max_tokens: usize, sampling: &SamplingParams) -> Vec<u32> {
+    let cfg = EngineConfig { threads: 1, prefill_chunk: 512, context_max: 128, sequences_max: 1, kv_cache: kv };
+    Generator::new(model, cfg).unwrap().generate(prompt, max_tokens, sampling, &[], |_| true).unwrap().0
+}
+
+/// Runs `sched` until idle, admitting `later[k]` (id, request) once `after[k]` steps have
+/// run; every choice's completion by (id, choice), and the most KV tokens held at once.
+fn run_all(stepper: &mut dyn Stepper, sched: &mut Scheduler, mut later: Vec<(usize, u64, Request)>) -> (std::collections::BTreeMap<(u64, usize), tessera_engine::Completion>, usize) {
+    let mut done = std::collections::BTreeMap::new();
+    let mut events = Vec::new();
+    let (mut steps, mut cached_most) = (0, 0);
+    later.sort_by_key(|l| std::cmp::Reverse(l.0));
+    while !later.is_empty() || !sched.is_idle() {
+        while later.last().is_some_and(|l| l.0 <= steps) {
+            let (_, id, r) = later.pop().unwrap();
+            sched.admit(stepper, id, r).unwrap();
+        }
+        sched.step(stepper, &mut events).unwrap();
+        steps += 1;
+        assert!(steps < 20_000, "the scheduler stopped making progress");
+        cached_most = cached_most.max(sched.tokens_cached());
+        for e in events.drain(..) {
+            if let Event::Done { id, choice, completion } = e {
+                assert!(done.insert((id, choice), completion).is_none(), "request {id} choice {choice} finished twice");
+            }
+        }
+    }
+    (done, cached_most)
+}
+
+/// The prefix cache: requests sharing a system prompt, a second turn that repeats the
+/// first one's prompt and answer, and one that arrives while the first runs all start
+/// from cached tokens (reported as such, not prefilled), and every one's ids are its
+/// ids alone: on GQA caches in f32, f16 and q8 and on MLA's latent cache. Under a KV
+/// bound that holds little more than one request, kept slots are evicted (least recently
+/// used first), the bound holds, and the ids are still the same.
+#[test]
+fn prefix_cache_hits_skip_prefill_and_keep_every_output() {
+    let system: Vec<u32> = (0..21u32).map(|j| (j * 11) % 190 + 5).collect();
+    let with = |tail: &[u32]| [system.as_slice(), tail].concat();
+    for (fixture, kv) in [("qwen3_moe", KvDtype::F32), ("qwen3_moe", KvDtype::F16), ("qwen3", KvDtype::Q8), ("deepseek_v3", KvDtype::F32)] {
+        let m = load(fixture);
+        let greedy = SamplingParams::default();
+        let (a, b, c) = (with(&[7, 8, 9]), with(&[40, 41]), with(&[7, 8, 60, 61, 62]));
+        let a_ids = alone_with(&m, kv, &a, 9, &greedy);
+        // The second turn: the first's prompt, its answer, and more.
+        let d = [a.as_slice(), &a_ids, &[33, 34, 35]].concat();
+        let prompts = [a.clone(), b.clone(), c.clone(), d.clone()];
+        let want: Vec<Vec<u32>> = prompts.iter().map(|p| alone_with(&m, kv, p, 9, &greedy)).collect();
+        for kv_tokens_max in [usize::MAX, 70] {
+            let cfg = EngineConfig { threads: 1, prefill_chunk: 5, context_max: 128, sequences_max: 3, kv_cache: kv };
+            let mut gen = Generator::new(&m, cfg).unwrap();
+            let stepper = gen.stepper();
+            let cache = CacheConfig { kv_tokens_max, prefix_block_tokens: 4 };
+            let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, cache, &[]);
+            // a first (its prompt is in after 5 steps of 2 calls); b and c while a decodes; d
+            // after a has finished.
+            let later = vec![(0, 0, request(&a, 9)), (14, 1, request(&b, 9)), (15, 2, request(&c, 9)), (60, 3, request(&d, 9))];
+            let (done, cached_most) = run_all(stepper, &mut sched, later);
+            let at = format!("{fixture} {} kv_tokens_max {kv_tokens_max}", kv.name());
+            for (i, w) in want.iter().enumerate() {
+                assert_eq!(&done[&(i as u64, 0)].ids, w, "{at}: request {i} differs from its run alone");
+            }
+            let hit = |i: u64| done[&(i, 0)].stats.cached_tokens;
+            assert_eq!(hit(0), 0, "{at}");
+            if kv_tokens_max == usize::MAX {
+                assert_eq!(hit(1), system.len(), "{at}: b shares the system prompt with a");
+                assert_eq!(hit(2), system.len() + 2, "{at}: c shares the system prompt and two tokens with a");
+                // a's cache holds its prompt and all but its last answer token.
+                assert_eq!(hit(3), a.len() + a_ids.len() - 1, "{at}: the second turn starts from the first");
+                let s = sched.stats();
+                assert_eq!(s.prefix_hit_tokens, (1..4).map(hit).sum::<usize>(), "{at}");
+                assert_eq!(s.prefix_queried_tokens, prompts.iter().map(Vec::len).sum::<usize>(), "{at}");
+            } else {
+                assert!(cached_most <= kv_tokens_max, "{at}: {cached_most} tokens cached at once");
+            }
+            assert!(sched.tokens_cached() <= sched.cache_config().kv_tokens_max);
+        }
+    }
+}
+
+/// `choices` completions of one prompt: the first prefills it, the others start from
+/// its cache (all but the last prompt token reused) and sample with seeds seed+1, …:
+/// each choice's ids are a run alone with its seed; greedy choices are all equal.
+#[test]
+fn choices_share_one_prefill_and_sample_with_their_own_seeds() {
+    let m = model();
+    let prompt: Vec<u32> = (0..17u32).map(|j| (j * 5) % 150 + 9).collect();
+    let hot = SamplingParams { temperature: 0.9, top_p: 0.95, seed: 1234, ..Default::default() };
+    for sampling in [hot.clone(), SamplingParams::default()] {
+        let cfg = EngineConfig { threads: 1, prefill_chunk: 5, context_max: 128, sequences_max: 4, kv_cache: KvDtype::F32 };
+        let mut gen = Generator::new(&m, cfg).unwrap();
+        let stepper = gen.stepper();
+        let cache = CacheConfig { kv_tokens_max: usize::MAX, prefix_block_tokens: 16 };
+        let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, cache, &[]);
+        let r = Request { choices: 3, ..Request::new(prompt.clone(), 12, sampling.clone()) };
+        let (done, _) = run_all(stepper, &mut sched, vec![(0, 5, r), (0, 6, request(&[3, 4, 5], 6))]);
+        for k in 0..3 {
+            let mine = SamplingParams { seed: sampling.seed + k as u64, ..sampling.clone() };
+            let c = &done[&(5, k)];
+            assert_eq!(c.ids, alone_with(&m, KvDtype::F32, &prompt, 12, &mine), "choice {k} at temperature {}", sampling.temperature);
+            assert_eq!(c.stats.cached_tokens, if k == 0 { 0 } else { prompt.len() - 1 }, "choice {k} reuses the first one's prompt");
+        }
+        if sampling.temperature > 0.0 {
+            assert_ne!(done[&(5, 0)].ids, done[&(5, 1)].ids, "two seeds, two samples");
+        }
+        assert_eq!(done[&(6, 0)].ids, alone(&m, &[3, 4, 5], 6), "the neighbour");
+    }
+    // More choices than slots: refused, the limit named.
+    let cfg = EngineConfig { threads: 1, prefill_chunk: 5, context_max: 128, sequences_max: 2, kv_cache: KvDtype::F32 };
+    let mut gen = Generator::new(&m, cfg).unwrap();
+    let stepper = gen.stepper();
+    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, CacheConfig::NONE, &[]);
+    let e = sched.admit(stepper, 0, Request { choices: 3, ..request(&prompt, 4) }).unwrap_err();
+    assert!(e.to_string().contains("between 1 and 2"), "{e}");
+    let e = sched.admit(stepper, 0, Request { logprobs: Some(21), ..request(&prompt, 4) }).unwrap_err();
+    assert!(e.to_string().contains("at most 20"), "{e}");
+    let small = CacheConfig { kv_tokens_max: 20, prefix_block_tokens: 0 };
+    let mut tight = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, small, &[]);
+    let e = tight.admit(stepper, 0, request(&prompt, 4)).unwrap_err();
+    assert!(e.to_string().contains("need 21 tokens of KV cache; it holds 20"), "{e}");
+}
+
+/// Log-probabilities: each token's is the log-softmax of the raw logits (computed here
+/// naively in f64 from a step of the model alone), its alternatives are the best tokens
+/// in order, and asking for them changes no sampled id.
+#[test]
+fn logprobs_are_the_models_log_softmax() {
+    let m = model();
+    let prompt: Vec<u32> = vec![11, 12, 13, 14, 15, 16];
+    let want = alone(&m, &prompt, 5);
+    let cfg = EngineConfig { threads: 1, prefill_chunk: 512, context_max: 128, sequences_max: 1, kv_cache: KvDtype::F32 };
+    let mut gen = Generator::new(&m, cfg).unwrap();
+    let stepper = gen.stepper();
+    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, CacheConfig::NONE, &[]);
+    sched.admit(stepper, 0, Request { logprobs: Some(4), ..request(&prompt, 5) }).unwrap();
+    let mut events = Vec::new();
+    let mut got = vec![];
+    while !sched.is_idle() {
+        sched.step(stepper, &mut events).unwrap();
+        got.extend(events.drain(..).filter_map(|e| match e {
+            Event::Token { token, logprobs, .. } => Some((token, logprobs.expect("asked for"))),
+            _ => None,
+        }));
+    }
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), want);
+    // The reference: the model's logits after the prompt and each generated token.
+    let cfg = EngineConfig { threads: 1, prefill_chunk: 512, context_max: 128, sequences_max: 1, kv_cache: KvDtype::F32 };
+    let mut gen = Generator::new(&m, cfg).unwrap();
+    let st = gen.stepper();
+    let v = st.vocab();
+    let mut logits = vec![0.0f32; v];
+    let mut feed = prompt.clone();
+    for (token, lp) in &got {
+        st.step(&[tessera_model::SeqChunk { cache: 0, tokens: &feed, logits: tessera_model::LogitsFor::Last }], &mut logits).unwrap();
+        let max = logits.iter().copied().fold(f64::NEG_INFINITY, |a, b| a.max(b as f64));
+        let log_z = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+        let reference = |t: u32| logits[t as usize] as f64 - log_z;
+        assert!((lp.logprob as f64 - reference(*token)).abs() < 1e-5, "{} against {}", lp.logprob, reference(*token));
+        let mut order: Vec<u32> = (0..v as u32).collect();
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), order[..4].to_vec());
+        assert_eq!(lp.top[0].0, *token, "greedy picks the most likely");
+        for &(t, l) in &lp.top {
+            assert!((l as f64 - reference(t)).abs() < 1e-5);
+        }
+        feed = vec![*token];
+    }
 }

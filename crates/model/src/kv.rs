@@ -160,6 +160,65 @@ impl KvStore {
         }
     }
 
+    /// Element ranges (in this store's elements) that hold positions `pos`, one per head
+    /// of a head-major store, one for position-major rows; whole groups of 8 for q8 keys.
+    fn runs(&self, pos: Range<usize>, l: Layout) -> impl Iterator<Item = Range<usize>> {
+        let n = self.elements();
+        let per_elem = match self {
+            KvStore::Q8(_) => KvQ8::VALUES,
+            _ => 1,
+        };
+        let (heads, span) = match (self, l.heads) {
+            (_, _) if n == 0 || pos.is_empty() => (0, 0..0),
+            (KvStore::Q8Keys { groups_per_head, group_bytes, .. }, h) => {
+                let (gph, gb) = (*groups_per_head, *group_bytes);
+                return (0..h).map(move |h| (h * gph + pos.start / 8) * gb..(h * gph + pos.end.div_ceil(8)) * gb).collect::<Vec<_>>().into_iter();
+            }
+            (_, 0) => {
+                let row = n * per_elem / l.capacity;
+                (1, pos.start * row / per_elem..pos.end * row / per_elem)
+            }
+            (_, h) => (h, pos.start * l.head_dim / per_elem..pos.end * l.head_dim / per_elem),
+        };
+        let head = l.capacity * l.head_dim / per_elem;
+        (0..heads).map(move |h| h * head + span.start..h * head + span.end).collect::<Vec<_>>().into_iter()
+    }
+
+    fn elements(&self) -> usize {
+        match self {
+            KvStore::F32(v) => v.len(),
+            KvStore::F16(v) => v.len(),
+            KvStore::Q8(v) => v.len(),
+            KvStore::Q8Keys { bytes, .. } => bytes.len(),
+        }
+    }
+
+    /// Copies positions `0..len` from `src` (a store of the same shape).
+    fn copy_prefix(&mut self, src: &KvStore, len: usize, l: Layout) {
+        for r in src.runs(0..len, l) {
+            match (&mut *self, src) {
+                (KvStore::F32(d), KvStore::F32(s)) => d[r.clone()].copy_from_slice(&s[r]),
+                (KvStore::F16(d), KvStore::F16(s)) => d[r.clone()].copy_from_slice(&s[r]),
+                (KvStore::Q8(d), KvStore::Q8(s)) => d[r.clone()].copy_from_slice(&s[r]),
+                (KvStore::Q8Keys { bytes: d, .. }, KvStore::Q8Keys { bytes: s, .. }) => d[r.clone()].copy_from_slice(&s[r]),
+                _ => unreachable!("KvCache::copy_prefix checks the dtypes"),
+            }
+        }
+    }
+
+    /// Gives back the memory of positions `pos` (whole pages only: what borders kept
+    /// positions stays).
+    fn release(&mut self, pos: Range<usize>, l: Layout) {
+        for r in self.runs(pos, l) {
+            match self {
+                KvStore::F32(v) => v.release_pages(r),
+                KvStore::F16(v) => v.release_pages(r),
+                KvStore::Q8(v) => v.release_pages(r),
+                KvStore::Q8Keys { bytes, .. } => bytes.release_pages(r),
+            }
+        }
+    }
+
     /// The f32 rows of a cache that is always f32 (MLA's).
     pub(crate) fn f32s(&self) -> &[f32] {
         match self {
@@ -180,6 +239,9 @@ pub struct KvCache {
     pub(crate) capacity: usize,
     pub(crate) k_row: usize,
     pub(crate) v_row: usize,
+    /// GQA: kv heads on this rank (stores are head-major); MLA: 0 (position-major rows).
+    pub(crate) heads: usize,
+    pub(crate) head_dim: usize,
 }
 
 impl KvCache {
@@ -196,9 +258,44 @@ impl KvCache {
     pub fn clear(&mut self) {
         self.len = 0;
     }
-    /// Drop cached tokens past `len` (e.g. to reuse a shared prompt prefix).
+    /// Drop cached tokens past `len` (e.g. to reuse a shared prompt prefix), and give
+    /// the memory they took back.
     pub fn truncate(&mut self, len: usize) {
+        let old = self.len;
         self.len = self.len.min(len);
+        if self.len < old {
+            let (len, layout) = (self.len, self.layout());
+            for s in self.k.iter_mut().chain(self.v.iter_mut()) {
+                s.release(len..old, layout);
+            }
+        }
+    }
+
+    /// This cache becomes the first `len` positions of `src`'s (a shared prompt prefix,
+    /// or the prompt of a request's other choices); what it held past `len` is released.
+    pub fn copy_prefix(&mut self, src: &KvCache, len: usize) -> Result<(), String> {
+        let (same_shape, layout) = (self.dtype == src.dtype && self.capacity == src.capacity && self.k_row == src.k_row && self.v_row == src.v_row, self.layout());
+        if !same_shape || self.k.len() != src.k.len() {
+            return Err("KV caches of different shapes".into());
+        }
+        if len > src.len {
+            return Err(format!("a prefix of {len} tokens from a cache holding {}", src.len));
+        }
+        for (d, s) in self.k.iter_mut().zip(&src.k).chain(self.v.iter_mut().zip(&src.v)) {
+            d.copy_prefix(s, len, layout);
+        }
+        let old = self.len;
+        self.len = len;
+        if len < old {
+            for s in self.k.iter_mut().chain(self.v.iter_mut()) {
+                s.release(len..old, layout);
+            }
+        }
+        Ok(())
+    }
+
+    fn layout(&self) -> Layout {
+        Layout { heads: self.heads, head_dim: self.head_dim, capacity: self.capacity }
     }
     /// Values cached per token per layer.
     pub fn floats_per_token_per_layer(&self) -> usize {
@@ -208,6 +305,15 @@ impl KvCache {
     pub fn dtype(&self) -> KvDtype {
         self.dtype
     }
+}
+
+/// Where a cache's positions lie in its stores.
+#[derive(Clone, Copy)]
+struct Layout {
+    /// 0: position-major rows.
+    heads: usize,
+    head_dim: usize,
+    capacity: usize,
 }
 
 /// Which cache and position each token of a step attends with (its own sequence's

@@ -196,6 +196,26 @@ impl<T: ZeroBits> LazyZeroed<T> {
         #[cfg(not(target_os = "linux"))]
         let _ = range;
     }
+
+    /// Gives the whole pages inside elements `range` back to the system (they read as
+    /// zeros again, and cost memory only when written again): a cache returns what a
+    /// finished or shortened sequence no longer uses. Elsewhere (or on the heap), a no-op.
+    pub fn release_pages(&mut self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let Zeros::Mapped(map, len) = &mut self.inner {
+            let size = std::mem::size_of::<T>();
+            let (b0, b1) = (range.start.min(*len) * size, range.end.min(*len) * size);
+            let (p0, p1) = (b0.div_ceil(PAGE_BYTES) * PAGE_BYTES, b1 / PAGE_BYTES * PAGE_BYTES);
+            if p0 < p1 {
+                // SAFETY: a private anonymous mapping: MADV_DONTNEED makes its pages zero
+                // again, and zeros are valid T (ZeroBits). It is borrowed mutably, so no
+                // slice of it is alive.
+                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, p0, p1 - p0) };
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = range;
+    }
 }
 
 impl<T: ZeroBits> Deref for LazyZeroed<T> {
@@ -240,5 +260,24 @@ mod tests {
             assert!(b.huge_page_bytes() <= len);
         }
         assert_eq!(WeightBuffer::zeroed(0, true).len(), 0);
+    }
+
+    #[test]
+    fn released_pages_read_as_zeros_and_the_rest_is_kept() {
+        let n = 5 * PAGE_BYTES / 4;
+        let mut z = LazyZeroed::<f32>::new(n);
+        for (i, x) in z.iter_mut().enumerate() {
+            *x = i as f32 + 1.0;
+        }
+        // From the middle of page 0 to the middle of page 4: pages 1..=3 go back.
+        let (a, b) = (PAGE_BYTES / 8, 4 * PAGE_BYTES / 4 + 10);
+        z.release_pages(a..b);
+        let page = PAGE_BYTES / 4;
+        for (i, &x) in z.iter().enumerate() {
+            let released = (page..4 * page).contains(&i);
+            assert_eq!(x, if released { 0.0 } else { i as f32 + 1.0 }, "element {i}");
+        }
+        z[2 * page] = 7.0;
+        assert_eq!(z[2 * page], 7.0, "a released page takes writes again");
     }
 }

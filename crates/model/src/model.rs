@@ -354,6 +354,8 @@ impl Model {
             capacity: limits.context_max,
             k_row,
             v_row,
+            heads: if self.cfg.mla.is_some() { 0 } else { k_row / self.cfg.head_dim },
+            head_dim: self.cfg.head_dim,
         }
     }
 

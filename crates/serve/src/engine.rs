@@ -8,15 +8,16 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_engine::{Completion, EngineError, Event, QueueLimits, Refusal, Request, RequestId, Scheduler, Stepper, StopReason};
+use tessera_engine::{CacheConfig, Completion, EngineError, Event, QueueLimits, Refusal, Request, RequestId, Scheduler, Stepper, StopReason, TokenLogprobs};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// What a handler asks of the engine.
 pub(crate) enum Command {
     /// Admit `request`; the answers (admission first) go to `reply`.
     Submit { request: Request, reply: UnboundedSender<Reply> },
-    /// Stop request `id` (a client gone or a stop string matched); a finished one is ignored.
-    Cancel(RequestId),
+    /// Stop request `id` (a client gone), or only its choice `choice` (a stop string
+    /// matched there); a finished one is ignored.
+    Cancel { id: RequestId, choice: Option<usize> },
 }
 
 /// What the engine tells a handler about its request.
@@ -24,8 +25,9 @@ pub(crate) enum Command {
 pub(crate) enum Reply {
     Admitted(RequestId),
     Refused(Refusal),
-    Token(u32),
-    Done(Completion),
+    Token { choice: usize, token: u32, logprobs: Option<TokenLogprobs> },
+    /// Choice `choice` is finished.
+    Done { choice: usize, completion: Completion },
     /// The engine failed (a step's error): the request cannot finish.
     Failed(String),
 }
@@ -33,6 +35,8 @@ pub(crate) enum Reply {
 /// A request's reply channel and its clock.
 struct Live {
     reply: UnboundedSender<Reply>,
+    /// Choices not finished yet.
+    choices_left: usize,
     admitted: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -43,10 +47,10 @@ const IDLE_POLL: Duration = Duration::from_millis(100);
 
 /// Runs until every command sender is gone (the server stopped), or a step fails: then
 /// every request in flight gets `Failed`, readiness drops, and the error is returned.
-pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u32], commands: Receiver<Command>, metrics: Arc<Metrics>) -> Result<(), EngineError> {
-    let mut sched = Scheduler::new(stepper, limits, stop_ids);
+pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, cache: CacheConfig, stop_ids: &[u32], commands: Receiver<Command>, metrics: Arc<Metrics>) -> Result<(), EngineError> {
+    let mut sched = Scheduler::new(stepper, limits, cache, stop_ids);
     let mut replies: HashMap<RequestId, Live> = HashMap::new();
-    metrics.kv_tokens_max.store((stepper.sequences_max() * stepper.capacity()) as u64, Ordering::Relaxed);
+    metrics.kv_tokens_max.store(sched.cache_config().kv_tokens_max as u64, Ordering::Relaxed);
     let mut events = Vec::new();
     let mut next_id: RequestId = 0;
     loop {
@@ -65,12 +69,12 @@ pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u3
                 Command::Submit { request, reply } => {
                     let id = next_id;
                     next_id += 1;
-                    let prompt = request.prompt.len();
+                    let (prompt, choices) = (request.prompt.len(), request.choices);
                     match sched.admit(stepper, id, request) {
                         Ok(()) => {
                             metrics.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
                             if reply.send(Reply::Admitted(id)).is_ok() {
-                                replies.insert(id, Live { reply, admitted: Instant::now(), first_token: None, last_token: None });
+                                replies.insert(id, Live { reply, choices_left: choices, admitted: Instant::now(), first_token: None, last_token: None });
                             } else {
                                 sched.cancel(id);
                             }
@@ -80,8 +84,11 @@ pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u3
                         }
                     }
                 }
-                Command::Cancel(id) => {
+                Command::Cancel { id, choice: None } => {
                     sched.cancel(id);
+                }
+                Command::Cancel { id, choice: Some(k) } => {
+                    sched.cancel_choice(id, k);
                 }
             }
         }
@@ -94,7 +101,7 @@ pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u3
         }
         for event in events.drain(..) {
             match event {
-                Event::Token { id, token, .. } => {
+                Event::Token { id, choice, token, logprobs, .. } => {
                     metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
                     let now = Instant::now();
                     // A client that is gone cancels its request at the next step.
@@ -109,11 +116,20 @@ pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u3
                         }
                         Some(t) => metrics.inter_token.observe((now - t).as_secs_f64()),
                     }
-                    if live.reply.send(Reply::Token(token)).is_err() {
+                    if live.reply.send(Reply::Token { choice, token, logprobs }).is_err() {
                         sched.cancel(id);
                     }
                 }
-                Event::Done { id, completion } => {
+                Event::Done { id, choice, completion } => {
+                    let Some(live) = replies.get_mut(&id) else {
+                        metrics.finished(completion.reason);
+                        continue;
+                    };
+                    live.choices_left -= 1;
+                    if live.choices_left > 0 {
+                        let _ = live.reply.send(Reply::Done { choice, completion });
+                        continue;
+                    }
                     metrics.finished(completion.reason);
                     if let Some(live) = replies.remove(&id) {
                         let e2e = live.admitted.elapsed().as_secs_f64();
@@ -124,12 +140,17 @@ pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, stop_ids: &[u3
                             let to_first = (first - live.admitted).as_secs_f64();
                             metrics.queue_time.observe((to_first - completion.stats.time_to_first_token_secs).max(0.0));
                         }
-                        let _ = live.reply.send(Reply::Done(completion));
+                        let _ = live.reply.send(Reply::Done { choice, completion });
                     }
                 }
             }
         }
-        metrics.kv_tokens.store(sched.tokens_cached() as u64, Ordering::Relaxed);
+        let kept = sched.tokens_kept();
+        metrics.kv_tokens.store((sched.tokens_cached() - kept) as u64, Ordering::Relaxed);
+        metrics.kv_tokens_kept.store(kept as u64, Ordering::Relaxed);
+        let stats = sched.stats();
+        metrics.prefix_queries.store(stats.prefix_queried_tokens as u64, Ordering::Relaxed);
+        metrics.prefix_hits.store(stats.prefix_hit_tokens as u64, Ordering::Relaxed);
         let (waiting, running) = sched.counts();
         metrics.waiting.store(waiting as u64, Ordering::Relaxed);
         metrics.running.store(running as u64, Ordering::Relaxed);

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
-use tessera_engine::{Completion, Refusal, Request, RequestId};
+use tessera_engine::{Refusal, Request, RequestId, TokenLogprobs};
 use tessera_model::{ChatTemplate, TextStream, Tokenizer};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -138,17 +138,10 @@ struct CancelOnDrop {
     finished: bool,
 }
 
-impl CancelOnDrop {
-    /// The request finished: nothing to cancel.
-    fn disarm(mut self) {
-        self.finished = true;
-    }
-}
-
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if !self.finished {
-            let _ = self.commands.try_send(Command::Cancel(self.id));
+            let _ = self.commands.try_send(Command::Cancel { id: self.id, choice: None });
         }
     }
 }
@@ -167,7 +160,7 @@ async fn submit(s: &AppState, prompt: Vec<u32>, c: &Common, prompt_param: &'stat
         return Err(ApiError::invalid("max_tokens", format!("{} prompt tokens + {max_tokens} to generate exceed this server's context of {} (--ctx)", prompt.len(), s.context)).with_code("context_length_exceeded"));
     }
     let (reply, mut replies) = unbounded_channel();
-    let request = Request { prompt, max_tokens, sampling: c.sampling.clone() };
+    let request = Request { choices: c.choices, logprobs: c.logprobs, ..Request::new(prompt, max_tokens, c.sampling.clone()) };
     match s.commands.try_send(Command::Submit { request, reply }) {
         Ok(()) => {}
         Err(TrySendError::Full(_)) => return Err(busy("the engine's command queue is full")),
@@ -202,7 +195,7 @@ enum Kind {
 async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     authorize(&s, &headers)?;
     let v = json_body(&s, body).await?;
-    let c = openai::common(&v, &s.model_name, s.seeds.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed))?;
+    let c = openai::common(&v, &s.model_name, s.seeds.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed), true)?;
     let messages = openai::messages(&v)?;
     let template = s.template.as_ref().ok_or_else(|| ApiError::invalid("messages", "this model has no chat template: use /v1/completions with a prompt"))?;
     let prompt = template.encode(&s.tok, &messages).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
@@ -212,7 +205,7 @@ async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: B
 async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     authorize(&s, &headers)?;
     let v = json_body(&s, body).await?;
-    let c = openai::common(&v, &s.model_name, s.seeds.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed))?;
+    let c = openai::common(&v, &s.model_name, s.seeds.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed), false)?;
     let prompt = match v.get("prompt") {
         Some(Value::String(p)) => s.tok.encode(p, true).map_err(|e| ApiError::invalid("prompt", e))?,
         Some(Value::Array(ids)) if ids.iter().all(Value::is_u64) => ids.iter().map(|i| i.as_u64().unwrap_or(u64::MAX).min(u32::MAX as u64) as u32).collect(),
@@ -224,66 +217,141 @@ async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) 
     generate(s, prompt, c, Kind::Text, "prompt").await
 }
 
-/// One choice's text as it is produced: tokens to text (whole characters), then stop strings.
-struct Output {
+/// One choice's output as it is produced: tokens to text (whole characters), then stop
+/// strings; the log-probabilities of tokens not yet sent.
+struct ChoiceOut {
     text: TextStream,
     stops: StopMatcher,
     tokens: usize,
+    /// Bytes of text emitted so far (the legacy format's `text_offset`).
+    emitted: usize,
+    logprobs: Vec<(u32, TokenLogprobs)>,
+    finish: Option<&'static str>,
 }
 
-impl Output {
-    /// New text to emit for `token`, and whether a stop string ended the output.
-    fn push(&mut self, tok: &Tokenizer, token: u32) -> Result<(String, bool), String> {
-        self.tokens += 1;
-        let piece = self.text.push(tok, token)?;
-        Ok(self.stops.push(&piece))
+/// What one reply adds to a choice: new text, the log-probabilities that go with it,
+/// and the finish reason if the choice ended.
+struct Update {
+    choice: usize,
+    text: String,
+    logprobs: Vec<(u32, TokenLogprobs)>,
+    /// Byte offset of `text` in the choice's output.
+    offset: usize,
+    finish: Option<&'static str>,
+}
+
+/// A request's choices as the engine's replies arrive (the same for a JSON body and a
+/// stream).
+struct Choices {
+    id: RequestId,
+    outs: Vec<ChoiceOut>,
+    /// Prompt tokens the first choice found cached.
+    cached_tokens: usize,
+    wants_logprobs: bool,
+    /// Choices whose end the engine reported (the others a stop string ended here).
+    engine_done: Vec<bool>,
+}
+
+impl Choices {
+    fn new(id: RequestId, c: &Common) -> Choices {
+        let out = || ChoiceOut { text: TextStream::new(), stops: StopMatcher::new(c.stop.clone()), tokens: 0, emitted: 0, logprobs: vec![], finish: None };
+        Choices { id, outs: (0..c.choices).map(|_| out()).collect(), cached_tokens: 0, wants_logprobs: c.logprobs.is_some(), engine_done: vec![false; c.choices] }
+    }
+
+    fn all_finished(&self) -> bool {
+        self.outs.iter().all(|o| o.finish.is_some())
+    }
+
+    fn completion_tokens(&self) -> usize {
+        self.outs.iter().map(|o| o.tokens).sum()
+    }
+
+    /// Applies one reply. A choice that produces a stop string ends there (the engine is
+    /// told to stop it); what its sequence still sends is ignored.
+    fn apply(&mut self, s: &AppState, reply: Option<Reply>) -> Result<Option<Update>, ApiError> {
+        let gone = || ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine has stopped");
+        match reply.ok_or_else(gone)? {
+            Reply::Token { choice, token, logprobs } => {
+                let o = &mut self.outs[choice];
+                if o.finish.is_some() {
+                    return Ok(None);
+                }
+                o.tokens += 1;
+                // An end-of-text token is not part of the text: nor of its logprobs.
+                o.logprobs.extend(logprobs.filter(|_| !s.tok.stop.contains(&token)).map(|lp| (token, lp)));
+                let piece = o.text.push(&s.tok, token).map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e))?;
+                let (text, stopped) = o.stops.push(&piece);
+                if stopped {
+                    o.finish = Some("stop");
+                    let _ = s.commands.try_send(Command::Cancel { id: self.id, choice: Some(choice) });
+                }
+                Ok(Some(Self::take(o, choice, text)))
+            }
+            Reply::Done { choice, completion } => {
+                self.engine_done[choice] = true;
+                if choice == 0 {
+                    self.cached_tokens = completion.stats.cached_tokens;
+                }
+                let o = &mut self.outs[choice];
+                if o.finish.is_some() {
+                    return Ok(None);
+                }
+                o.finish = Some(finish_reason(completion.reason));
+                let rest = o.stops.finish();
+                Ok(Some(Self::take(o, choice, rest)))
+            }
+            Reply::Failed(why) => Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", why)),
+            other => Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// `text` and, once some text goes out (or the choice ends), the log-probabilities
+    /// gathered for it.
+    fn take(o: &mut ChoiceOut, choice: usize, text: String) -> Update {
+        let offset = o.emitted;
+        o.emitted += text.len();
+        let logprobs = if !text.is_empty() || o.finish.is_some() { std::mem::take(&mut o.logprobs) } else { vec![] };
+        Update { choice, text, logprobs, offset, finish: o.finish }
     }
 }
 
 async fn generate(s: AppState, prompt: Vec<u32>, c: Common, kind: Kind, prompt_param: &'static str) -> Result<Response, ApiError> {
     let prompt_tokens = prompt.len();
     let open = Open::new(&s.open);
-    let (replies, guard) = submit(&s, prompt, &c, prompt_param).await?;
-    let out = Output { text: TextStream::new(), stops: StopMatcher::new(c.stop.clone()), tokens: 0 };
+    let (mut replies, mut guard) = submit(&s, prompt, &c, prompt_param).await?;
+    let mut choices = Choices::new(guard.id, &c);
     let meta = Meta { id: format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, guard.id), created: unix_secs(), model: s.model_name.to_string(), kind, prompt_tokens };
     if c.stream {
-        return Ok(stream(s, replies, guard, out, meta, c.include_usage, open));
+        return Ok(stream(s, replies, guard, choices, meta, c.include_usage, open));
     }
-    let (text, reason, completion_tokens) = collect(&s, replies, guard, out).await?;
-    drop(open);
-    let choice = match kind {
-        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason}),
-        Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason}),
-    };
-    Ok(Json(json!({"id": meta.id, "object": meta.object(false), "created": meta.created, "model": meta.model, "choices": [choice], "usage": openai::usage(prompt_tokens, completion_tokens)})).into_response())
-}
-
-/// The whole output of a request that does not stream.
-async fn collect(s: &AppState, mut replies: UnboundedReceiver<Reply>, guard: CancelOnDrop, mut out: Output) -> Result<(String, &'static str, usize), ApiError> {
-    let mut text = String::new();
-    loop {
-        match replies.recv().await {
-            Some(Reply::Token(t)) => {
-                let (piece, stopped) = out.push(&s.tok, t).map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e))?;
-                text.push_str(&piece);
-                if stopped {
-                    // The guard cancels the rest.
-                    return Ok((text, "stop", out.tokens));
-                }
-            }
-            Some(Reply::Done(Completion { reason, .. })) => {
-                guard.disarm();
-                text.push_str(&out.stops.finish());
-                return Ok((text, finish_reason(reason), out.tokens));
-            }
-            Some(Reply::Failed(why)) => {
-                guard.disarm();
-                return Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", why));
-            }
-            Some(other) => return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", format!("unexpected reply {other:?}"))),
-            None => return Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine has stopped")),
+    let n = c.choices;
+    let (mut texts, mut logprobs) = (vec![String::new(); n], vec![Vec::new(); n]);
+    while !choices.all_finished() {
+        let reply = replies.recv().await;
+        if matches!(reply, Some(Reply::Failed(_))) {
+            guard.finished = true;
+        }
+        if let Some(u) = choices.apply(&s, reply)? {
+            texts[u.choice].push_str(&u.text);
+            logprobs[u.choice].extend(u.logprobs);
         }
     }
+    // Choices a stop string ended may still run: the guard stops them.
+    guard.finished = choices.engine_done.iter().all(|&d| d);
+    drop(guard);
+    drop(open);
+    let body: Vec<Value> = (0..n)
+        .map(|k| {
+            let (reason, text) = (choices.outs[k].finish, &texts[k]);
+            let lp = if choices.wants_logprobs { openai::logprobs(&s.tok, &logprobs[k], kind == Kind::Chat, 0) } else { Value::Null };
+            match kind {
+                Kind::Chat => json!({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}),
+                Kind::Text => json!({"index": k, "text": text, "logprobs": lp, "finish_reason": reason}),
+            }
+        })
+        .collect();
+    let usage = openai::usage(prompt_tokens, choices.completion_tokens(), choices.cached_tokens);
+    Ok(Json(json!({"id": meta.id, "object": meta.object(false), "created": meta.created, "model": meta.model, "choices": body, "usage": usage})).into_response())
 }
 
 /// What every chunk and response of one request repeats.
@@ -304,8 +372,9 @@ impl Meta {
         }
     }
 
-    /// A chunk with `text` (and the role, on the chat's first), or the end's reason.
-    fn chunk(&self, text: Option<&str>, first: bool, reason: Option<&str>) -> SseEvent {
+    /// A chunk of choice `k`: `text` (and the role, on the chat's first), its
+    /// log-probabilities, or the end's reason.
+    fn chunk(&self, k: usize, text: Option<&str>, first: bool, logprobs: Value, reason: Option<&str>) -> SseEvent {
         let choice = match self.kind {
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -315,15 +384,15 @@ impl Meta {
                 if let Some(t) = text {
                     delta.insert("content".into(), json!(t));
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+                json!({"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
             }
-            Kind::Text => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason}),
+            Kind::Text => json!({"index": k, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": reason}),
         };
         self.event(json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [choice]}))
     }
 
-    fn usage(&self, completion_tokens: usize) -> SseEvent {
-        self.event(json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [], "usage": openai::usage(self.prompt_tokens, completion_tokens)}))
+    fn usage(&self, completion_tokens: usize, cached: usize) -> SseEvent {
+        self.event(json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [], "usage": openai::usage(self.prompt_tokens, completion_tokens, cached)}))
     }
 
     fn event(&self, v: Value) -> SseEvent {
@@ -331,11 +400,12 @@ impl Meta {
     }
 }
 
-/// Server-sent events: the chunks, then (with `include_usage`) one chunk with `usage` and
-/// no choices, then `[DONE]`; an error midway is one error event, then `[DONE]`. A task
-/// turns the engine's replies into events; the response streams them. A client that
-/// goes away drops the stream, the task's next send fails, and its guard cancels.
-fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelOnDrop, mut out: Output, meta: Meta, include_usage: bool, open: Open) -> Response {
+/// Server-sent events: the chunks (each choice's text with its index), each choice's
+/// end, then (with `include_usage`) one chunk with `usage` and no choices, then
+/// `[DONE]`; an error midway is one error event, then `[DONE]`. A task turns the
+/// engine's replies into events; the response streams them. A client that goes away
+/// drops the stream, the task's next send fails, and its guard cancels.
+fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelOnDrop, mut choices: Choices, meta: Meta, include_usage: bool, open: Open) -> Response {
     let (events, mut events_rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
     tokio::spawn(async move {
         let _open = open;
@@ -343,61 +413,49 @@ fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelO
             let events = events.clone();
             async move { events.send(e).await.is_ok() }
         };
-        if meta.kind == Kind::Chat && !send(meta.chunk(Some(""), true, None)).await {
-            return;
+        if meta.kind == Kind::Chat {
+            for k in 0..choices.outs.len() {
+                if !send(meta.chunk(k, Some(""), true, Value::Null, None)).await {
+                    return;
+                }
+            }
         }
-        let reason = loop {
+        while !choices.all_finished() {
             // A client gone while nothing is written (waiting, in prefill) drops the
             // response body: stop waiting then, and the guard cancels.
             let reply = tokio::select! {
                 r = replies.recv() => r,
                 _ = events.closed() => return,
             };
-            match reply {
-                Some(Reply::Token(t)) => match out.push(&s.tok, t) {
-                    Ok((piece, stopped)) => {
-                        if !piece.is_empty() && !send(meta.chunk(Some(&piece), false, None)).await {
-                            return;
-                        }
-                        if stopped {
-                            break "stop";
-                        }
-                    }
-                    Err(e) => {
-                        let _ = send(SseEvent::default().data(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e).body().to_string())).await;
-                        let _ = send(SseEvent::default().data("[DONE]")).await;
-                        return;
-                    }
-                },
-                Some(Reply::Done(Completion { reason, .. })) => {
-                    guard.finished = true;
-                    let rest = out.stops.finish();
-                    if !rest.is_empty() && !send(meta.chunk(Some(&rest), false, None)).await {
-                        return;
-                    }
-                    break finish_reason(reason);
-                }
-                Some(Reply::Failed(why)) => {
-                    guard.disarm();
-                    let _ = send(SseEvent::default().data(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", why).body().to_string())).await;
+            if matches!(reply, Some(Reply::Failed(_))) {
+                guard.finished = true;
+            }
+            let u = match choices.apply(&s, reply) {
+                Ok(Some(u)) => u,
+                Ok(None) => continue,
+                Err(e) => {
+                    let _ = send(SseEvent::default().data(e.body().to_string())).await;
                     let _ = send(SseEvent::default().data("[DONE]")).await;
                     return;
                 }
-                Some(_) | None => {
-                    let _ = send(SseEvent::default().data(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine has stopped").body().to_string())).await;
-                    let _ = send(SseEvent::default().data("[DONE]")).await;
+            };
+            let lp = if choices.wants_logprobs && !u.logprobs.is_empty() { openai::logprobs(&s.tok, &u.logprobs, meta.kind == Kind::Chat, u.offset) } else { Value::Null };
+            if (!u.text.is_empty() || !lp.is_null()) && !send(meta.chunk(u.choice, Some(&u.text), false, lp, None)).await {
+                return;
+            }
+            if let Some(reason) = u.finish {
+                let text_end = if meta.kind == Kind::Chat { None } else { Some("") };
+                if !send(meta.chunk(u.choice, text_end, false, Value::Null, Some(reason))).await {
                     return;
                 }
             }
-        };
-        let text_end = if meta.kind == Kind::Chat { None } else { Some("") };
-        if !send(meta.chunk(text_end, false, Some(reason))).await {
-            return;
         }
-        if include_usage && !send(meta.usage(out.tokens)).await {
+        if include_usage && !send(meta.usage(choices.completion_tokens(), choices.cached_tokens)).await {
             return;
         }
         let _ = send(SseEvent::default().data("[DONE]")).await;
+        // Choices a stop string ended may still run: the guard stops them.
+        guard.finished = choices.engine_done.iter().all(|&d| d);
         drop(guard);
     });
     let body = futures_util::stream::poll_fn(move |cx| events_rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));

@@ -16,7 +16,7 @@ mod stops;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use tessera_engine::{QueueLimits, Stepper};
+use tessera_engine::{CacheConfig, QueueLimits, Stepper};
 use tessera_model::{ChatTemplate, Tokenizer};
 
 /// Everything `tessera serve` is told.
@@ -28,6 +28,8 @@ pub struct ServeConfig {
     /// Bearer key required on the API routes (`/health`, `/ready` and `/metrics` stay open).
     pub api_key: Option<String>,
     pub queue: QueueLimits,
+    /// KV memory and the prefix cache.
+    pub cache: CacheConfig,
     /// Request bodies over this many bytes are refused (413).
     pub body_bytes_max: usize,
     /// Commands in flight between HTTP and the engine; beyond them, 429.
@@ -54,7 +56,7 @@ pub fn run(cfg: ServeConfig, stepper: &mut dyn Stepper, tok: Tokenizer, template
         axum::serve(listener, http::router(state)).await.map_err(|e| format!("HTTP server: {e}"))
     });
     eprintln!("tessera serve: listening on http://{bound}");
-    let result = engine::run(stepper, cfg.queue, &stop_ids, receiver, metrics).map_err(|e| format!("engine failed: {e}"));
+    let result = engine::run(stepper, cfg.queue, cfg.cache, &stop_ids, receiver, metrics).map_err(|e| format!("engine failed: {e}"));
     // Every request in flight was told; let their responses reach the clients.
     let t0 = std::time::Instant::now();
     while open.load(std::sync::atomic::Ordering::SeqCst) > 0 && t0.elapsed() < FLUSH_WAIT {

@@ -53,9 +53,14 @@ pub(crate) struct Metrics {
     pub(crate) refused: AtomicU64,
     /// Cleared when the engine fails: `/ready` answers 503 from then on.
     pub(crate) ready: AtomicBool,
-    /// Tokens cached in the KV slots, and what the slots hold at most.
+    /// Tokens running requests hold in the KV cache, those the prefix cache keeps for
+    /// reuse (evictable), and what the cache holds at most.
     pub(crate) kv_tokens: AtomicU64,
+    pub(crate) kv_tokens_kept: AtomicU64,
     pub(crate) kv_tokens_max: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache, and those found (vLLM counts tokens).
+    pub(crate) prefix_queries: AtomicU64,
+    pub(crate) prefix_hits: AtomicU64,
     /// From admission to the first token; between tokens; admission to the end; waiting for a slot.
     pub(crate) ttft: Histogram,
     pub(crate) inter_token: Histogram,
@@ -95,8 +100,11 @@ impl Metrics {
         let finished: Vec<(String, u64)> = REASONS.iter().zip(&self.finished).map(|(r, a)| (format!("{{finished_reason=\"{r}\"}}"), get(a))).collect();
         metric("request_success_total", "counter", "Finished requests by reason.", &finished);
         metric("request_refused_total", "counter", "Requests refused at admission (a limit, or invalid).", &[(String::new(), get(&self.refused))]);
+        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", &[(String::new(), get(&self.prefix_queries))]);
+        metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not prefilled).", &[(String::new(), get(&self.prefix_hits))]);
+        metric("prefix_cache_kept_tokens", "gauge", "Tokens the prefix cache keeps for reuse (evicted when a request needs the room).", &[(String::new(), get(&self.kv_tokens_kept))]);
         let usage = get(&self.kv_tokens) as f64 / get(&self.kv_tokens_max).max(1) as f64;
-        let _ = writeln!(out, "# HELP tessera:kv_cache_usage_perc Share of the KV slots' token capacity in use (1 = full).\n# TYPE tessera:kv_cache_usage_perc gauge\ntessera:kv_cache_usage_perc {usage}");
+        let _ = writeln!(out, "# HELP tessera:kv_cache_usage_perc Share of the KV cache's tokens (--kv-tokens-max) held by running requests (1 = full; what the prefix cache keeps is free to take).\n# TYPE tessera:kv_cache_usage_perc gauge\ntessera:kv_cache_usage_perc {usage}");
         self.ttft.render(&mut out, "time_to_first_token_seconds", "From admission to the first generated token.");
         self.inter_token.render(&mut out, "inter_token_latency_seconds", "Between consecutive generated tokens of a request.");
         self.e2e.render(&mut out, "e2e_request_latency_seconds", "From admission to the end of a request.");

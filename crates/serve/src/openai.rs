@@ -5,8 +5,11 @@
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
-use tessera_engine::SamplingParams;
+use tessera_engine::{SamplingParams, TokenLogprobs, CHOICES_MAX, TOP_LOGPROBS_MAX};
 use tessera_model::Message;
+
+/// Alternatives per token the legacy completions endpoint reports at most (OpenAI's).
+const LEGACY_LOGPROBS_MAX: u64 = 5;
 
 /// Stop strings a request may give (OpenAI's limit).
 pub(crate) const STOP_STRINGS_MAX: usize = 4;
@@ -60,6 +63,10 @@ pub(crate) struct Common {
     pub(crate) stop: Vec<String>,
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
+    /// OpenAI's `n`.
+    pub(crate) choices: usize,
+    /// Alternatives per token to report (`Some(0)`: the sampled token's only).
+    pub(crate) logprobs: Option<usize>,
 }
 
 fn number(v: &Value, param: &'static str, range: std::ops::RangeInclusive<f64>) -> Result<Option<f64>, ApiError> {
@@ -95,9 +102,11 @@ fn boolean(v: &Value, param: &'static str) -> Result<bool, ApiError> {
     }
 }
 
-/// The fields both endpoints take: the model, lengths, sampling, stop strings, streaming.
-/// `seed_default` is used when the request gives none (OpenAI samples differently each time).
-pub(crate) fn common(v: &Value, model: &str, seed_default: u64) -> Result<Common, ApiError> {
+/// The fields both endpoints take: the model, lengths, sampling, stop strings, streaming,
+/// choices, log-probabilities (`chat`: `logprobs` true and `top_logprobs` 0..=20; the
+/// legacy completions: `logprobs` 0..=5). `seed_default` is used when the request gives
+/// none (OpenAI samples differently each time).
+pub(crate) fn common(v: &Value, model: &str, seed_default: u64, chat: bool) -> Result<Common, ApiError> {
     if !v.is_object() {
         return Err(ApiError::invalid("body", "the request body must be a JSON object"));
     }
@@ -111,14 +120,26 @@ pub(crate) fn common(v: &Value, model: &str, seed_default: u64) -> Result<Common
         None => integer(v, "max_tokens", 1)?,
     }
     .map(|n| n as usize);
-    if let Some(n) = integer(v, "n", 1)? {
-        if n != 1 {
-            return Err(ApiError::unsupported("n", "more than one choice per request"));
+    let choices = integer(v, "n", 1)?.unwrap_or(1);
+    if choices > CHOICES_MAX as u64 {
+        return Err(ApiError::invalid("n", format!("`n` is {choices}; at most {CHOICES_MAX}")));
+    }
+    let logprobs = if chat {
+        let top = integer(v, "top_logprobs", 0)?;
+        if top.is_some_and(|k| k > TOP_LOGPROBS_MAX as u64) {
+            return Err(ApiError::invalid("top_logprobs", format!("`top_logprobs` is at most {TOP_LOGPROBS_MAX}")));
         }
-    }
-    if boolean(v, "logprobs")? || v.get("top_logprobs").is_some_and(|x| !x.is_null()) {
-        return Err(ApiError::unsupported("logprobs", "log probabilities"));
-    }
+        match (boolean(v, "logprobs")?, top) {
+            (true, k) => Some(k.unwrap_or(0) as usize),
+            (false, Some(_)) => return Err(ApiError::invalid("top_logprobs", "`top_logprobs` needs `logprobs: true`")),
+            (false, None) => None,
+        }
+    } else {
+        match integer(v, "logprobs", 0)? {
+            Some(k) if k > LEGACY_LOGPROBS_MAX => return Err(ApiError::invalid("logprobs", format!("`logprobs` is at most {LEGACY_LOGPROBS_MAX}"))),
+            k => k.map(|k| k as usize),
+        }
+    };
     let logit_bias = match v.get("logit_bias") {
         None | Some(Value::Null) => vec![],
         Some(Value::Object(o)) => o
@@ -180,7 +201,7 @@ pub(crate) fn common(v: &Value, model: &str, seed_default: u64) -> Result<Common
         Some(o) if stream => boolean(o, "include_usage").map_err(|_| ApiError::invalid("stream_options", "`stream_options.include_usage` must be true or false"))?,
         Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed with `stream: true`")),
     };
-    Ok(Common { max_tokens, sampling, stop, stream, include_usage })
+    Ok(Common { max_tokens, sampling, stop, stream, include_usage, choices: choices as usize, logprobs })
 }
 
 /// Chat messages: `role` system, user or assistant; `content` a string or a list of
@@ -214,7 +235,40 @@ pub(crate) fn messages(v: &Value) -> Result<Vec<Message>, ApiError> {
         .collect()
 }
 
-/// `usage` as OpenAI reports it.
-pub(crate) fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 0}})
+/// `usage` as OpenAI reports it: `cached` prompt tokens came from the prefix cache.
+pub(crate) fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}})
+}
+
+/// Log-probabilities of `tokens` in the chat format (`{"content": [...]}`) or the legacy
+/// completions format (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`, the
+/// offsets counted from `offset0` in the choice's text).
+pub(crate) fn logprobs(tok: &tessera_model::Tokenizer, tokens: &[(u32, TokenLogprobs)], chat: bool, offset0: usize) -> Value {
+    let text = |t: u32| tok.decode(&[t], false).unwrap_or_default();
+    if chat {
+        let entry = |t: u32, lp: f32| {
+            let s = text(t);
+            json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+        };
+        let content: Vec<Value> = tokens
+            .iter()
+            .map(|(t, lp)| {
+                let mut e = entry(*t, lp.logprob);
+                e["top_logprobs"] = lp.top.iter().map(|&(a, l)| entry(a, l)).collect();
+                e
+            })
+            .collect();
+        return json!({"content": content});
+    }
+    let mut offset = offset0;
+    let (mut strs, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+    for (t, lp) in tokens {
+        let s = text(*t);
+        offsets.push(offset);
+        offset += s.len();
+        strs.push(s);
+        lps.push(lp.logprob);
+        tops.push(lp.top.iter().map(|&(a, l)| (text(a), json!(l))).collect::<serde_json::Map<String, Value>>());
+    }
+    json!({"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
 }
