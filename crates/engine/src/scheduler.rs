@@ -422,11 +422,11 @@ impl Scheduler {
             let reason = s.done.expect("checked");
             let ids = s.history[s.prompt_len..].to_vec();
             let stats = GenerationStats { generated_tokens: ids.len(), ..s.stats };
-            if self.cache.prefix_block_tokens > 0 {
+            if let Some(blocks) = s.cached.checked_div(self.cache.prefix_block_tokens) {
                 // What the cache holds: the prompt submitted so far and the fed decodes.
                 s.history.truncate(s.cached);
                 let mut hashes = std::mem::take(&mut s.hashes);
-                hashes.truncate(s.cached / self.cache.prefix_block_tokens);
+                hashes.truncate(blocks);
                 block_hashes(&s.history, self.cache.prefix_block_tokens, &mut hashes);
                 (slot.shared, slot.hashes, slot.used) = (s.history, hashes, self.clock);
             } else {
