@@ -43,6 +43,10 @@ pub(crate) struct ServeArgs {
     /// cache); 0 turns the prefix cache off.
     #[arg(long, default_value_t = 16)]
     prefix_block_tokens: usize,
+    /// A step running longer than this many seconds is a hung engine: every request in
+    /// flight fails, and the server exits (code 3) for its supervisor to restart it.
+    #[arg(long, default_value_t = 600.0)]
+    step_timeout_s: f64,
     /// The model name clients use (default: the file or directory name).
     #[arg(long)]
     served_name: Option<String>,
@@ -56,6 +60,9 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
     }
     if a.kv_tokens_max == Some(0) {
         bail!("--kv-tokens-max 0 would refuse every request");
+    }
+    if !(a.step_timeout_s > 0.0 && a.step_timeout_s <= 86_400.0) {
+        bail!("--step-timeout-s {}: choose a number of seconds in (0, 86400]", a.step_timeout_s);
     }
     if a.queue_max == 0 {
         bail!("--queue-max 0 would refuse every request");
@@ -86,6 +93,7 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
         cache: CacheConfig { kv_tokens_max: a.kv_tokens_max.unwrap_or(usize::MAX), prefix_block_tokens: a.prefix_block_tokens },
         body_bytes_max: a.body_bytes_max,
         commands_max: a.queue_max + a.parallel + 64,
+        step_timeout: std::time::Duration::from_secs_f64(a.step_timeout_s),
     };
     tessera_serve::run(cfg, gen.stepper(), tok.expect("the leader has the tokenizer"), template).map_err(anyhow::Error::msg)
 }

@@ -44,7 +44,12 @@ fn serve_on(ranks: usize, extra: &[&str]) -> Server {
 }
 
 fn serve_model(ranks: usize, model: &Path, extra: &[&str]) -> Server {
+    serve_with(ranks, model, extra, &[])
+}
+
+fn serve_with(ranks: usize, model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    cmd.envs(env.iter().copied());
     if ranks > 1 {
         cmd.args(["launch", "-n", &ranks.to_string(), "--"]);
     }
@@ -144,8 +149,7 @@ fn greedy_chat_equals_generate_streamed_or_not() {
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["message"]["content"].as_str().unwrap(), want);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
-    assert_eq!(v["usage"]["completion_tokens"], 16);
-    assert_eq!(v["choices"][1]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 24);
     let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
 
     let mut req = chat(question, 24);
@@ -231,6 +235,23 @@ fn serving_under_launch_gives_one_nodes_output() {
     let again = post(&server.addr, "/v1/completions", &body).1;
     assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 6, "{again}");
     assert_eq!(ids(&again), ids(&want));
+    // Every rank's steps, collectives and memory reach /metrics (gathered every 2 s).
+    let t0 = Instant::now();
+    let rank_metric = |name: &str, rank: usize| -> Option<f64> {
+        let (_, _, m) = http(&server.addr, "GET", "/metrics", &[], "");
+        let key = format!("tessera:{name}{{rank=\"{rank}\"}} ");
+        m.lines().find_map(|l| l.strip_prefix(&key)).map(|v| v.parse().unwrap())
+    };
+    while rank_metric("rank_steps_total", 1).unwrap_or(0.0) == 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no per-rank metrics");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for rank in 0..2 {
+        assert!(rank_metric("rank_steps_total", rank).unwrap() >= 12.0, "rank {rank}");
+        assert!(rank_metric("rank_collective_seconds_total", rank).unwrap() > 0.0, "rank {rank}: EP exchanges tokens");
+        assert!(rank_metric("rank_busy_seconds_total", rank).unwrap() >= rank_metric("rank_collective_seconds_total", rank).unwrap());
+        assert!(rank_metric("rank_resident_bytes", rank).unwrap() > 1e6, "rank {rank}");
+    }
 }
 
 /// 32 concurrent greedy requests (four times the slots) each get their output alone; a
@@ -675,4 +696,32 @@ fn choices_logprobs_and_the_prefix_cache() {
     assert!(metric(&server.addr, "tessera:prefix_cache_queries_total") > metric(&server.addr, "tessera:prefix_cache_hits_total"));
     assert_eq!(metric(&plain.addr, "tessera:prefix_cache_hits_total"), 0.0);
     assert!(metric(&server.addr, "tessera:prefix_cache_kept_tokens") > 0.0);
+}
+
+/// The watchdog: an engine that stops making progress inside a step (the fault hook
+/// stalls its 6th) fails the stream in flight with one error event, then `[DONE]`,
+/// within the step timeout and the flush, and the server exits with code 3.
+#[test]
+fn a_stalled_engine_fails_its_requests_and_exits() {
+    let mut server = serve_with(1, &smollm2(), &["--step-timeout-s", "1"], &[("TESSERA_FAULT_STALL_AFTER_STEPS", "5")]);
+    let mut long = chat("Tell me a very long story about a dragon.", 200);
+    long["stream"] = true.into();
+    let t0 = Instant::now();
+    let (status, _, body) = http(&server.addr, "POST", "/v1/chat/completions", &[], &long.to_string());
+    assert_eq!(status, 200);
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let error: serde_json::Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(error["error"]["message"].as_str().unwrap().contains("no progress"), "{error}");
+    assert_eq!(error["error"]["type"], "server_error");
+    let exit = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the stalled server is still up");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(exit.code(), Some(3), "{exit:?}");
+    // One second of timeout, the flush (at most 2 s), and loading.
+    assert!(t0.elapsed() < Duration::from_secs(6), "{:?}", t0.elapsed());
 }

@@ -521,7 +521,9 @@ impl<'m> Rank<'m> {
                 Ok(None)
             }
             OP_PROFILE_GATHER => {
-                let mine = self.ws.take_profile().unwrap_or_default().to_bytes();
+                let mut mine = self.ws.take_profile().unwrap_or_default();
+                mine.resident_bytes = tessera_model::memory::resident_bytes().unwrap_or(0);
+                let mine = mine.to_bytes();
                 let mut all = vec![0u8; Profile::WIRE_BYTES * self.placement.world];
                 self.comm.all_gather(&mine, &mut all, "profiles").map_err(dist_err)?;
                 self.profiles = all.chunks_exact(Profile::WIRE_BYTES).map(|b| Profile::from_bytes(b).expect("sized chunks")).collect();

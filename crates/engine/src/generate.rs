@@ -226,7 +226,9 @@ impl Stepper for LocalStepper<'_> {
         Ok(())
     }
     fn take_profiles(&mut self) -> Result<Vec<Profile>, EngineError> {
-        Ok(vec![self.ws.take_profile().unwrap_or_default()])
+        let mut p = self.ws.take_profile().unwrap_or_default();
+        p.resident_bytes = tessera_model::memory::resident_bytes().unwrap_or(0);
+        Ok(vec![p])
     }
     fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), EngineError> {
         keep_prefix(&mut self.caches, to, from, len)

@@ -394,6 +394,20 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Steps submitted and not yet collected.
+    pub fn steps_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Collects every step in flight (a pause in the pipeline: profiles are taken only
+    /// with none outstanding), sampling as [`Scheduler::step`] does.
+    pub fn finish_in_flight(&mut self, stepper: &mut dyn Stepper, events: &mut Vec<Event>) -> Result<(), EngineError> {
+        while let Some(g) = self.in_flight.pop_front() {
+            self.collect(stepper, g, events)?;
+        }
+        self.retire(stepper, events)
+    }
+
     fn group_has_work(&self, g: usize) -> bool {
         (g..self.slots.len()).step_by(self.groups).any(|i| self.slots[i].seq.as_ref().is_some_and(|s| s.done.is_none()))
     }

@@ -146,6 +146,13 @@ unsafe impl ZeroBits for u8 {}
 // SAFETY: an f32 scale of 0.0 and 32 zero bytes: a block of zeros.
 unsafe impl ZeroBits for tessera_kernels::KvQ8 {}
 
+/// This process's resident set in bytes (Linux: `/proc/self/statm`); `None` elsewhere.
+pub fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * PAGE_BYTES as u64)
+}
+
 /// The page size [`LazyZeroed::populate_new_pages`] assumes (Linux x86-64 and most
 /// arm64; a larger page only makes some calls redundant).
 const PAGE_BYTES: usize = 4096;

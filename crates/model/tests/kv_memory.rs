@@ -1,21 +1,62 @@
 //! A KV cache costs memory as it fills, not when it is made: a cache for a long context
 //! is untouched zero pages until positions are written (a cache filled at creation made
 //! `generate --parallel 32` on SmolLM2 at its 8k context hold 3 GB and start 5 s late for
-//! 77 MB used). One test in its own binary: it reads the process's resident set.
+//! 77 MB used), and gives it back when cut (a finished request's slot, a shortened
+//! prefix). Tests in their own binary, one after the other: they read the process's
+//! resident set.
 
 use std::path::Path;
 use tessera_kernels::ThreadPool;
 use tessera_model::{load_model, KvDtype, LogitsFor, StepLimits};
 
-/// This process's resident set in bytes (Linux), `None` elsewhere.
 fn resident_bytes() -> Option<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<usize>().ok()? * 1024)
+    tessera_model::memory::resident_bytes().map(|b| b as usize)
 }
 
 #[test]
-fn kv_cache_memory_is_committed_as_it_fills() {
+fn kv_cache_memory_is_committed_as_it_fills_and_given_back_when_cut() {
+    committed_as_it_fills();
+    given_back_when_cut();
+}
+
+/// A cache filled to 16k positions, cut back to 16: the memory of the rest goes back,
+/// for every element type (q8 keys included), and the kept prefix still gives the
+/// logits it gave.
+fn given_back_when_cut() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf/qwen3.gguf");
+    let model = load_model(&path).unwrap();
+    let pool = ThreadPool::new(2);
+    let context = 1 << 14;
+    let limits = StepLimits { tokens_per_step_max: 512, context_max: context, sequences_per_step_max: 1 };
+    let mut ws = model.new_workspace(limits, 2);
+    let mut logits = vec![0.0f32; model.cfg.vocab];
+    let chunk: Vec<u32> = (0..512u32).map(|i| i % 200 + 3).collect();
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+        let mut cache = model.new_cache(limits, dtype);
+        model.forward(&pool, &mut ws, &mut cache, &chunk[..16], LogitsFor::Last, &mut logits).unwrap();
+        let mut fresh = model.new_cache(limits, dtype);
+        model.forward(&pool, &mut ws, &mut fresh, &chunk[..16], LogitsFor::Last, &mut logits).unwrap();
+        model.forward(&pool, &mut ws, &mut fresh, &[7], LogitsFor::Last, &mut logits).unwrap();
+        let want = logits.clone();
+        let before = resident_bytes();
+        while cache.len() + 512 <= context {
+            model.forward(&pool, &mut ws, &mut cache, &chunk, LogitsFor::Last, &mut logits).unwrap();
+        }
+        let filled = resident_bytes();
+        cache.truncate(16);
+        let cut = resident_bytes();
+        if let (Some(before), Some(filled), Some(cut)) = (before, filled, cut) {
+            let grew = filled.saturating_sub(before);
+            let bytes = model.kv_bytes_per_token(dtype) * (context - 512);
+            assert!(grew > bytes / 2, "{dtype:?}: filling {bytes} bytes of cache grew the resident set by {grew} only");
+            assert!(filled.saturating_sub(cut) > grew * 3 / 4, "{dtype:?}: cutting the cache gave back {} of {grew} bytes", filled.saturating_sub(cut));
+        }
+        model.forward(&pool, &mut ws, &mut cache, &[7], LogitsFor::Last, &mut logits).unwrap();
+        assert_eq!(logits, want, "{dtype:?}: the kept prefix after the cut");
+    }
+}
+
+fn committed_as_it_fills() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf/qwen3.gguf");
     let model = load_model(&path).unwrap();
     let pool = ThreadPool::new(2);

@@ -37,10 +37,24 @@ pub(crate) struct AppState {
     seeds: Arc<AtomicU64>,
     /// Requests whose response is still being written (see [`Open`]).
     pub(crate) open: Arc<AtomicUsize>,
+    /// Set by the watchdog when the engine stalls: every handler fails its request.
+    failure: tokio::sync::watch::Receiver<Option<String>>,
 }
 
 impl AppState {
-    pub(crate) fn new(cfg: &ServeConfig, commands: SyncSender<Command>, tok: Arc<Tokenizer>, template: Option<Arc<ChatTemplate>>, (context, vocab): (usize, usize), metrics: Arc<Metrics>) -> AppState {
+    /// The engine's next reply for a request, or `Failed` once the watchdog has given up
+    /// on the engine.
+    async fn next_reply(&self, replies: &mut UnboundedReceiver<Reply>) -> Option<Reply> {
+        let mut failure = self.failure.clone();
+        tokio::select! {
+            r = replies.recv() => r,
+            Ok(why) = failure.wait_for(Option::is_some) => Some(Reply::Failed(why.clone().unwrap_or_default())),
+        }
+    }
+}
+
+impl AppState {
+    pub(crate) fn new(cfg: &ServeConfig, commands: SyncSender<Command>, tok: Arc<Tokenizer>, template: Option<Arc<ChatTemplate>>, (context, vocab): (usize, usize), metrics: Arc<Metrics>, failure: tokio::sync::watch::Receiver<Option<String>>) -> AppState {
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         AppState {
             commands,
@@ -54,6 +68,7 @@ impl AppState {
             metrics,
             seeds: Arc::new(AtomicU64::new(now)),
             open: Arc::new(AtomicUsize::new(0)),
+            failure,
         }
     }
 }
@@ -80,7 +95,7 @@ async fn ready(State(s): State<AppState>) -> Response {
     if s.metrics.ready.load(Ordering::Relaxed) {
         Json(json!({"status": "ready"})).into_response()
     } else {
-        ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine failed; this server must be restarted").into_response()
+        ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine failed or stalled; this server must be restarted").into_response()
     }
 }
 
@@ -166,7 +181,7 @@ async fn submit(s: &AppState, prompt: Vec<u32>, c: &Common, prompt_param: &'stat
         Err(TrySendError::Full(_)) => return Err(busy("the engine's command queue is full")),
         Err(TrySendError::Disconnected(_)) => return Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine has stopped")),
     }
-    match replies.recv().await {
+    match s.next_reply(&mut replies).await {
         Some(Reply::Admitted(id)) => Ok((replies, CancelOnDrop { id, commands: s.commands.clone(), finished: false })),
         Some(Reply::Refused(r)) => {
             s.metrics.refused.fetch_add(1, Ordering::Relaxed);
@@ -327,7 +342,7 @@ async fn generate(s: AppState, prompt: Vec<u32>, c: Common, kind: Kind, prompt_p
     let n = c.choices;
     let (mut texts, mut logprobs) = (vec![String::new(); n], vec![Vec::new(); n]);
     while !choices.all_finished() {
-        let reply = replies.recv().await;
+        let reply = s.next_reply(&mut replies).await;
         if matches!(reply, Some(Reply::Failed(_))) {
             guard.finished = true;
         }
@@ -424,7 +439,7 @@ fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelO
             // A client gone while nothing is written (waiting, in prefill) drops the
             // response body: stop waiting then, and the guard cancels.
             let reply = tokio::select! {
-                r = replies.recv() => r,
+                r = s.next_reply(&mut replies) => r,
                 _ = events.closed() => return,
             };
             if matches!(reply, Some(Reply::Failed(_))) {

@@ -34,7 +34,13 @@ pub struct ServeConfig {
     pub body_bytes_max: usize,
     /// Commands in flight between HTTP and the engine; beyond them, 429.
     pub commands_max: usize,
+    /// A step running longer than this is a hung engine: the watchdog fails every request
+    /// in flight and stops the process (exit code [`EXIT_STALLED`]).
+    pub step_timeout: std::time::Duration,
 }
+
+/// The exit code of a server whose watchdog found the engine stalled.
+pub const EXIT_STALLED: i32 = 3;
 
 /// How long a failed server waits for its responses in flight to deliver their errors.
 const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -47,8 +53,10 @@ pub fn run(cfg: ServeConfig, stepper: &mut dyn Stepper, tok: Tokenizer, template
     let bound = listener.local_addr().map_err(|e| e.to_string())?;
     let metrics = Arc::new(metrics::Metrics::new());
     let (commands, receiver) = std::sync::mpsc::sync_channel(cfg.commands_max);
-    let state = http::AppState::new(&cfg, commands, Arc::new(tok), template.map(Arc::new), (stepper.capacity(), stepper.vocab()), metrics.clone());
+    let (failure, failure_rx) = tokio::sync::watch::channel(None);
+    let state = http::AppState::new(&cfg, commands, Arc::new(tok), template.map(Arc::new), (stepper.capacity(), stepper.vocab()), metrics.clone(), failure_rx);
     let open = state.open.clone();
+    watchdog(cfg.step_timeout, metrics.clone(), failure, open.clone());
     let stop_ids = state.tok.stop.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_io().enable_time().thread_name("tessera-http").build().map_err(|e| format!("starting the HTTP runtime: {e}"))?;
     let server = runtime.spawn(async move {
@@ -58,12 +66,38 @@ pub fn run(cfg: ServeConfig, stepper: &mut dyn Stepper, tok: Tokenizer, template
     eprintln!("tessera serve: listening on http://{bound}");
     let result = engine::run(stepper, cfg.queue, cfg.cache, &stop_ids, receiver, metrics).map_err(|e| format!("engine failed: {e}"));
     // Every request in flight was told; let their responses reach the clients.
+    flush(&open);
+    server.abort();
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    result
+}
+
+/// Waits (at most [`FLUSH_WAIT`]) for the responses in flight to deliver what they were told.
+fn flush(open: &std::sync::atomic::AtomicUsize) {
     let t0 = std::time::Instant::now();
     while open.load(std::sync::atomic::Ordering::SeqCst) > 0 && t0.elapsed() < FLUSH_WAIT {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     std::thread::sleep(std::time::Duration::from_millis(100));
-    server.abort();
-    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
-    result
+}
+
+/// A thread that watches the engine's steps: one that runs past `step_timeout` (a hung
+/// kernel, a deadlock; a dead or stalled peer is the collectives' deadline's) turns
+/// `/ready` to 503, fails every request in flight, and ends the process with
+/// [`EXIT_STALLED`], as a stuck engine thread cannot be stopped from outside.
+fn watchdog(step_timeout: std::time::Duration, metrics: Arc<metrics::Metrics>, failure: tokio::sync::watch::Sender<Option<String>>, open: Arc<std::sync::atomic::AtomicUsize>) {
+    std::thread::Builder::new()
+        .name("tessera-watchdog".into())
+        .spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            if metrics.step_running_for().is_some_and(|t| t > step_timeout) {
+                let why = format!("the engine made no progress for {:.0} s in one step (--step-timeout-s): the server stops, for its supervisor to restart it", step_timeout.as_secs_f64());
+                metrics.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+                eprintln!("tessera serve: {why}");
+                let _ = failure.send(Some(why));
+                flush(&open);
+                std::process::exit(EXIT_STALLED);
+            }
+        })
+        .expect("spawning the watchdog thread");
 }

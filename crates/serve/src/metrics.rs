@@ -41,8 +41,28 @@ impl Histogram {
     }
 }
 
+/// One rank's totals from its profiles (see `engine::PROFILE_EVERY`).
+#[derive(Clone, Default)]
+pub(crate) struct RankTotals {
+    /// Time in its share of the steps (every module, collectives and pipeline waits).
+    pub(crate) busy_secs: f64,
+    pub(crate) collective_secs: f64,
+    pub(crate) pipeline_secs: f64,
+    pub(crate) steps: u64,
+    pub(crate) resident_bytes: u64,
+    /// Over the last interval: busy time per step, and the share of wall time busy.
+    pub(crate) step_secs_last: f64,
+    pub(crate) busy_share_last: f64,
+}
+
 #[derive(Default)]
 pub(crate) struct Metrics {
+    /// Per rank, from the gathered profiles.
+    pub(crate) ranks: std::sync::Mutex<Vec<RankTotals>>,
+    /// When the step in progress began (ms since `epoch`, +1), or 0 between steps: what
+    /// the watchdog looks at.
+    step_began_ms: AtomicU64,
+    epoch: std::sync::OnceLock<std::time::Instant>,
     pub(crate) prompt_tokens: AtomicU64,
     pub(crate) generation_tokens: AtomicU64,
     pub(crate) running: AtomicU64,
@@ -75,6 +95,42 @@ impl Metrics {
         Metrics { ready: AtomicBool::new(true), ..Default::default() }
     }
 
+    fn now_ms(&self) -> u64 {
+        self.epoch.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64 + 1
+    }
+
+    pub(crate) fn step_began(&self) {
+        self.step_began_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    pub(crate) fn step_ended(&self) {
+        self.step_began_ms.store(0, Ordering::Relaxed);
+    }
+
+    /// How long the step in progress has run (`None` between steps).
+    pub(crate) fn step_running_for(&self) -> Option<std::time::Duration> {
+        let began = self.step_began_ms.load(Ordering::Relaxed);
+        (began != 0).then(|| std::time::Duration::from_millis(self.now_ms().saturating_sub(began)))
+    }
+
+    /// Adds every rank's profile of the last `secs` seconds.
+    pub(crate) fn ranks(&self, profiles: &[tessera_model::Profile], secs: f64) {
+        use tessera_model::ProfileKind;
+        let mut ranks = self.ranks.lock().unwrap_or_else(|p| p.into_inner());
+        ranks.resize(profiles.len(), RankTotals::default());
+        for (t, p) in ranks.iter_mut().zip(profiles) {
+            let s = |k: ProfileKind| p.nanos[k as usize] as f64 * 1e-9;
+            let busy: f64 = p.nanos.iter().sum::<u64>() as f64 * 1e-9;
+            t.busy_secs += busy;
+            t.collective_secs += s(ProfileKind::Collectives);
+            t.pipeline_secs += s(ProfileKind::Pipeline);
+            t.steps += p.steps;
+            t.resident_bytes = p.resident_bytes;
+            t.step_secs_last = if p.steps > 0 { busy / p.steps as f64 } else { 0.0 };
+            t.busy_share_last = busy / secs.max(1e-9);
+        }
+    }
+
     pub(crate) fn finished(&self, reason: StopReason) {
         let i = match reason {
             StopReason::Stop => 0,
@@ -105,6 +161,20 @@ impl Metrics {
         metric("prefix_cache_kept_tokens", "gauge", "Tokens the prefix cache keeps for reuse (evicted when a request needs the room).", &[(String::new(), get(&self.kv_tokens_kept))]);
         let usage = get(&self.kv_tokens) as f64 / get(&self.kv_tokens_max).max(1) as f64;
         let _ = writeln!(out, "# HELP tessera:kv_cache_usage_perc Share of the KV cache's tokens (--kv-tokens-max) held by running requests (1 = full; what the prefix cache keeps is free to take).\n# TYPE tessera:kv_cache_usage_perc gauge\ntessera:kv_cache_usage_perc {usage}");
+        let ranks = self.ranks.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let per_rank = |f: &dyn Fn(&RankTotals) -> String| -> Vec<(String, String)> { ranks.iter().enumerate().map(|(r, t)| (format!("{{rank=\"{r}\"}}"), f(t))).collect() };
+        let mut family = |name: &str, kind: &str, help: &str, lines: Vec<(String, String)>| {
+            let _ = writeln!(out, "# HELP tessera:{name} {help}\n# TYPE tessera:{name} {kind}");
+            for (labels, v) in lines {
+                let _ = writeln!(out, "tessera:{name}{labels} {v}");
+            }
+        };
+        family("rank_busy_seconds_total", "counter", "Time each rank spent in its share of the steps (modules, collectives, pipeline waits).", per_rank(&|t| t.busy_secs.to_string()));
+        family("rank_collective_seconds_total", "counter", "Time each rank spent in collectives (TP / EP all-reduces and gathers).", per_rank(&|t| t.collective_secs.to_string()));
+        family("rank_pipeline_seconds_total", "counter", "Time each rank spent sending or waiting for pipeline activations.", per_rank(&|t| t.pipeline_secs.to_string()));
+        family("rank_steps_total", "counter", "Steps each rank ran.", per_rank(&|t| t.steps.to_string()));
+        family("rank_step_seconds", "gauge", "Each rank's busy time per step over the last profile interval.", per_rank(&|t| t.step_secs_last.to_string()));
+        family("rank_resident_bytes", "gauge", "Each rank's resident memory at the last profile.", per_rank(&|t| t.resident_bytes.to_string()));
         self.ttft.render(&mut out, "time_to_first_token_seconds", "From admission to the first generated token.");
         self.inter_token.render(&mut out, "inter_token_latency_seconds", "Between consecutive generated tokens of a request.");
         self.e2e.render(&mut out, "e2e_request_latency_seconds", "From admission to the end of a request.");
