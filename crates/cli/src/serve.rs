@@ -85,9 +85,13 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
         Engine::Drive(g) => g,
     };
     let model_name = a.served_name.clone().unwrap_or_else(|| a.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()));
+    let p = &a.runtime.placement;
     let cfg = tessera_serve::ServeConfig {
         addr: SocketAddr::new(a.host, a.port),
         model_name,
+        placement: format!("TP{} · PP{} · EP{}", p.tp, p.pp, p.ep),
+        ranks: p.tp.max(p.ep) * p.pp,
+        parallel: a.parallel,
         api_key,
         queue: QueueLimits { requests_max: a.queue_max, prompt_tokens_max: a.queued_prompt_tokens_max },
         cache: CacheConfig { kv_tokens_max: a.kv_tokens_max.unwrap_or(usize::MAX), prefix_block_tokens: a.prefix_block_tokens },

@@ -725,3 +725,43 @@ fn a_stalled_engine_fails_its_requests_and_exits() {
     // One second of timeout, the flush (at most 2 s), and loading.
     assert!(t0.elapsed() < Duration::from_secs(6), "{:?}", t0.elapsed());
 }
+
+/// The page (`GET /`) in headless Chromium (Debian's `chromium`; scripts/test installs it
+/// and sets TESSERA_TEST_CHROMIUM), driven over the DevTools protocol by
+/// tools/serve/page_check.py under TP2: it shows the model, the placement and a row per
+/// rank with its memory and step time; a message typed into the chat box streams back
+/// `generate --chat`'s greedy answer; a screenshot is taken.
+#[test]
+fn the_page_shows_the_placement_and_chats() {
+    let python = std::env::var("TESSERA_TEST_PYTHON").expect("TESSERA_TEST_PYTHON is not set: run scripts/test");
+    let chromium = std::env::var("TESSERA_TEST_CHROMIUM").expect("TESSERA_TEST_CHROMIUM is not set: run scripts/test, which installs Debian's chromium");
+    let question = "What is the capital of France?";
+    let want = generate_chat(question, 24);
+    let server = serve_on(2, &["--tp", "2"]);
+    let (status, headers, page) = http(&server.addr, "GET", "/", &[], "");
+    assert_eq!(status, 200);
+    assert!(headers.iter().any(|(k, v)| k == "content-type" && v.starts_with("text/html")), "{headers:?}");
+    assert!(page.contains("<title>tessera serve</title>"));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tessera-serve-page");
+    std::fs::create_dir_all(&dir).unwrap();
+    let shot = dir.join("page.png");
+    let out = Command::new(&python).arg(repo().join("tools/serve/page_check.py")).args([format!("http://{}", server.addr), chromium, shot.to_string_lossy().into_owned(), question.to_string(), "24".to_string()]).output().unwrap();
+    assert!(out.status.success(), "page_check.py failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["model"], MODEL, "{v}");
+    assert!(v["placement"].as_str().unwrap().contains("TP2 · PP1 · EP1 · 2 ranks"), "{v}");
+    assert!(v["ready"].as_str().unwrap().contains("ready") && !v["ready"].as_str().unwrap().contains("not"), "{v}");
+    assert_eq!(v["state"], "done", "{v}");
+    assert_eq!(v["errors"], serde_json::json!([]), "{v}");
+    assert_eq!(v["answer"].as_str().unwrap(), want, "the page's chat is the greedy answer: {v}");
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2, "one row per rank: {v}");
+    for (r, row) in ranks.iter().enumerate() {
+        assert_eq!(row[0], r.to_string());
+        assert!(row[1].as_str().unwrap().ends_with("MiB"), "rank {r}'s memory: {row}");
+        assert!(row[2].as_str().unwrap().ends_with(" ms"), "rank {r}'s step time: {row}");
+    }
+    assert_eq!(v["done"], "1", "{v}");
+    let png = std::fs::read(&shot).unwrap();
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "a screenshot of {} bytes", png.len());
+}

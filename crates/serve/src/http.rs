@@ -29,6 +29,9 @@ pub(crate) struct AppState {
     pub(crate) tok: Arc<Tokenizer>,
     template: Option<Arc<ChatTemplate>>,
     model_name: Arc<str>,
+    placement: Arc<str>,
+    ranks: usize,
+    parallel: usize,
     api_key: Option<Arc<str>>,
     context: usize,
     vocab: usize,
@@ -61,6 +64,9 @@ impl AppState {
             tok,
             template,
             model_name: cfg.model_name.as_str().into(),
+            placement: cfg.placement.as_str().into(),
+            ranks: cfg.ranks,
+            parallel: cfg.parallel,
             api_key: cfg.api_key.as_deref().map(Into::into),
             context,
             vocab,
@@ -75,6 +81,8 @@ impl AppState {
 
 pub(crate) fn router(state: AppState) -> Router {
     Router::new()
+        .route("/", get(|| async { ([("content-type", "text/html; charset=utf-8")], PAGE) }))
+        .route("/info", get(info))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(ready))
         .route("/metrics", get(|State(s): State<AppState>| async move { ([("content-type", "text/plain; version=0.0.4")], s.metrics.render()) }))
@@ -85,6 +93,15 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/detokenize", post(detokenize))
         .fallback(|| async { ApiError::status(StatusCode::NOT_FOUND, "invalid_request_error", "no such route (see /v1/models, /v1/chat/completions, /v1/completions)") })
         .with_state(state)
+}
+
+/// The page `GET /` serves: the placement, live numbers from `/metrics`, a chat box.
+const PAGE: &str = include_str!("page.html");
+
+/// What the page shows of the server (open, as `/metrics` is).
+async fn info(State(s): State<AppState>) -> Json<Value> {
+    let kv = s.metrics.kv_tokens_max.load(Ordering::Relaxed);
+    Json(json!({"model": &*s.model_name, "placement": &*s.placement, "ranks": s.ranks, "context": s.context, "parallel": s.parallel, "kv_tokens_max": kv}))
 }
 
 fn unix_secs() -> u64 {

@@ -25,6 +25,11 @@ pub struct ServeConfig {
     pub addr: SocketAddr,
     /// The name `/v1/models` lists and requests must give.
     pub model_name: String,
+    /// How the model is placed, in words (`TP2 × PP1, EP1`), and over how many ranks.
+    pub placement: String,
+    pub ranks: usize,
+    /// KV slots (requests generating at once).
+    pub parallel: usize,
     /// Bearer key required on the API routes (`/health`, `/ready` and `/metrics` stay open).
     pub api_key: Option<String>,
     pub queue: QueueLimits,
