@@ -4,7 +4,8 @@
 For each round and client count, each server in turn (interleaved: the host is noisy) is started on
 the same GGUF with the same threads and as many slots as clients (llama-server `-np`, continuous
 batching on; tessera `--parallel`), warmed with one request, then every client sends one streamed
-`/v1/completions` request at once (greedy, a counting prompt that does not stop early). Reported:
+`/v1/completions` request at once (greedy, a counting prompt that does not stop early, led by the
+client's number so that no server's prefix cache skips another client's prefill). Reported:
 aggregate generated tok/s (all completion tokens over the wall time from the first request to the
 last token), and time to first token and inter-token latency p50 / p99 (from the SSE chunks'
 arrival; one chunk per token on both servers).
@@ -27,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+LOGPROBS = False
 
 
 def start(cmd, env=None, pattern=None, port=None):
@@ -53,8 +55,13 @@ def start(cmd, env=None, pattern=None, port=None):
 
 
 def one_request(port, model, tokens, out, i):
-    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    # Each client its own prompt: no prefix cache (tessera's, llama-server's slot reuse)
+    # skips another client's prefill.
+    body = {"model": model, "prompt": f"{i} {i} {i}: {PROMPT}", "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if LOGPROBS:
+        body["logprobs"] = 1
+    body = json.dumps(body)
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
     c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -67,7 +74,9 @@ def one_request(port, model, tokens, out, i):
         d = json.loads(line[6:])
         if d.get("usage"):
             n = d["usage"]["completion_tokens"]
-        if d.get("choices") and d["choices"][0].get("text"):
+        # A token's chunk: its text, or (a random model's pieces are often no whole
+        # character: --logprobs) its log-probability.
+        if d.get("choices") and (d["choices"][0].get("text") or d["choices"][0].get("logprobs")):
             arrivals.append(time.perf_counter())
     out[i] = (t0, arrivals, n or len(arrivals))
 
@@ -101,7 +110,11 @@ def main():
     ap.add_argument("--clients", default="1,4,16,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--logprobs", action="store_true", help="ask for each token's log-probability (a chunk per token even where a "
+                    "token is no whole character: the random bench MoE)")
     a = ap.parse_args()
+    global LOGPROBS
+    LOGPROBS = a.logprobs
     name = Path(a.model).name
     ctx = 256
     results = {}

@@ -31,6 +31,15 @@ out["stream"] = {"content": "".join(c.choices[0].delta.content or "" for c in ch
                  "usage_chunks": [[c.usage.prompt_tokens, c.usage.completion_tokens] for c in chunks if c.usage],
                  "empty_choices": sum(1 for c in chunks if not c.choices)}
 
+# Two choices with log-probabilities, through the client's own types; the prompt was seen
+# twice above, so the prefix cache serves it.
+r = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=6, n=2, logprobs=True, top_logprobs=2)
+out["choices"] = {"contents": [c.message.content for c in r.choices], "indexes": [c.index for c in r.choices],
+                  "tokens": [[t.token for t in c.logprobs.content] for c in r.choices],
+                  "top": [[[a.token for a in t.top_logprobs] for t in c.logprobs.content] for c in r.choices],
+                  "logprobs": [[t.logprob for t in c.logprobs.content] for c in r.choices],
+                  "cached": r.usage.prompt_tokens_details.cached_tokens, "prompt_tokens": r.usage.prompt_tokens}
+
 t = client.completions.create(model=model, prompt="The sky is", temperature=0, max_tokens=8)
 out["completion"] = {"text": t.choices[0].text, "finish_reason": t.choices[0].finish_reason}
 

@@ -81,6 +81,15 @@ fn parse_num(name: &str, v: &str) -> Result<usize> {
     v.trim().parse().with_context(|| format!("environment variable {name}={v:?} is not a number"))
 }
 
+/// Where launchers put a process's rank.
+const RANK_VARS: &[&str] = &["TESSERA_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"];
+
+/// Whether this process is rank 0 (or alone), from the environment alone: unlike
+/// [`ClusterEnv::from_env`] it takes nothing (rank 0's inherited socket stays where it is).
+pub fn leads_from_env() -> bool {
+    var(RANK_VARS).is_none_or(|(_, r)| r.trim() == "0")
+}
+
 impl ClusterEnv {
     /// The cluster this process belongs to, or `None` when it runs alone. Reads
     /// `TESSERA_RANK`/`TESSERA_WORLD_SIZE`/`TESSERA_MASTER_ADDR` (set by `tessera
@@ -88,7 +97,7 @@ impl ClusterEnv {
     /// mpirun's `OMPI_COMM_WORLD_RANK`/`_SIZE`, Slurm's `SLURM_PROCID`/`SLURM_NTASKS`.
     /// The cluster secret comes from `TESSERA_CLUSTER_SECRET` or `secret_file`.
     pub fn from_env(secret_file: Option<&PathBuf>) -> Result<Option<ClusterEnv>> {
-        let Some((rank_name, rank)) = var(&["TESSERA_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]) else {
+        let Some((rank_name, rank)) = var(RANK_VARS) else {
             return Ok(None);
         };
         let (world_name, world) = var(&["TESSERA_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"])
@@ -119,6 +128,11 @@ impl ClusterEnv {
             (None, Err(_)) => bail!("no cluster secret: set TESSERA_CLUSTER_SECRET on every rank or pass --secret-file"),
         };
         let listener = if rank == 0 { inherited_listener()? } else { None };
+        if let Some(port) = listener.as_ref().and_then(|l| l.local_addr().ok()).map(|a| a.port()) {
+            if port != master.port() {
+                bail!("the inherited listening socket is on port {port}, the master address on {} (start ranks with `tessera launch`)", master.port());
+            }
+        }
         Ok(Some(ClusterEnv { rank, world, master, secret, listener }))
     }
 

@@ -77,13 +77,6 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
         }
         None => None,
     };
-    let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
-    let leads = cluster.as_ref().is_none_or(|(c, _)| c.rank() == 0);
-    let (tok, template) = if leads { (Some(Tokenizer::from_checkpoint(model.checkpoint())?), chat_template(&model).ok()) } else { (None, None) };
-    let mut gen = match engine_for(&model, cluster, &a.runtime, 0, a.parallel)? {
-        Engine::Follow(rank) => return Ok(rank.follow()?),
-        Engine::Drive(g) => g,
-    };
     let model_name = a.served_name.clone().unwrap_or_else(|| a.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()));
     let p = &a.runtime.placement;
     let cfg = tessera_serve::ServeConfig {
@@ -99,5 +92,16 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
         commands_max: a.queue_max + a.parallel + 64,
         step_timeout: std::time::Duration::from_secs_f64(a.step_timeout_s),
     };
-    tessera_serve::run(cfg, gen.stepper(), tok.expect("the leader has the tokenizer"), template).map_err(anyhow::Error::msg)
+    // Rank 0 answers HTTP while every rank loads (`/ready` 503 until then).
+    let leads = crate::cluster::leads_from_env();
+    let server = if leads { Some(tessera_serve::Server::bind(cfg).map_err(anyhow::Error::msg)?) } else { None };
+    tessera_serve::faults::delay_load();
+    let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
+    let (tok, template) = if leads { (Some(Tokenizer::from_checkpoint(model.checkpoint())?), chat_template(&model).ok()) } else { (None, None) };
+    let mut gen = match engine_for(&model, cluster, &a.runtime, 0, a.parallel)? {
+        Engine::Follow(rank) => return Ok(rank.follow()?),
+        Engine::Drive(g) => g,
+    };
+    let server = server.expect("rank 0 serves");
+    server.run(gen.stepper(), tok.expect("the leader has the tokenizer"), template).map_err(anyhow::Error::msg)
 }

@@ -25,12 +25,17 @@ const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 struct Server {
     child: Child,
     addr: String,
+    /// What the server printed (shown when a test fails).
+    stderr: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- the server's stderr ---\n{}", self.stderr.lock().unwrap());
+        }
     }
 }
 
@@ -47,7 +52,22 @@ fn serve_model(ranks: usize, model: &Path, extra: &[&str]) -> Server {
     serve_with(ranks, model, extra, &[])
 }
 
+/// [`spawn_server`], then waits (30 s at most) until `/ready` says every rank has loaded.
 fn serve_with(ranks: usize, model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
+    let mut server = spawn_server(ranks, model, extra, env);
+    let t0 = Instant::now();
+    while http(&server.addr, "GET", "/ready", &[], "").0 != 200 {
+        if let Some(exit) = server.child.try_wait().unwrap() {
+            panic!("tessera serve exited while loading: {exit:?}");
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "tessera serve never became ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    server
+}
+
+/// A server process, returned once its port answers (the model may still be loading).
+fn spawn_server(ranks: usize, model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
     cmd.envs(env.iter().copied());
     if ranks > 1 {
@@ -63,15 +83,22 @@ fn serve_with(ranks: usize, model: &Path, extra: &[&str], env: &[(&str, &str)]) 
         .spawn()
         .expect("starting tessera serve");
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
     let addr = loop {
-        let line = lines.next().expect("tessera serve exited before listening").unwrap();
+        let line = lines.next().unwrap_or_else(|| panic!("tessera serve exited before listening:\n{}", stderr.lock().unwrap())).unwrap();
+        stderr.lock().unwrap().push_str(&format!("{line}\n"));
         if let Some(a) = line.split("listening on http://").nth(1) {
             break a.trim().to_string();
         }
     };
     // Keep draining stderr so the server never blocks on it.
-    std::thread::spawn(move || for _ in lines {});
-    Server { child, addr }
+    let kept = stderr.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            kept.lock().unwrap().push_str(&format!("{line}\n"));
+        }
+    });
+    Server { child, addr, stderr }
 }
 
 /// One request; the status, the headers (lower-case names) and the body.
@@ -481,6 +508,23 @@ fn openai_client_talks_to_the_server() {
     assert_eq!(v["stream"]["finish_reason"], serde_json::json!([v["chat"]["finish_reason"]]));
     assert_eq!(v["chat"]["cached"], 0);
     assert!(v["completion"]["text"].as_str().is_some_and(|t| !t.is_empty()), "{v}");
+    // n = 2 with logprobs, parsed by the client's types: both choices greedy, equal, and
+    // spelled by their tokens; the best alternative is the token; the prompt was cached.
+    let c = &v["choices"];
+    assert_eq!(c["indexes"], serde_json::json!([0, 1]), "{c}");
+    let first_six: String = v["chat"]["content"].as_str().unwrap().to_string();
+    for k in 0..2 {
+        let content = c["contents"][k].as_str().unwrap();
+        assert!(first_six.starts_with(content), "choice {k}: {content:?} is not the start of {first_six:?}");
+        let tokens: Vec<&str> = c["tokens"][k].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(tokens.concat(), content, "{c}");
+        for (i, top) in c["top"][k].as_array().unwrap().iter().enumerate() {
+            assert_eq!(top[0], tokens[i], "{c}");
+        }
+        assert!(c["logprobs"][k].as_array().unwrap().iter().all(|l| l.as_f64().unwrap() <= 0.0));
+    }
+    assert_eq!(c["contents"][0], c["contents"][1]);
+    assert_eq!(c["cached"].as_u64().unwrap() + 1, c["prompt_tokens"].as_u64().unwrap(), "{c}");
     let e = &v["errors"];
     assert_eq!(e["unknown_model"], serde_json::json!({"status": 400, "class": "BadRequestError", "param": "model", "code": "model_not_found"}));
     assert_eq!(e["bad_temperature"]["status"], 400);
@@ -492,10 +536,11 @@ fn openai_client_talks_to_the_server() {
     for (family, kind) in [("tessera:prompt_tokens", "counter"), ("tessera:generation_tokens", "counter"), ("tessera:num_requests_running", "gauge"), ("tessera:time_to_first_token_seconds", "histogram"), ("tessera:e2e_request_latency_seconds", "histogram")] {
         assert_eq!(m[family]["type"], kind, "{family}: {m}");
     }
-    // Three generations finished (chat, stream, completion): 20 + 20 + 8 tokens at most.
+    // Four requests finished (chat, stream, two choices, completion): 20 + 20 + 2 × 6 + 8
+    // tokens at most.
     let generated = m["tessera:generation_tokens"]["samples"]["tessera:generation_tokens_total{}"].as_f64().unwrap();
-    assert!((3.0..=48.0).contains(&generated), "{generated}");
-    assert_eq!(m["tessera:e2e_request_latency_seconds"]["samples"]["tessera:e2e_request_latency_seconds_count{}"], 3.0);
+    assert!((4.0..=60.0).contains(&generated), "{generated}");
+    assert_eq!(m["tessera:e2e_request_latency_seconds"]["samples"]["tessera:e2e_request_latency_seconds_count{}"], 4.0);
 }
 
 /// The pid of rank `rank` among the children of launcher `launcher` (its environment says
@@ -554,11 +599,12 @@ fn a_killed_rank_fails_the_requests_in_flight_and_stops_the_server() {
     assert!(!exit.success(), "the server exits non-zero");
 }
 
-/// A client that disconnects while its long prompt is still being prefilled (in chunks
+/// A client that disconnects while its request waits in the queue takes it out of the
+/// queue; one that disconnects while its long prompt is still being prefilled (in chunks
 /// of 16 tokens), streamed or not, cancels it there: it never produces a token, and the
 /// request behind it runs.
 #[test]
-fn a_client_gone_during_prefill_cancels_its_request() {
+fn a_client_gone_in_the_queue_or_during_prefill_cancels_its_request() {
     let server = serve(&["--parallel", "1", "--prefill-chunk", "16"]);
     let mut long = chat(&"word ".repeat(850), 100);
     long["stream"] = true.into();
@@ -571,6 +617,27 @@ fn a_client_gone_during_prefill_cancels_its_request() {
         line.clear();
         reader.read_line(&mut line).unwrap();
     }
+    // Q waits in the queue behind A (one slot); its client goes away there: it leaves
+    // the queue while A still runs.
+    let gauge = |name: &str| -> f64 {
+        let (_, _, m) = http(&server.addr, "GET", "/metrics", &[], "");
+        m.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).unwrap().parse().unwrap()
+    };
+    let q_body = chat("Say hello.", 8).to_string();
+    let mut q = TcpStream::connect(&server.addr).unwrap();
+    write!(q, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{q_body}", q_body.len()).unwrap();
+    let t0 = Instant::now();
+    while gauge("tessera:num_requests_waiting") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "Q never waited");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    q.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(q);
+    while gauge("tessera:num_requests_waiting") > 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "Q stayed in the queue after its client left");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(gauge("tessera:num_requests_running"), 1.0, "A still runs");
     drop(reader);
     a.shutdown(std::net::Shutdown::Both).unwrap();
     drop(a);
@@ -587,7 +654,8 @@ fn a_client_gone_during_prefill_cancels_its_request() {
     let (_, _, m) = http(&server.addr, "GET", "/metrics", &[], "");
     let metric = |name: &str| -> f64 { m.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).unwrap().parse().unwrap() };
     assert_eq!(metric("tessera:generation_tokens_total"), 8.0, "a cancelled prompt produced tokens:\n{m}");
-    assert_eq!(metric("tessera:request_success_total{finished_reason=\"abort\"}"), 2.0, "{m}");
+    assert_eq!(metric("tessera:request_success_total{finished_reason=\"abort\"}"), 3.0, "{m}");
+    assert_eq!(metric("tessera:num_requests_running"), 0.0, "{m}");
 }
 
 /// `n` choices, log-probabilities and the prefix cache over HTTP: greedy choices are each
@@ -764,4 +832,30 @@ fn the_page_shows_the_placement_and_chats() {
     assert_eq!(v["done"], "1", "{v}");
     let png = std::fs::read(&shot).unwrap();
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "a screenshot of {} bytes", png.len());
+}
+
+/// Rank 0 answers HTTP while every rank loads (the fault hook makes loading 1.5 s
+/// longer): `/health` 200, `/ready` and the API 503 (OpenAI's shape, Retry-After), `/info`
+/// says not loaded; then `/ready` 200 and requests run.
+#[test]
+fn ready_is_503_until_every_rank_has_loaded() {
+    let server = spawn_server(2, &smollm2(), &["--tp", "2"], &[("TESSERA_FAULT_LOAD_DELAY_MS", "1500")]);
+    let (status, _, _) = http(&server.addr, "GET", "/health", &[], "");
+    assert_eq!(status, 200);
+    let (status, _, body) = http(&server.addr, "GET", "/ready", &[], "");
+    assert_eq!(status, 503, "{body}");
+    let (status, headers, body) = http(&server.addr, "POST", "/v1/chat/completions", &[], &chat("Hi", 4).to_string());
+    assert_eq!(status, 503, "{body}");
+    assert!(headers.iter().any(|(k, _)| k == "retry-after"), "{headers:?}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("still loading"), "{v}");
+    let (_, _, info) = http(&server.addr, "GET", "/info", &[], "");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&info).unwrap()["loaded"], false, "{info}");
+    let t0 = Instant::now();
+    while http(&server.addr, "GET", "/ready", &[], "").0 != 200 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "never ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (status, v) = post(&server.addr, "/v1/chat/completions", &chat("Hi", 4));
+    assert_eq!(status, 200, "{v}");
 }

@@ -49,10 +49,6 @@ const IDLE_POLL: Duration = Duration::from_millis(100);
 /// gathered for `/metrics`: each gathering drains the pipeline once.
 const PROFILE_EVERY: Duration = Duration::from_secs(2);
 
-/// A test hook for the watchdog (#23) and the fault matrix: `TESSERA_FAULT_STALL_AFTER_STEPS=N`
-/// makes the engine stop making progress in its N+1-th step, as a hung kernel would.
-const FAULT_STALL_AFTER_STEPS: &str = "TESSERA_FAULT_STALL_AFTER_STEPS";
-
 /// The engine's state between steps: the scheduler, the requests' reply channels.
 struct Loop<'a> {
     sched: Scheduler,
@@ -78,7 +74,7 @@ pub(crate) fn run(stepper: &mut dyn Stepper, limits: QueueLimits, cache: CacheCo
 
 impl Loop<'_> {
     fn serve(&mut self, stepper: &mut dyn Stepper, commands: Receiver<Command>) -> Result<(), EngineError> {
-        let stall_after: Option<u64> = std::env::var(FAULT_STALL_AFTER_STEPS).ok().and_then(|v| v.parse().ok());
+        let stall_after = crate::faults::stall_after_steps();
         let mut events = Vec::new();
         let mut next_id: RequestId = 0;
         let mut steps = 0u64;
@@ -108,11 +104,13 @@ impl Loop<'_> {
                 self.sched.step(stepper, &mut events)?;
                 self.metrics.step_ended();
                 steps += 1;
+                self.gauges();
                 self.events(&mut events);
             }
             if profiled.elapsed() >= PROFILE_EVERY {
                 self.metrics.step_began();
                 self.sched.finish_in_flight(stepper, &mut events)?;
+                self.gauges();
                 self.events(&mut events);
                 let profiles = stepper.take_profiles()?;
                 stepper.start_profile()?;
@@ -120,17 +118,23 @@ impl Loop<'_> {
                 self.metrics.ranks(&profiles, profiled.elapsed().as_secs_f64());
                 profiled = Instant::now();
             }
-            let kept = self.sched.tokens_kept();
-            let m = self.metrics;
-            m.kv_tokens.store((self.sched.tokens_cached() - kept) as u64, Ordering::Relaxed);
-            m.kv_tokens_kept.store(kept as u64, Ordering::Relaxed);
-            let stats = self.sched.stats();
-            m.prefix_queries.store(stats.prefix_queried_tokens as u64, Ordering::Relaxed);
-            m.prefix_hits.store(stats.prefix_hit_tokens as u64, Ordering::Relaxed);
-            let (waiting, running) = self.sched.counts();
-            m.waiting.store(waiting as u64, Ordering::Relaxed);
-            m.running.store(running as u64, Ordering::Relaxed);
+            self.gauges();
         }
+    }
+
+    /// The scheduler's state into the gauges: before a step's events go out, so a client
+    /// told its request ended reads metrics that say so.
+    fn gauges(&self) {
+        let (m, sched) = (self.metrics, &self.sched);
+        let kept = sched.tokens_kept();
+        m.kv_tokens.store((sched.tokens_cached() - kept) as u64, Ordering::Relaxed);
+        m.kv_tokens_kept.store(kept as u64, Ordering::Relaxed);
+        let stats = sched.stats();
+        m.prefix_queries.store(stats.prefix_queried_tokens as u64, Ordering::Relaxed);
+        m.prefix_hits.store(stats.prefix_hit_tokens as u64, Ordering::Relaxed);
+        let (waiting, running) = sched.counts();
+        m.waiting.store(waiting as u64, Ordering::Relaxed);
+        m.running.store(running as u64, Ordering::Relaxed);
     }
 
     fn command(&mut self, stepper: &dyn Stepper, command: Command, next_id: &mut RequestId) {

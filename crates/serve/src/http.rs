@@ -23,18 +23,24 @@ use tessera_engine::{Refusal, Request, RequestId, TokenLogprobs};
 use tessera_model::{ChatTemplate, TextStream, Tokenizer};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+/// What the handlers need of the model, known once it has loaded.
+pub(crate) struct Loaded {
+    pub(crate) tok: Tokenizer,
+    pub(crate) template: Option<ChatTemplate>,
+    pub(crate) context: usize,
+    pub(crate) vocab: usize,
+}
+
 #[derive(Clone)]
 pub(crate) struct AppState {
     commands: SyncSender<Command>,
-    pub(crate) tok: Arc<Tokenizer>,
-    template: Option<Arc<ChatTemplate>>,
+    /// Set when every rank has loaded: until then the API answers 503.
+    pub(crate) loaded: Arc<std::sync::OnceLock<Arc<Loaded>>>,
     model_name: Arc<str>,
     placement: Arc<str>,
     ranks: usize,
     parallel: usize,
     api_key: Option<Arc<str>>,
-    context: usize,
-    vocab: usize,
     body_bytes_max: usize,
     metrics: Arc<Metrics>,
     seeds: Arc<AtomicU64>,
@@ -45,6 +51,11 @@ pub(crate) struct AppState {
 }
 
 impl AppState {
+    /// The loaded model, or 503 while it loads.
+    fn model(&self) -> Result<Arc<Loaded>, ApiError> {
+        self.loaded.get().cloned().ok_or_else(|| ApiError { retry_after: Some(1), ..ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the model is still loading (GET /ready answers 200 once every rank has loaded)") })
+    }
+
     /// The engine's next reply for a request, or `Failed` once the watchdog has given up
     /// on the engine.
     async fn next_reply(&self, replies: &mut UnboundedReceiver<Reply>) -> Option<Reply> {
@@ -57,19 +68,16 @@ impl AppState {
 }
 
 impl AppState {
-    pub(crate) fn new(cfg: &ServeConfig, commands: SyncSender<Command>, tok: Arc<Tokenizer>, template: Option<Arc<ChatTemplate>>, (context, vocab): (usize, usize), metrics: Arc<Metrics>, failure: tokio::sync::watch::Receiver<Option<String>>) -> AppState {
+    pub(crate) fn new(cfg: &ServeConfig, commands: SyncSender<Command>, metrics: Arc<Metrics>, failure: tokio::sync::watch::Receiver<Option<String>>) -> AppState {
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         AppState {
             commands,
-            tok,
-            template,
+            loaded: Arc::new(std::sync::OnceLock::new()),
             model_name: cfg.model_name.as_str().into(),
             placement: cfg.placement.as_str().into(),
             ranks: cfg.ranks,
             parallel: cfg.parallel,
             api_key: cfg.api_key.as_deref().map(Into::into),
-            context,
-            vocab,
             body_bytes_max: cfg.body_bytes_max,
             metrics,
             seeds: Arc::new(AtomicU64::new(now)),
@@ -101,7 +109,8 @@ const PAGE: &str = include_str!("page.html");
 /// What the page shows of the server (open, as `/metrics` is).
 async fn info(State(s): State<AppState>) -> Json<Value> {
     let kv = s.metrics.kv_tokens_max.load(Ordering::Relaxed);
-    Json(json!({"model": &*s.model_name, "placement": &*s.placement, "ranks": s.ranks, "context": s.context, "parallel": s.parallel, "kv_tokens_max": kv}))
+    let context = s.loaded.get().map(|m| m.context);
+    Json(json!({"model": &*s.model_name, "placement": &*s.placement, "ranks": s.ranks, "context": context, "parallel": s.parallel, "kv_tokens_max": kv, "loaded": context.is_some()}))
 }
 
 fn unix_secs() -> u64 {
@@ -109,6 +118,9 @@ fn unix_secs() -> u64 {
 }
 
 async fn ready(State(s): State<AppState>) -> Response {
+    if s.loaded.get().is_none() {
+        return ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the model is still loading").into_response();
+    }
     if s.metrics.ready.load(Ordering::Relaxed) {
         Json(json!({"status": "ready"})).into_response()
     } else {
@@ -118,7 +130,8 @@ async fn ready(State(s): State<AppState>) -> Response {
 
 async fn models(State(s): State<AppState>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     authorize(&s, &headers)?;
-    Ok(Json(json!({"object": "list", "data": [{"id": &*s.model_name, "object": "model", "created": 0, "owned_by": "tessera", "max_model_len": s.context}]})))
+    let m = s.model()?;
+    Ok(Json(json!({"object": "list", "data": [{"id": &*s.model_name, "object": "model", "created": 0, "owned_by": "tessera", "max_model_len": m.context}]})))
 }
 
 /// Constant-time comparison of the bearer key (no early exit on the first differing byte).
@@ -179,17 +192,17 @@ impl Drop for CancelOnDrop {
 }
 
 /// Hands `prompt` to the engine and waits for admission.
-async fn submit(s: &AppState, prompt: Vec<u32>, c: &Common, prompt_param: &'static str) -> Result<(UnboundedReceiver<Reply>, CancelOnDrop), ApiError> {
-    if let Some(&(t, _)) = c.sampling.logit_bias.iter().find(|(t, _)| *t as usize >= s.vocab) {
-        return Err(ApiError::invalid("logit_bias", format!("token {t} is outside the vocabulary of {}", s.vocab)));
+async fn submit(s: &AppState, m: &Loaded, prompt: Vec<u32>, c: &Common, prompt_param: &'static str) -> Result<(UnboundedReceiver<Reply>, CancelOnDrop), ApiError> {
+    if let Some(&(t, _)) = c.sampling.logit_bias.iter().find(|(t, _)| *t as usize >= m.vocab) {
+        return Err(ApiError::invalid("logit_bias", format!("token {t} is outside the vocabulary of {}", m.vocab)));
     }
-    if prompt.len() >= s.context {
-        return Err(ApiError::invalid(prompt_param, format!("the prompt is {} tokens; this server's context is {} (--ctx)", prompt.len(), s.context)).with_code("context_length_exceeded"));
+    if prompt.len() >= m.context {
+        return Err(ApiError::invalid(prompt_param, format!("the prompt is {} tokens; this server's context is {} (--ctx)", prompt.len(), m.context)).with_code("context_length_exceeded"));
     }
-    let room = s.context - prompt.len();
+    let room = m.context - prompt.len();
     let max_tokens = c.max_tokens.unwrap_or(room);
     if max_tokens > room {
-        return Err(ApiError::invalid("max_tokens", format!("{} prompt tokens + {max_tokens} to generate exceed this server's context of {} (--ctx)", prompt.len(), s.context)).with_code("context_length_exceeded"));
+        return Err(ApiError::invalid("max_tokens", format!("{} prompt tokens + {max_tokens} to generate exceed this server's context of {} (--ctx)", prompt.len(), m.context)).with_code("context_length_exceeded"));
     }
     let (reply, mut replies) = unbounded_channel();
     let request = Request { choices: c.choices, logprobs: c.logprobs, ..Request::new(prompt, max_tokens, c.sampling.clone()) };
@@ -229,24 +242,26 @@ async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: B
     let v = json_body(&s, body).await?;
     let c = openai::common(&v, &s.model_name, s.seeds.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed), true)?;
     let messages = openai::messages(&v)?;
-    let template = s.template.as_ref().ok_or_else(|| ApiError::invalid("messages", "this model has no chat template: use /v1/completions with a prompt"))?;
-    let prompt = template.encode(&s.tok, &messages).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    generate(s, prompt, c, Kind::Chat, "messages").await
+    let m = s.model()?;
+    let template = m.template.as_ref().ok_or_else(|| ApiError::invalid("messages", "this model has no chat template: use /v1/completions with a prompt"))?;
+    let prompt = template.encode(&m.tok, &messages).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    generate(s, m, prompt, c, Kind::Chat, "messages").await
 }
 
 async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     authorize(&s, &headers)?;
     let v = json_body(&s, body).await?;
     let c = openai::common(&v, &s.model_name, s.seeds.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed), false)?;
+    let m = s.model()?;
     let prompt = match v.get("prompt") {
-        Some(Value::String(p)) => s.tok.encode(p, true).map_err(|e| ApiError::invalid("prompt", e))?,
+        Some(Value::String(p)) => m.tok.encode(p, true).map_err(|e| ApiError::invalid("prompt", e))?,
         Some(Value::Array(ids)) if ids.iter().all(Value::is_u64) => ids.iter().map(|i| i.as_u64().unwrap_or(u64::MAX).min(u32::MAX as u64) as u32).collect(),
         _ => return Err(ApiError::invalid("prompt", "`prompt` must be a string or a list of token ids")),
     };
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    generate(s, prompt, c, Kind::Text, "prompt").await
+    generate(s, m, prompt, c, Kind::Text, "prompt").await
 }
 
 /// One choice's output as it is produced: tokens to text (whole characters), then stop
@@ -276,6 +291,7 @@ struct Update {
 /// stream).
 struct Choices {
     id: RequestId,
+    model: Arc<Loaded>,
     outs: Vec<ChoiceOut>,
     /// Prompt tokens the first choice found cached.
     cached_tokens: usize,
@@ -285,9 +301,9 @@ struct Choices {
 }
 
 impl Choices {
-    fn new(id: RequestId, c: &Common) -> Choices {
+    fn new(id: RequestId, model: Arc<Loaded>, c: &Common) -> Choices {
         let out = || ChoiceOut { text: TextStream::new(), stops: StopMatcher::new(c.stop.clone()), tokens: 0, emitted: 0, logprobs: vec![], finish: None };
-        Choices { id, outs: (0..c.choices).map(|_| out()).collect(), cached_tokens: 0, wants_logprobs: c.logprobs.is_some(), engine_done: vec![false; c.choices] }
+        Choices { id, model, outs: (0..c.choices).map(|_| out()).collect(), cached_tokens: 0, wants_logprobs: c.logprobs.is_some(), engine_done: vec![false; c.choices] }
     }
 
     fn all_finished(&self) -> bool {
@@ -310,8 +326,8 @@ impl Choices {
                 }
                 o.tokens += 1;
                 // An end-of-text token is not part of the text: nor of its logprobs.
-                o.logprobs.extend(logprobs.filter(|_| !s.tok.stop.contains(&token)).map(|lp| (token, lp)));
-                let piece = o.text.push(&s.tok, token).map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e))?;
+                o.logprobs.extend(logprobs.filter(|_| !self.model.tok.stop.contains(&token)).map(|lp| (token, lp)));
+                let piece = o.text.push(&self.model.tok, token).map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e))?;
                 let (text, stopped) = o.stops.push(&piece);
                 if stopped {
                     o.finish = Some("stop");
@@ -347,11 +363,11 @@ impl Choices {
     }
 }
 
-async fn generate(s: AppState, prompt: Vec<u32>, c: Common, kind: Kind, prompt_param: &'static str) -> Result<Response, ApiError> {
+async fn generate(s: AppState, m: Arc<Loaded>, prompt: Vec<u32>, c: Common, kind: Kind, prompt_param: &'static str) -> Result<Response, ApiError> {
     let prompt_tokens = prompt.len();
     let open = Open::new(&s.open);
-    let (mut replies, mut guard) = submit(&s, prompt, &c, prompt_param).await?;
-    let mut choices = Choices::new(guard.id, &c);
+    let (mut replies, mut guard) = submit(&s, &m, prompt, &c, prompt_param).await?;
+    let mut choices = Choices::new(guard.id, m, &c);
     let meta = Meta { id: format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, guard.id), created: unix_secs(), model: s.model_name.to_string(), kind, prompt_tokens };
     if c.stream {
         return Ok(stream(s, replies, guard, choices, meta, c.include_usage, open));
@@ -375,7 +391,7 @@ async fn generate(s: AppState, prompt: Vec<u32>, c: Common, kind: Kind, prompt_p
     let body: Vec<Value> = (0..n)
         .map(|k| {
             let (reason, text) = (choices.outs[k].finish, &texts[k]);
-            let lp = if choices.wants_logprobs { openai::logprobs(&s.tok, &logprobs[k], kind == Kind::Chat, 0) } else { Value::Null };
+            let lp = if choices.wants_logprobs { openai::logprobs(&choices.model.tok, &logprobs[k], kind == Kind::Chat, 0) } else { Value::Null };
             match kind {
                 Kind::Chat => json!({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}),
                 Kind::Text => json!({"index": k, "text": text, "logprobs": lp, "finish_reason": reason}),
@@ -471,7 +487,7 @@ fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelO
                     return;
                 }
             };
-            let lp = if choices.wants_logprobs && !u.logprobs.is_empty() { openai::logprobs(&s.tok, &u.logprobs, meta.kind == Kind::Chat, u.offset) } else { Value::Null };
+            let lp = if choices.wants_logprobs && !u.logprobs.is_empty() { openai::logprobs(&choices.model.tok, &u.logprobs, meta.kind == Kind::Chat, u.offset) } else { Value::Null };
             if (!u.text.is_empty() || !lp.is_null()) && !send(meta.chunk(u.choice, Some(&u.text), false, lp, None)).await {
                 return;
             }
@@ -497,22 +513,24 @@ fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelO
 async fn tokenize(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Result<Json<Value>, ApiError> {
     authorize(&s, &headers)?;
     let v = json_body(&s, body).await?;
+    let m = s.model()?;
     let tokens = if v.get("messages").is_some() {
-        let template = s.template.as_ref().ok_or_else(|| ApiError::invalid("messages", "this model has no chat template"))?;
-        template.encode(&s.tok, &openai::messages(&v)?).map_err(|e| ApiError::invalid("messages", e.to_string()))?
+        let template = m.template.as_ref().ok_or_else(|| ApiError::invalid("messages", "this model has no chat template"))?;
+        template.encode(&m.tok, &openai::messages(&v)?).map_err(|e| ApiError::invalid("messages", e.to_string()))?
     } else {
         let text = v.get("prompt").or_else(|| v.get("content")).and_then(Value::as_str).ok_or_else(|| ApiError::invalid("prompt", "give `prompt` (text) or `messages`"))?;
         let add_special = v.get("add_special_tokens").or_else(|| v.get("add_special")).and_then(Value::as_bool).unwrap_or(true);
-        s.tok.encode(text, add_special).map_err(|e| ApiError::invalid("prompt", e))?
+        m.tok.encode(text, add_special).map_err(|e| ApiError::invalid("prompt", e))?
     };
-    Ok(Json(json!({"tokens": tokens, "count": tokens.len(), "max_model_len": s.context})))
+    Ok(Json(json!({"tokens": tokens, "count": tokens.len(), "max_model_len": m.context})))
 }
 
 async fn detokenize(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Result<Json<Value>, ApiError> {
     authorize(&s, &headers)?;
     let v = json_body(&s, body).await?;
-    let ids: Option<Vec<u32>> = v.get("tokens").and_then(Value::as_array).and_then(|a| a.iter().map(|t| t.as_u64().filter(|&t| (t as usize) < s.tok.vocab_size()).map(|t| t as u32)).collect());
-    let ids = ids.ok_or_else(|| ApiError::invalid("tokens", format!("`tokens` must be a list of token ids below {}", s.tok.vocab_size())))?;
-    let text = s.tok.decode(&ids, false).map_err(|e| ApiError::invalid("tokens", e))?;
+    let m = s.model()?;
+    let ids: Option<Vec<u32>> = v.get("tokens").and_then(Value::as_array).and_then(|a| a.iter().map(|t| t.as_u64().filter(|&t| (t as usize) < m.tok.vocab_size()).map(|t| t as u32)).collect());
+    let ids = ids.ok_or_else(|| ApiError::invalid("tokens", format!("`tokens` must be a list of token ids below {}", m.tok.vocab_size())))?;
+    let text = m.tok.decode(&ids, false).map_err(|e| ApiError::invalid("tokens", e))?;
     Ok(Json(json!({"prompt": text, "content": text})))
 }

@@ -9,6 +9,7 @@
 //! [`ServeConfig`] and in the error that enforces it.
 
 mod engine;
+pub mod faults;
 mod http;
 mod metrics;
 mod openai;
@@ -50,31 +51,57 @@ pub const EXIT_STALLED: i32 = 3;
 /// How long a failed server waits for its responses in flight to deliver their errors.
 const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Serves until the engine fails (its error returned) or the process is stopped. Prints
-/// `listening on http://ADDR` to stderr once the port is bound.
-pub fn run(cfg: ServeConfig, stepper: &mut dyn Stepper, tok: Tokenizer, template: Option<ChatTemplate>) -> Result<(), String> {
-    let listener = std::net::TcpListener::bind(cfg.addr).map_err(|e| format!("binding {}: {e} (choose another --port or --host)", cfg.addr))?;
-    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let bound = listener.local_addr().map_err(|e| e.to_string())?;
-    let metrics = Arc::new(metrics::Metrics::new());
-    let (commands, receiver) = std::sync::mpsc::sync_channel(cfg.commands_max);
-    let (failure, failure_rx) = tokio::sync::watch::channel(None);
-    let state = http::AppState::new(&cfg, commands, Arc::new(tok), template.map(Arc::new), (stepper.capacity(), stepper.vocab()), metrics.clone(), failure_rx);
-    let open = state.open.clone();
-    watchdog(cfg.step_timeout, metrics.clone(), failure, open.clone());
-    let stop_ids = state.tok.stop.clone();
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_io().enable_time().thread_name("tessera-http").build().map_err(|e| format!("starting the HTTP runtime: {e}"))?;
-    let server = runtime.spawn(async move {
-        let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
-        axum::serve(listener, http::router(state)).await.map_err(|e| format!("HTTP server: {e}"))
-    });
-    eprintln!("tessera serve: listening on http://{bound}");
-    let result = engine::run(stepper, cfg.queue, cfg.cache, &stop_ids, receiver, metrics).map_err(|e| format!("engine failed: {e}"));
-    // Every request in flight was told; let their responses reach the clients.
-    flush(&open);
-    server.abort();
-    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
-    result
+/// A bound server: HTTP answers from the moment the port is bound (`/health` 200,
+/// `/ready` and the API 503 while the model loads); [`Server::run`] then serves the
+/// loaded model.
+pub struct Server {
+    cfg: ServeConfig,
+    runtime: tokio::runtime::Runtime,
+    http: tokio::task::JoinHandle<Result<(), String>>,
+    state: http::AppState,
+    commands: std::sync::mpsc::Receiver<engine::Command>,
+    metrics: Arc<metrics::Metrics>,
+    failure: Option<tokio::sync::watch::Sender<Option<String>>>,
+}
+
+impl Server {
+    /// Binds `cfg.addr` and starts answering. Prints `listening on http://ADDR` to stderr.
+    pub fn bind(cfg: ServeConfig) -> Result<Server, String> {
+        let listener = std::net::TcpListener::bind(cfg.addr).map_err(|e| format!("binding {}: {e} (choose another --port or --host)", cfg.addr))?;
+        listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let bound = listener.local_addr().map_err(|e| e.to_string())?;
+        let metrics = Arc::new(metrics::Metrics::new());
+        let (commands, receiver) = std::sync::mpsc::sync_channel(cfg.commands_max);
+        let (failure, failure_rx) = tokio::sync::watch::channel(None);
+        let state = http::AppState::new(&cfg, commands, metrics.clone(), failure_rx);
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_io().enable_time().thread_name("tessera-http").build().map_err(|e| format!("starting the HTTP runtime: {e}"))?;
+        let router = http::router(state.clone());
+        let http = runtime.spawn(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
+            axum::serve(listener, router).await.map_err(|e| format!("HTTP server: {e}"))
+        });
+        eprintln!("tessera serve: listening on http://{bound}");
+        Ok(Server { cfg, runtime, http, state, commands: receiver, metrics, failure: Some(failure) })
+    }
+
+    /// Serves the loaded model until the engine fails (its error returned) or the process
+    /// is stopped: from here `/ready` answers 200.
+    pub fn run(mut self, stepper: &mut dyn Stepper, tok: Tokenizer, template: Option<ChatTemplate>) -> Result<(), String> {
+        let stop_ids = tok.stop.clone();
+        let loaded = http::Loaded { tok, template, context: stepper.capacity(), vocab: stepper.vocab() };
+        if self.state.loaded.set(Arc::new(loaded)).is_err() {
+            return Err("the server runs one model, once".into());
+        }
+        let open = self.state.open.clone();
+        let failure = self.failure.take().expect("run takes the server");
+        watchdog(self.cfg.step_timeout, self.metrics.clone(), failure, open.clone());
+        let result = engine::run(stepper, self.cfg.queue, self.cfg.cache, &stop_ids, self.commands, self.metrics).map_err(|e| format!("engine failed: {e}"));
+        // Every request in flight was told; let their responses reach the clients.
+        flush(&open);
+        self.http.abort();
+        self.runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+        result
+    }
 }
 
 /// Waits (at most [`FLUSH_WAIT`]) for the responses in flight to deliver what they were told.
