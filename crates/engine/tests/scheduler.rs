@@ -334,3 +334,53 @@ fn logprobs_are_the_models_log_softmax() {
         feed = vec![*token];
     }
 }
+
+/// A long prompt never holds a decoding sequence back: with a step budget of 8 tokens, a
+/// 120-token prompt admitted while another sequence decodes is prefilled 7 tokens a step
+/// beside that sequence's one, which gets a token from every step; both keep their ids.
+#[test]
+fn a_long_prompt_never_stalls_the_decodes() {
+    let m = model();
+    let short: Vec<u32> = vec![9, 8, 7];
+    let long: Vec<u32> = (0..120u32).map(|j| (j * 13) % 190 + 5).collect();
+    let (want_short, want_long) = (alone(&m, &short, 40), alone(&m, &long, 3));
+    let cfg = EngineConfig { threads: 1, prefill_chunk: 8, context_max: 256, sequences_max: 2, kv_cache: KvDtype::F32 };
+    let mut gen = Generator::new(&m, cfg).unwrap();
+    let stepper = gen.stepper();
+    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, CacheConfig::NONE, &[]);
+    sched.admit(stepper, 0, request(&short, 40)).unwrap();
+    let mut events = Vec::new();
+    let (mut got, mut submits, mut short_at, mut long_first) = (vec![vec![], vec![]], 0usize, vec![], None);
+    let mut admitted = false;
+    while !sched.is_idle() {
+        let before = sched.steps_in_flight();
+        sched.step(stepper, &mut events).unwrap();
+        if sched.steps_in_flight() > before {
+            submits += 1;
+        }
+        for e in events.drain(..) {
+            if let Event::Token { id, token, .. } = e {
+                got[id as usize].push(token);
+                if id == 0 {
+                    short_at.push(submits);
+                } else {
+                    long_first.get_or_insert(submits);
+                }
+            }
+        }
+        // The long request arrives once the short one decodes.
+        if got[0].len() == 2 && !admitted {
+            sched.admit(stepper, 1, request(&long, 3)).unwrap();
+            admitted = true;
+        }
+    }
+    assert_eq!(got[0], want_short);
+    assert_eq!(got[1], want_long);
+    let long_first = long_first.expect("the long request ran");
+    // 120 prompt tokens at 7 a step beside the decode: 18 steps of prefill.
+    assert!(long_first >= short_at[1] + 120 / 7, "the long prompt went in {} steps", long_first - short_at[1]);
+    // Every step while it prefilled gave the short sequence its next token.
+    let during: Vec<usize> = short_at.iter().copied().filter(|&s| s > short_at[1] && s <= long_first).collect();
+    assert!(during.windows(2).all(|w| w[1] == w[0] + 1), "decode steps skipped during the long prefill: {during:?}");
+    assert!(during.len() >= 120 / 7, "{during:?}");
+}

@@ -9,6 +9,7 @@
 // iterator over one of them would hide which index is which.
 #![allow(clippy::needless_range_loop)]
 
+pub mod delta_rule;
 pub mod format;
 mod int8_rows;
 pub mod matmul;
