@@ -611,13 +611,7 @@ impl Stepper for DistLeader<'_> {
     fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), EngineError> {
         let r = self.r();
         // Checked here first, so a bad call never reaches the followers.
-        let n = r.caches.len();
-        if let Some(&slot) = [to, from].iter().find(|&&s| s >= n) {
-            return Err(tessera_model::StepError::NoSuchCache { index: slot, caches: n }.into());
-        }
-        if len > r.caches[from].len() {
-            return Err(EngineError::Config(format!("slot {to}: a prefix of {len} tokens from slot {from}, which holds {}", r.caches[from].len())));
-        }
+        crate::generate::check_prefix(&r.caches, to, from, len)?;
         let words = [from as u32, len as u32];
         r.lead(OP_PREFIX, &[SeqChunk { cache: to, tokens: &words, logits: LogitsFor::Last }])?;
         Ok(())

@@ -371,15 +371,7 @@ impl<'m> Generator<'m> {
 
 /// [`Stepper::keep_prefix`] on one process's caches (every rank runs it on its own).
 pub(crate) fn keep_prefix(caches: &mut [KvCache], to: usize, from: usize, len: usize) -> Result<(), EngineError> {
-    let n = caches.len();
-    for slot in [to, from] {
-        if slot >= n {
-            return Err(StepError::NoSuchCache { index: slot, caches: n }.into());
-        }
-    }
-    if len > caches[from].len() {
-        return Err(EngineError::Config(format!("slot {to}: a prefix of {len} tokens from slot {from}, which holds {}", caches[from].len())));
-    }
+    check_prefix(caches, to, from, len)?;
     if to == from {
         caches[to].truncate(len);
         return Ok(());
@@ -392,4 +384,17 @@ pub(crate) fn keep_prefix(caches: &mut [KvCache], to: usize, from: usize, len: u
         (&mut b[0], &a[from])
     };
     dst.copy_prefix(src, len).map_err(|why| EngineError::Config(format!("slot {to} from slot {from}: {why}")))
+}
+
+/// Whether [`Stepper::keep_prefix`]`(to, from, len)` can run on `caches`: both slots exist
+/// and `from` holds `len` tokens.
+pub(crate) fn check_prefix(caches: &[KvCache], to: usize, from: usize, len: usize) -> Result<(), EngineError> {
+    let n = caches.len();
+    if let Some(&slot) = [to, from].iter().find(|&&s| s >= n) {
+        return Err(StepError::NoSuchCache { index: slot, caches: n }.into());
+    }
+    if len > caches[from].len() {
+        return Err(EngineError::Config(format!("slot {to}: a prefix of {len} tokens from slot {from}, which holds {}", caches[from].len())));
+    }
+    Ok(())
 }

@@ -490,14 +490,12 @@ impl Scheduler {
                 }
                 continue;
             }
-            if w.next_choice > 0 && !self.slots.iter().filter_map(|s| s.seq.as_ref()).any(|s| s.id == w.id && s.choice == 0 && s.prefilled == s.prompt_len) {
-                // The first choice's prompt is not in yet (or it finished: then its slot
-                // is kept, or its choices start afresh).
-                let first_gone = !self.slots.iter().filter_map(|s| s.seq.as_ref()).any(|s| s.id == w.id && s.choice == 0);
-                if !first_gone {
-                    wi += 1;
-                    continue;
-                }
+            // Later choices wait while the first one's prompt is not in yet (once it is,
+            // or the first has finished, they start from its cache).
+            let first = self.slots.iter().filter_map(|s| s.seq.as_ref()).find(|s| s.id == w.id && s.choice == 0);
+            if w.next_choice > 0 && first.is_some_and(|f| f.prefilled < f.prompt_len) {
+                wi += 1;
+                continue;
             }
             // The slot sharing the longest prefix, and where this choice runs.
             let (prompt, hashes) = (&w.request.prompt, &w.hashes);

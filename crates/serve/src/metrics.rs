@@ -141,34 +141,29 @@ impl Metrics {
     }
 
     pub(crate) fn render(&self) -> String {
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed).to_string();
+        let one = |a: &AtomicU64| vec![(String::new(), get(a))];
         let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, lines: &[(String, u64)]| {
-            let _ = writeln!(out, "# HELP tessera:{name} {help}\n# TYPE tessera:{name} {kind}");
-            for (labels, v) in lines {
-                let _ = writeln!(out, "tessera:{name}{labels} {v}");
-            }
-        };
-        metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", &[(String::new(), get(&self.prompt_tokens))]);
-        metric("generation_tokens_total", "counter", "Tokens generated.", &[(String::new(), get(&self.generation_tokens))]);
-        metric("num_requests_running", "gauge", "Requests holding a KV slot.", &[(String::new(), get(&self.running))]);
-        metric("num_requests_waiting", "gauge", "Requests waiting for a KV slot.", &[(String::new(), get(&self.waiting))]);
-        let finished: Vec<(String, u64)> = REASONS.iter().zip(&self.finished).map(|(r, a)| (format!("{{finished_reason=\"{r}\"}}"), get(a))).collect();
-        metric("request_success_total", "counter", "Finished requests by reason.", &finished);
-        metric("request_refused_total", "counter", "Requests refused at admission (a limit, or invalid).", &[(String::new(), get(&self.refused))]);
-        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", &[(String::new(), get(&self.prefix_queries))]);
-        metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not prefilled).", &[(String::new(), get(&self.prefix_hits))]);
-        metric("prefix_cache_kept_tokens", "gauge", "Tokens the prefix cache keeps for reuse (evicted when a request needs the room).", &[(String::new(), get(&self.kv_tokens_kept))]);
-        let usage = get(&self.kv_tokens) as f64 / get(&self.kv_tokens_max).max(1) as f64;
-        let _ = writeln!(out, "# HELP tessera:kv_cache_usage_perc Share of the KV cache's tokens (--kv-tokens-max) held by running requests (1 = full; what the prefix cache keeps is free to take).\n# TYPE tessera:kv_cache_usage_perc gauge\ntessera:kv_cache_usage_perc {usage}");
-        let ranks = self.ranks.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let per_rank = |f: &dyn Fn(&RankTotals) -> String| -> Vec<(String, String)> { ranks.iter().enumerate().map(|(r, t)| (format!("{{rank=\"{r}\"}}"), f(t))).collect() };
         let mut family = |name: &str, kind: &str, help: &str, lines: Vec<(String, String)>| {
             let _ = writeln!(out, "# HELP tessera:{name} {help}\n# TYPE tessera:{name} {kind}");
             for (labels, v) in lines {
                 let _ = writeln!(out, "tessera:{name}{labels} {v}");
             }
         };
+        family("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", one(&self.prompt_tokens));
+        family("generation_tokens_total", "counter", "Tokens generated.", one(&self.generation_tokens));
+        family("num_requests_running", "gauge", "Requests holding a KV slot.", one(&self.running));
+        family("num_requests_waiting", "gauge", "Requests waiting for a KV slot.", one(&self.waiting));
+        let finished = REASONS.iter().zip(&self.finished).map(|(r, a)| (format!("{{finished_reason=\"{r}\"}}"), get(a))).collect();
+        family("request_success_total", "counter", "Finished requests by reason.", finished);
+        family("request_refused_total", "counter", "Requests refused at admission (a limit, or invalid).", one(&self.refused));
+        family("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", one(&self.prefix_queries));
+        family("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not prefilled).", one(&self.prefix_hits));
+        family("prefix_cache_kept_tokens", "gauge", "Tokens the prefix cache keeps for reuse (evicted when a request needs the room).", one(&self.kv_tokens_kept));
+        let usage = self.kv_tokens.load(Ordering::Relaxed) as f64 / self.kv_tokens_max.load(Ordering::Relaxed).max(1) as f64;
+        family("kv_cache_usage_perc", "gauge", "Share of the KV cache's tokens (--kv-tokens-max) held by running requests (1 = full; what the prefix cache keeps is free to take).", vec![(String::new(), usage.to_string())]);
+        let ranks = self.ranks.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let per_rank = |f: &dyn Fn(&RankTotals) -> String| -> Vec<(String, String)> { ranks.iter().enumerate().map(|(r, t)| (format!("{{rank=\"{r}\"}}"), f(t))).collect() };
         family("rank_busy_seconds_total", "counter", "Time each rank spent in its share of the steps (modules, collectives, pipeline waits).", per_rank(&|t| t.busy_secs.to_string()));
         family("rank_collective_seconds_total", "counter", "Time each rank spent in collectives (TP / EP all-reduces and gathers).", per_rank(&|t| t.collective_secs.to_string()));
         family("rank_pipeline_seconds_total", "counter", "Time each rank spent sending or waiting for pipeline activations.", per_rank(&|t| t.pipeline_secs.to_string()));
