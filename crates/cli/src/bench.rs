@@ -192,12 +192,13 @@ fn print_table(model: &str, r: &BenchReport) {
     println!("tessera bench  {model}");
     let ranks = if r.ranks > 1 { format!("{} ranks × ", r.ranks) } else { String::new() };
     println!(
-        "{} | {ranks}{} threads | {} | {} | {} read per decoded token{} | KV cache {} | {} round(s), median [min–max]",
+        "{} | {ranks}{} threads | {} | {} | {} read per decoded token{}{} | KV cache {} | {} round(s), median [min–max]",
         r.arch,
         r.threads,
         r.isa,
         mix.join(" + "),
         mib(r.bytes_per_token),
+        if r.state_bytes_per_token > 0 { format!(" + {} of recurrent state read and written", mib(r.state_bytes_per_token)) } else { String::new() },
         if r.ranks > 1 { " by rank 0" } else { "" },
         r.config.kv_cache.name(),
         r.config.repeat
@@ -261,7 +262,7 @@ fn print_table(model: &str, r: &BenchReport) {
     println!(
         "roofline: batch-1 decode moves {:.2} GB/s ({} × {:.1} tok/s) = {:.1} % of the best measured {:.2} GB/s (which would allow {:.1} tok/s)",
         r.decode_gb_s(),
-        mib(r.bytes_per_token),
+        mib(r.moved_per_token() as usize),
         r.decode.tok_per_sec.median,
         100.0 * r.roofline_fraction(),
         r.bandwidth_best_gb_s(),
@@ -353,6 +354,7 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
         "vocab": r.vocab,
         "formats": r.formats.iter().map(|f| json!({ "format": f.format, "tensors": f.tensors, "bytes": f.bytes })).collect::<Vec<_>>(),
         "bytes_per_token": r.bytes_per_token,
+        "state_bytes_per_token": r.state_bytes_per_token,
         "kv_cache": r.config.kv_cache.name(),
         "machine": {
             "threads": r.threads,

@@ -602,8 +602,21 @@ fn inspect(path: &Path, placement: &PlacementArgs) -> Result<()> {
     }
     if let Some(m) = &c.mla {
         println!(
-            "attention       MLA: q_lora {:?}, kv_lora {}, nope {}, rope {}, v {}",
+            "attention       MLA{}: q_lora {:?}, kv_lora {}, nope {}, rope {}, v {}",
+            if m.rotary { "" } else { " (NoPE: q_pe and k_pe unrotated)" },
             m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_dim
+        );
+    }
+    if let Some(k) = &c.kda {
+        let layers: Vec<String> = (0..c.layers).filter(|&l| k.layers[l]).map(|l| (l + 1).to_string()).collect();
+        println!(
+            "linear attn     KDA on {} of {} layers (1-based {}): {} heads × {}, short conv {}; the other layers MLA",
+            layers.len(),
+            c.layers,
+            layers.join(","),
+            k.heads,
+            k.head_dim,
+            k.conv_kernel
         );
     }
     println!("embeddings      {}", if model.is_tied() { "tied to the LM head" } else { "separate LM head" });
@@ -619,6 +632,9 @@ fn inspect(path: &Path, placement: &PlacementArgs) -> Result<()> {
         println!("KV cache per token of context  {} (f32 latent + rope key)", kv(KvDtype::F32));
     } else {
         println!("KV cache per token of context  {} (f16 keys and values; {} with --kv-cache q8, {} with f32)", kv(KvDtype::F16), kv(KvDtype::Q8), kv(KvDtype::F32));
+    }
+    if c.kda.is_some() {
+        println!("recurrent state {} per sequence, whatever its length (KDA: f32 delta-rule states and conv tails)", human_bytes(model.state_bytes_per_sequence()));
     }
     match Tokenizer::from_checkpoint(ckpt) {
         Ok(t) => println!(
@@ -656,11 +672,12 @@ fn inspect_placement(path: &Path, p: &PlacementArgs) -> Result<()> {
             tessera_model::ExpertSplit::Width => format!("tp {}/{}", spec.tp_rank, spec.tp_size),
         };
         println!(
-            "rank {rank:<3} layers {:?}, {experts}: reads {} from disk, {} weights per decoded token, KV {} per token",
+            "rank {rank:<3} layers {:?}, {experts}: reads {} from disk, {} weights per decoded token, KV {} per token{}",
             spec.layers,
             human_bytes(shard.bytes_loaded()),
             human_bytes(shard.bytes_per_token()),
-            human_bytes(shard.kv_bytes_per_token(KvDtype::F16))
+            human_bytes(shard.kv_bytes_per_token(KvDtype::F16)),
+            if cfg.kda.is_some() { format!(", recurrent state {} per sequence", human_bytes(shard.state_bytes_per_sequence())) } else { String::new() }
         );
     }
     Ok(())

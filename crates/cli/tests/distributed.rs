@@ -222,6 +222,15 @@ fn deepseek_mla_every_placement() {
     }
 }
 
+/// Kimi Linear: KDA heads split over any TP (4 heads: 2/1/1 on three ranks) with their
+/// channels, taps and gates, NoPE MLA between, every placement equal to one node.
+#[test]
+fn kimi_linear_every_placement() {
+    for name in ["kimi_linear", "kimi_linear_mlx_q4g32"] {
+        every_placement(name, &[]);
+    }
+}
+
 #[test]
 fn mixtral_every_placement() {
     every_placement("mixtral", &[("PP3", "3 pipeline stages for 2 layers")]);

@@ -223,6 +223,9 @@ pub struct BenchReport {
     pub vocab: usize,
     /// Weight bytes read per decoded token (`Model::bytes_per_token`).
     pub bytes_per_token: usize,
+    /// Recurrent-state bytes a decoded token moves (KDA: read and written back, twice
+    /// `Model::state_bytes_per_sequence`; 0 without): in the roofline with the weights.
+    pub state_bytes_per_token: usize,
     pub formats: Vec<FormatBytes>,
     pub config: BenchConfig,
     /// The KV-cache capacity each measurement ran with (max over them).
@@ -268,9 +271,13 @@ pub struct PageUse {
 }
 
 impl BenchReport {
-    /// Achieved weight-read bandwidth of batch-1 decode (median): bytes/token ÷ s/token.
+    /// Bytes batch-1 decode moves per token: the weights, and a recurrent state's.
+    pub fn moved_per_token(&self) -> f64 {
+        (self.bytes_per_token + self.state_bytes_per_token) as f64
+    }
+    /// Achieved bandwidth of batch-1 decode (median): bytes moved per token ÷ s/token.
     pub fn decode_gb_s(&self) -> f64 {
-        self.bytes_per_token as f64 * self.decode.tok_per_sec.median / 1e9
+        self.moved_per_token() * self.decode.tok_per_sec.median / 1e9
     }
     /// The best bandwidth measured in this run: before, after, or around a decode round.
     pub fn bandwidth_best_gb_s(&self) -> f64 {
@@ -293,7 +300,7 @@ impl BenchReport {
     /// Batch-1 decode against the bandwidth measured around it, round by round
     /// (achieved ÷ best adjacent pass): median, min and max over rounds.
     pub fn roofline_fraction_by_round(&self) -> Stat {
-        self.fraction_by_round(self.bytes_per_token as f64)
+        self.fraction_by_round(self.moved_per_token())
     }
     /// [`Self::roofline_fraction_by_round`] counting every byte a decode step reads, as
     /// measured ([`DecodeResult::bytes_per_step`]: the weights, and the KV cache, which
@@ -319,7 +326,7 @@ impl BenchReport {
     }
     /// The decode speed the best measured bandwidth would allow (tok/s).
     pub fn roofline_tok_per_sec(&self) -> f64 {
-        self.bandwidth_best_gb_s() * 1e9 / self.bytes_per_token as f64
+        self.bandwidth_best_gb_s() * 1e9 / self.moved_per_token()
     }
     /// The best int8 and f32 peaks measured in this run (GMAC/s).
     pub fn mac_peak_best_gmac_s(&self) -> [f64; 2] {
@@ -582,6 +589,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &Model, ranks: usize, cfg: &Benc
         experts: model.cfg.moe.as_ref().map(|m| (m.experts, m.top_k)),
         vocab,
         bytes_per_token: bpt,
+        state_bytes_per_token: 2 * model.state_bytes_per_sequence(),
         formats,
         config: cfg.clone(),
         context_max: ctx,

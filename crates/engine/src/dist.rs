@@ -512,7 +512,7 @@ impl<'m> Rank<'m> {
             OP_PREFIX => {
                 let p = &self.plan;
                 let (to, from, len) = (p[PLAN_HEAD_WORDS] as usize, p[PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS] as usize, p[PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS + 1] as usize);
-                crate::generate::keep_prefix(&mut self.caches, to, from, len).map_err(|e| dist_err(format!("rank {}: {e}", self.rank)))?;
+                crate::generate::keep_prefix(&mut self.caches, to, from, len, self.model.keeps_recurrent_state()).map_err(|e| dist_err(format!("rank {}: {e}", self.rank)))?;
                 Ok(None)
             }
             OP_STOP => Ok(None),
@@ -608,10 +608,13 @@ impl Stepper for DistLeader<'_> {
     fn in_flight_max(&self) -> usize {
         self.r_ref().placement.pp
     }
+    fn prefix_whole_only(&self) -> bool {
+        self.r_ref().model.keeps_recurrent_state()
+    }
     fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), EngineError> {
         let r = self.r();
         // Checked here first, so a bad call never reaches the followers.
-        crate::generate::check_prefix(&r.caches, to, from, len)?;
+        crate::generate::check_prefix(&r.caches, to, from, len, r.model.keeps_recurrent_state())?;
         let words = [from as u32, len as u32];
         r.lead(OP_PREFIX, &[SeqChunk { cache: to, tokens: &words, logits: LogitsFor::Last }])?;
         Ok(())

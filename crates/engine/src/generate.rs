@@ -127,6 +127,10 @@ pub trait Stepper {
     /// prefix copied (`to != from`), or its own sequence cut back to `len` (`to == from`;
     /// 0 forgets it). What `to` held past `len` is given back.
     fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), EngineError>;
+    /// Whether a slot's cache stands only for its whole sequence, never a shorter prefix
+    /// of it (a model with recurrent state: Kimi Linear's KDA layers). Then
+    /// [`Self::keep_prefix`] takes `len` = 0 or all `from` holds.
+    fn prefix_whole_only(&self) -> bool;
     /// Forget slot `seq`'s sequence (a new one starts there).
     fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
         self.keep_prefix(seq, seq, 0)
@@ -231,7 +235,10 @@ impl Stepper for LocalStepper<'_> {
         Ok(vec![p])
     }
     fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), EngineError> {
-        keep_prefix(&mut self.caches, to, from, len)
+        keep_prefix(&mut self.caches, to, from, len, self.model.keeps_recurrent_state())
+    }
+    fn prefix_whole_only(&self) -> bool {
+        self.model.keeps_recurrent_state()
     }
     fn submit(&mut self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError> {
         if self.pending.is_some() {
@@ -370,11 +377,10 @@ impl<'m> Generator<'m> {
 }
 
 /// [`Stepper::keep_prefix`] on one process's caches (every rank runs it on its own).
-pub(crate) fn keep_prefix(caches: &mut [KvCache], to: usize, from: usize, len: usize) -> Result<(), EngineError> {
-    check_prefix(caches, to, from, len)?;
+pub(crate) fn keep_prefix(caches: &mut [KvCache], to: usize, from: usize, len: usize, whole_only: bool) -> Result<(), EngineError> {
+    check_prefix(caches, to, from, len, whole_only)?;
     if to == from {
-        caches[to].truncate(len);
-        return Ok(());
+        return caches[to].truncate(len).map_err(|why| EngineError::Config(format!("slot {to}: {why}")));
     }
     let (dst, src) = if to < from {
         let (a, b) = caches.split_at_mut(from);
@@ -387,14 +393,21 @@ pub(crate) fn keep_prefix(caches: &mut [KvCache], to: usize, from: usize, len: u
 }
 
 /// Whether [`Stepper::keep_prefix`]`(to, from, len)` can run on `caches`: both slots exist
-/// and `from` holds `len` tokens.
-pub(crate) fn check_prefix(caches: &[KvCache], to: usize, from: usize, len: usize) -> Result<(), EngineError> {
+/// and `from` holds `len` tokens (all of them or none when `whole_only`: the model's, so
+/// that every rank answers alike whichever layers it holds).
+pub(crate) fn check_prefix(caches: &[KvCache], to: usize, from: usize, len: usize, whole_only: bool) -> Result<(), EngineError> {
     let n = caches.len();
     if let Some(&slot) = [to, from].iter().find(|&&s| s >= n) {
         return Err(StepError::NoSuchCache { index: slot, caches: n }.into());
     }
     if len > caches[from].len() {
         return Err(EngineError::Config(format!("slot {to}: a prefix of {len} tokens from slot {from}, which holds {}", caches[from].len())));
+    }
+    let held = caches[from].len();
+    if whole_only && len != 0 && len != held {
+        return Err(EngineError::Config(format!(
+            "slot {to}: a prefix of {len} of the {held} tokens slot {from} holds, but this model's KDA layers keep a recurrent state that stands only for all of them"
+        )));
     }
     Ok(())
 }

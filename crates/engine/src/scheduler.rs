@@ -180,6 +180,8 @@ pub struct Scheduler {
     finished_waiting: Vec<(RequestId, usize, usize, StopReason)>,
     limits: QueueLimits,
     cache: CacheConfig,
+    /// A slot's cache stands only for its whole sequence (recurrent state).
+    whole_prefix_only: bool,
     /// Running requests' reservations, summed.
     reserved: usize,
     clock: u64,
@@ -228,6 +230,7 @@ impl Scheduler {
             finished_waiting: Vec::new(),
             limits,
             cache,
+            whole_prefix_only: stepper.prefix_whole_only(),
             reserved: 0,
             clock: 0,
             groups,
@@ -456,7 +459,8 @@ impl Scheduler {
     }
 
     /// Tokens of `prompt` slot `i`'s kept cache can stand for: the longest common prefix
-    /// (whole blocks by hash, then token by token), leaving at least one to prefill.
+    /// (whole blocks by hash, then token by token), leaving at least one to prefill; for
+    /// a recurrent model, only all the slot holds.
     fn shared_prefix(&self, i: usize, prompt: &[u32], hashes: &[u64]) -> usize {
         let (slot, b) = (&self.slots[i], self.cache.prefix_block_tokens);
         if b == 0 || slot.shared.is_empty() {
@@ -470,7 +474,13 @@ impl Scheduler {
         while m > 0 && prompt[..m] != slot.shared[..m] {
             m -= 1;
         }
-        m + prompt[m..most].iter().zip(&slot.shared[m..most]).take_while(|(a, b)| a == b).count()
+        let m = m + prompt[m..most].iter().zip(&slot.shared[m..most]).take_while(|(a, b)| a == b).count();
+        // A recurrent state stands for everything the slot's cache holds now, or nothing.
+        let held = slot.seq.as_ref().map_or(slot.shared.len(), |s| s.cached);
+        if self.whole_prefix_only && m != held {
+            return 0;
+        }
+        m
     }
 
     /// Waiting choices into free slots, each starting from the longest cached prefix of

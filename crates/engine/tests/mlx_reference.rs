@@ -70,7 +70,8 @@ fn check_with(name: &str, path: &Path, exp: Expected) {
     let vocab = model.cfg.vocab;
     for isa in [Isa::detect(), Isa::Scalar] {
         model.set_isa(isa);
-        let limits = StepLimits { tokens_per_step_max: 32, context_max: 64, sequences_per_step_max: 1 };
+        // The whole prompt in one step (Kimi Linear's 45 tokens cross a delta-rule block).
+        let limits = StepLimits { tokens_per_step_max: exp.prompt.len().max(32), context_max: 64, sequences_per_step_max: 1 };
         // Full prompt in one step, logits for every position.
         let pool = ThreadPool::new(2);
         let mut ws = model.new_workspace(limits, pool.n_threads());
@@ -173,6 +174,16 @@ fn deepseek_v3_without_q_lora() {
 #[test]
 fn kimi_k2_through_its_own_model_type() {
     check("kimi_k2");
+}
+
+#[test]
+fn kimi_linear_kda_between_nope_mla_layers() {
+    check("kimi_linear");
+}
+
+#[test]
+fn kimi_linear_mlx_affine_4bit() {
+    check("kimi_linear_mlx_q4g32");
 }
 
 #[test]

@@ -384,3 +384,52 @@ fn a_long_prompt_never_stalls_the_decodes() {
     assert!(during.windows(2).all(|w| w[1] == w[0] + 1), "decode steps skipped during the long prefill: {during:?}");
     assert!(during.len() >= 120 / 7, "{during:?}");
 }
+
+/// Kimi Linear's KDA layers keep a recurrent state: a slot stands only for its whole
+/// sequence. A second turn starting with the first's whole sequence reuses it; a shared
+/// system prompt alone (a part of another slot) is prefilled again; later choices prefill
+/// their own prompt; every output is its run alone; a partial copy is refused, named.
+#[test]
+fn a_recurrent_state_is_reused_only_whole() {
+    let m = load("kimi_linear");
+    let greedy = SamplingParams::default();
+    let system: Vec<u32> = (0..21u32).map(|j| (j * 11) % 190 + 5).collect();
+    let with = |tail: &[u32]| [system.as_slice(), tail].concat();
+    let (a, b) = (with(&[7, 8, 9]), with(&[40, 41]));
+    let a_ids = alone_with(&m, KvDtype::F32, &a, 9, &greedy);
+    let d = [a.as_slice(), &a_ids, &[33, 34, 35]].concat();
+    let hot = SamplingParams { temperature: 0.9, seed: 77, ..Default::default() };
+    let cfg = EngineConfig { threads: 1, prefill_chunk: 5, context_max: 128, sequences_max: 3, kv_cache: KvDtype::F32 };
+    let mut gen = Generator::new(&m, cfg).unwrap();
+    let stepper = gen.stepper();
+    assert!(stepper.prefix_whole_only());
+    let cache = CacheConfig { kv_tokens_max: usize::MAX, prefix_block_tokens: 4 };
+    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, cache, &[]);
+    let two = Request { choices: 2, ..Request::new(b.clone(), 6, hot.clone()) };
+    let later = vec![(0, 0, request(&a, 9)), (14, 1, request(&b, 9)), (60, 2, request(&d, 9)), (61, 3, two)];
+    let (done, _) = run_all(stepper, &mut sched, later);
+    assert_eq!(done[&(0, 0)].ids, a_ids);
+    assert_eq!(done[&(1, 0)].ids, alone_with(&m, KvDtype::F32, &b, 9, &greedy), "b");
+    assert_eq!(done[&(2, 0)].ids, alone_with(&m, KvDtype::F32, &d, 9, &greedy), "the second turn");
+    for k in 0..2 {
+        let mine = SamplingParams { seed: hot.seed + k as u64, ..hot.clone() };
+        assert_eq!(done[&(3, k)].ids, alone_with(&m, KvDtype::F32, &b, 6, &mine), "choice {k}");
+        assert_eq!(done[&(3, k)].stats.cached_tokens, 0, "choice {k}: no part of a state is reused");
+    }
+    assert_eq!(done[&(1, 0)].stats.cached_tokens, 0, "the system prompt is a part of a's state");
+    assert_eq!(done[&(2, 0)].stats.cached_tokens, a.len() + a_ids.len() - 1, "the second turn starts from all of the first");
+
+    // The stepper itself refuses a part (and takes all, or nothing).
+    let cfg = EngineConfig { threads: 1, prefill_chunk: 64, context_max: 128, sequences_max: 2, kv_cache: KvDtype::F32 };
+    let mut gen = Generator::new(&m, cfg).unwrap();
+    let stepper = gen.stepper();
+    let mut logits = vec![0.0; stepper.vocab()];
+    stepper.submit(&[tessera_model::SeqChunk { cache: 0, tokens: &a, logits: tessera_model::LogitsFor::Last }]).unwrap();
+    stepper.collect(&mut logits).unwrap();
+    let e = stepper.keep_prefix(1, 0, 10).unwrap_err().to_string();
+    assert!(e.contains("KDA") && e.contains("10") && e.contains(&a.len().to_string()), "{e}");
+    let e = stepper.keep_prefix(0, 0, 10).unwrap_err().to_string();
+    assert!(e.contains("recurrent state"), "{e}");
+    stepper.keep_prefix(1, 0, a.len()).unwrap();
+    stepper.keep_prefix(0, 0, 0).unwrap();
+}

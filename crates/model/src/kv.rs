@@ -228,9 +228,34 @@ impl KvStore {
     }
 }
 
+/// A KDA layer's state for one sequence (spec §2.7, step 8): a fixed size whatever the
+/// context. Valid for exactly the sequence's `len` tokens: a recurrent state cannot be cut
+/// back to a shorter prefix, only kept whole, copied whole or forgotten.
+pub(crate) struct Recurrent {
+    /// The short convolution's last `K − 1` inputs, `[K−1][3·P]`: this rank's q, k and
+    /// v channels side by side.
+    pub(crate) conv: Vec<f32>,
+    /// The delta rule's `S`, `heads × D × D` float32 (`[Dv][Dk]` per head), backed by
+    /// memory only once the sequence starts.
+    pub(crate) state: LazyZeroed<f32>,
+}
+
+impl Recurrent {
+    pub(crate) fn new(conv: usize, state: usize) -> Recurrent {
+        Recurrent { conv: vec![0.0; conv], state: LazyZeroed::new(state) }
+    }
+    fn is_empty(&self) -> bool {
+        self.conv.is_empty() && self.state.is_empty()
+    }
+    fn bytes(&self) -> usize {
+        4 * (self.conv.len() + self.state.len())
+    }
+}
+
 /// Per-sequence cache, `[layer][position][row]`. GQA: keys (after RoPE and k-norm)
 /// and values, `kv_heads · head_dim` each. MLA: the normed latent `c` (`kv_lora_rank`)
-/// in `k` and the roped shared key `k_pe` (`qk_rope_head_dim`) in `v`.
+/// in `k` and the roped shared key `k_pe` (`qk_rope_head_dim`) in `v`. KDA layers: no
+/// keys or values, a [`Recurrent`] state in `recurrent`.
 pub struct KvCache {
     pub(crate) k: Vec<KvStore>,
     pub(crate) v: Vec<KvStore>,
@@ -242,6 +267,8 @@ pub struct KvCache {
     /// GQA: kv heads on this rank (stores are head-major); MLA: 0 (position-major rows).
     pub(crate) heads: usize,
     pub(crate) head_dim: usize,
+    /// Per layer: a KDA layer's state (empty elsewhere).
+    pub(crate) recurrent: Vec<Recurrent>,
 }
 
 impl KvCache {
@@ -258,9 +285,26 @@ impl KvCache {
     pub fn clear(&mut self) {
         self.len = 0;
     }
+    /// Whether this cache holds recurrent state (KDA layers): then a prefix of it can
+    /// only be its whole sequence or nothing ([`Self::prefix_error`]).
+    pub fn is_recurrent(&self) -> bool {
+        self.recurrent.iter().any(|r| !r.is_empty())
+    }
+
+    /// Why the first `len` of this cache's tokens cannot be kept, if they cannot: a
+    /// recurrent state summarises every token it has seen, so it is kept whole or not at all.
+    pub fn prefix_error(&self, len: usize) -> Option<String> {
+        (self.is_recurrent() && len != 0 && len < self.len).then(|| {
+            format!("this model's KDA layers keep a recurrent state of all {} cached tokens: a prefix of {len} can only be recomputed", self.len)
+        })
+    }
+
     /// Drop cached tokens past `len` (e.g. to reuse a shared prompt prefix), and give
-    /// the memory they took back.
-    pub fn truncate(&mut self, len: usize) {
+    /// the memory they took back. A recurrent cache can only drop everything.
+    pub fn truncate(&mut self, len: usize) -> Result<(), String> {
+        if let Some(why) = self.prefix_error(len) {
+            return Err(why);
+        }
         let old = self.len;
         self.len = self.len.min(len);
         if self.len < old {
@@ -268,21 +312,40 @@ impl KvCache {
             for s in self.k.iter_mut().chain(self.v.iter_mut()) {
                 s.release(len..old, layout);
             }
+            if len == 0 {
+                for r in &mut self.recurrent {
+                    let n = r.state.len();
+                    r.state.release_pages(0..n);
+                }
+            }
         }
+        Ok(())
     }
 
     /// This cache becomes the first `len` positions of `src`'s (a shared prompt prefix,
     /// or the prompt of a request's other choices); what it held past `len` is released.
+    /// A recurrent cache copies all of `src` or nothing.
     pub fn copy_prefix(&mut self, src: &KvCache, len: usize) -> Result<(), String> {
         let (same_shape, layout) = (self.dtype == src.dtype && self.capacity == src.capacity && self.k_row == src.k_row && self.v_row == src.v_row, self.layout());
-        if !same_shape || self.k.len() != src.k.len() {
+        let same_state = self.recurrent.len() == src.recurrent.len() && self.recurrent.iter().zip(&src.recurrent).all(|(a, b)| a.conv.len() == b.conv.len() && a.state.len() == b.state.len());
+        if !same_shape || self.k.len() != src.k.len() || !same_state {
             return Err("KV caches of different shapes".into());
         }
         if len > src.len {
             return Err(format!("a prefix of {len} tokens from a cache holding {}", src.len));
         }
+        if let Some(why) = src.prefix_error(len) {
+            return Err(why);
+        }
+        if len == 0 {
+            return self.truncate(0);
+        }
         for (d, s) in self.k.iter_mut().zip(&src.k).chain(self.v.iter_mut().zip(&src.v)) {
             d.copy_prefix(s, len, layout);
+        }
+        for (d, s) in self.recurrent.iter_mut().zip(&src.recurrent) {
+            d.conv.copy_from_slice(&s.conv);
+            d.state.copy_from_slice(&s.state);
         }
         let old = self.len;
         self.len = len;
@@ -292,6 +355,11 @@ impl KvCache {
             }
         }
         Ok(())
+    }
+
+    /// Bytes of recurrent state this cache holds per sequence (KDA layers; 0 otherwise).
+    pub fn state_bytes(&self) -> usize {
+        self.recurrent.iter().map(Recurrent::bytes).sum()
     }
 
     fn layout(&self) -> Layout {

@@ -573,6 +573,25 @@ impl<'a> Loader<'a> {
         vector(self.c, t, n)
     }
 
+    /// A small float tensor read whole whatever its rank, when its shape is one of
+    /// `shapes` (the layouts checkpoints store it in: KDA's conv taps are HF `[P, 1, K]`
+    /// and MLX `[P, K, 1]`, the same values in the same order).
+    pub(crate) fn floats(&self, hf: &str, shapes: &[&[usize]]) -> Result<Vec<f32>> {
+        let t = self.require(hf)?;
+        if !shapes.iter().any(|s| *s == t.shape.as_slice()) {
+            let want: Vec<String> = shapes.iter().map(|s| shape_str(s)).collect();
+            return Err(LoadError::tensor(self.c.file_of(t), &t.name, format!("shape {} is none of the config's {}", shape_str(&t.shape), want.join(" or "))));
+        }
+        self.bytes_read.set(self.bytes_read.get() + t.range.len());
+        if let Some(rec) = &self.record {
+            let mut rec = rec.borrow_mut();
+            if !rec.iter().any(|r| r.name == t.name) {
+                rec.push(RecordedTensor { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone(), bytes: self.c.bytes(t).to_vec() });
+            }
+        }
+        floats(self.c, t)
+    }
+
     /// A whole matrix dequantized to f32 (small matrices only: MLA's kv_b).
     pub(crate) fn dense_f32(&self, hf: &str, rows: usize, cols: usize) -> Result<Vec<f32>> {
         let l = self.linear(hf, rows, cols, false)?;
@@ -591,12 +610,18 @@ pub(crate) fn vector(c: &Checkpoint, t: &TensorInfo, n: usize) -> Result<Vec<f32
     if t.elements() != n || t.shape.len() != 1 {
         return Err(LoadError::tensor(file, &t.name, format!("shape {} does not match the config's [{n}]", shape_str(&t.shape))));
     }
+    floats(c, t)
+}
+
+/// Every element of a float tensor, checked finite.
+fn floats(c: &Checkpoint, t: &TensorInfo) -> Result<Vec<f32>> {
+    let file = c.file_of(t);
     let format = t
         .dtype
         .weight_format()
         .filter(|f| !f.is_quantized())
         .ok_or_else(|| LoadError::tensor(file, &t.name, format!("dtype {:?} is not a float vector type", t.dtype)))?;
-    let mut out = vec![0.0; n];
+    let mut out = vec![0.0; t.elements()];
     scalar::dequantize_row(format, c.bytes(t), &mut out);
     if let Some(i) = out.iter().position(|v| !v.is_finite()) {
         return Err(LoadError::tensor(file, &t.name, format!("element {i} is {} (corrupt file?)", out[i])));

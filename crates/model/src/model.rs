@@ -10,14 +10,14 @@
 //! a [`Workspace`] sized at load from [`StepLimits`]; a step allocates nothing.
 
 use crate::attention::gqa::{attn_range_slots, Gqa};
-use crate::attention::{mla::Mla, Attn};
+use crate::attention::{kda::{self, Kda}, mla::Mla, Attn};
 use crate::checkpoint::Checkpoint;
 use crate::config::{FfnKind, ModelConfig};
 use crate::error::{LoadError, Result};
 use crate::ffn::moe::{Moe, EXPERT_SLOTS_FUSED_MAX};
 use crate::ffn::routing::RouteScratch;
 use crate::ffn::{mlp::{Mlp, MlpParts}, Ffn};
-use crate::kv::{KvCache, KvDtype, KvStore};
+use crate::kv::{KvCache, KvDtype, KvStore, Recurrent};
 use crate::linear::Linear;
 use crate::load::{place_in_arena, vector, Loader, RecordedTensor, Sel};
 use crate::memory::{huge_pages_wanted, WeightBuffer};
@@ -132,9 +132,10 @@ impl Model {
         let mut layers = Vec::with_capacity(spec.layers.len());
         for i in spec.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
-            let attn = match &cfg.mla {
-                None => Attn::Gqa(Gqa::load(&ld, &cfg, i, tpr, tp)?),
-                Some(m) => Attn::Mla(Mla::load(&ld, &cfg, m, i, split(cfg.heads, tpr, tp), output_rows(h, tpr, tp))?),
+            let attn = match (&cfg.mla, &cfg.kda) {
+                (_, Some(k)) if k.layers[i] => Attn::Kda(Kda::load(&ld, &cfg, k, i, tpr, tp)?),
+                (None, _) => Attn::Gqa(Gqa::load(&ld, &cfg, i, tpr, tp)?),
+                (Some(m), _) => Attn::Mla(Mla::load(&ld, &cfg, m, i, split(cfg.heads, tpr, tp), output_rows(h, tpr, tp))?),
             };
             let ffn = match cfg.layer_ffn[i] {
                 FfnKind::Dense => Ffn::Dense(Mlp::load(&ld, &p("mlp"), cfg.mlp_bias, MlpParts { group: CollGroup::Tp, rank: tpr, ranks: tp, width: cfg.intermediate, hidden: h })?),
@@ -298,17 +299,46 @@ impl Model {
         self.per_token_reads().0
     }
 
+    /// This rank's layers that cache keys and values per token (not KDA's).
+    fn kv_layers(&self) -> usize {
+        self.spec.layers.clone().filter(|&l| !self.cfg.is_kda(l)).count()
+    }
+
     /// Floats this rank's KV cache holds per token of context, its layers together.
     pub fn kv_floats_per_token(&self) -> usize {
         let (k, v) = self.kv_rows();
-        self.layers.len() * (k + v)
+        self.kv_layers() * (k + v)
     }
 
     /// Bytes of cache per token of context in `dtype` (MLA's latent cache: f32).
     pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
         let (k, v) = self.kv_rows();
         let dtype = if self.cfg.mla.is_some() { KvDtype::F32 } else { dtype };
-        self.layers.len() * (dtype.key_row_bytes(k) + dtype.value_row_bytes(v))
+        self.kv_layers() * (dtype.key_row_bytes(k) + dtype.value_row_bytes(v))
+    }
+
+    /// (convolution floats, state floats) of KDA layer `l`'s recurrent state on this rank
+    /// ((0, 0) for other layers and other stages' layers).
+    fn recurrent_floats(&self, l: usize) -> (usize, usize) {
+        match (&self.cfg.kda, self.spec.layers.contains(&l) && self.cfg.is_kda(l)) {
+            (Some(k), true) => {
+                let heads = split(k.heads, self.spec.tp_rank, self.spec.tp_size).len();
+                ((k.conv_kernel - 1) * 3 * heads * k.head_dim, heads * k.head_dim * k.head_dim)
+            }
+            _ => (0, 0),
+        }
+    }
+
+    /// Whether a sequence's cache holds recurrent state (KDA layers anywhere in the model,
+    /// on this rank or not): then it stands for its whole sequence, never a prefix of it.
+    pub fn keeps_recurrent_state(&self) -> bool {
+        self.cfg.kda.is_some()
+    }
+
+    /// Bytes of recurrent state one sequence holds on this rank whatever its length (KDA
+    /// layers' convolution tails and delta-rule states, float32; 0 without KDA).
+    pub fn state_bytes_per_sequence(&self) -> usize {
+        (0..self.cfg.layers).map(|l| self.recurrent_floats(l)).map(|(a, b)| 4 * (a + b)).sum()
     }
 
     /// Cache row widths: this rank's kv heads (GQA), or the latent and rope key (MLA,
@@ -341,6 +371,7 @@ impl Model {
         let dtype = if self.cfg.mla.is_some() { KvDtype::F32 } else { dtype };
         // Layers of other pipeline stages get no storage.
         let owned = |l: usize| self.spec.layers.contains(&l);
+        let owned = |l: usize| owned(l) && !self.cfg.is_kda(l);
         let store = |l: usize, row: usize| KvStore::new(dtype, if owned(l) { limits.context_max * row } else { 0 });
         let key_store = |l: usize| match dtype {
             KvDtype::Q8 => KvStore::q8_keys(if owned(l) { limits.context_max } else { 0 }, k_row / self.cfg.head_dim, self.cfg.head_dim),
@@ -356,6 +387,7 @@ impl Model {
             v_row,
             heads: if self.cfg.mla.is_some() { 0 } else { k_row / self.cfg.head_dim },
             head_dim: self.cfg.head_dim,
+            recurrent: (0..self.cfg.layers).map(|l| self.recurrent_floats(l)).map(|(conv, state)| Recurrent::new(conv, state)).collect(),
         }
     }
 
@@ -377,6 +409,10 @@ impl Model {
                 )
             }
         };
+        // KDA: its projections share q/k/v/attn with the other layers' (whole P: an upper
+        // bound for this rank's heads).
+        let (kda_p, kda_d, kda_heads) = c.kda.as_ref().map_or((0, 0, 0), |k| (k.heads * k.head_dim, k.head_dim, k.heads));
+        let (q_dim, kv_dim, attn_dim) = (q_dim.max(kda_p), kv_dim.max(kda_p), attn_dim.max(kda_p));
         let moe = c.moe.as_ref().filter(|_| c.layer_ffn.contains(&FfnKind::Moe));
         let ffn_width = c.intermediate.max(moe.map_or(0, |m| m.expert_width.max(m.shared_width)));
         let widest = [c.hidden, q_dim, attn_dim, ffn_width, head_in, head_out].into_iter().max().unwrap_or(1);
@@ -421,6 +457,12 @@ impl Model {
             moe_proj: vec![0.0; fused_slots * c.hidden],
             moe_kept: Vec::new(),
             moe_active: Vec::with_capacity(moe.map_or(0, |m| m.experts)),
+            kda_low: vec![0.0; t * 2 * kda_d],
+            kda_decay: vec![0.0; t * kda_p],
+            kda_gate: vec![0.0; t * kda_p],
+            kda_beta: vec![0.0; t * kda_heads],
+            kda_states: Vec::with_capacity(if kda_p > 0 { limits.sequences_per_step_max } else { 0 }),
+            kda_scratch: vec![0.0; if kda_p > 0 { threads * kda::scratch_per_thread(t, kda_d) } else { 0 }],
             tok_chunk: vec![0; t],
             tok_pos: vec![0; t],
             chunk_start: vec![0; limits.sequences_per_step_max + 1],

@@ -9,6 +9,7 @@ use crate::gather::{Columns, Gather};
 use crate::linear::Linear;
 use crate::profile::{Profile, ProfileKind};
 use crate::shard::{Collectives, ShardSpec};
+use tessera_kernels::pool::SharedMut;
 use tessera_kernels::{Isa, MatmulScratch, ThreadPool};
 
 /// Which rows of a step produce logits.
@@ -115,6 +116,14 @@ pub struct Workspace {
     pub(crate) moe_kept: Vec<f32>,
     /// Experts with at least one slot this step.
     pub(crate) moe_active: Vec<u32>,
+    // KDA: f_a and g_a outputs (t × 2D), the log decays and gates (t × P), β (t × heads),
+    // each chunk's (convolution state, delta-rule state), per-thread delta-rule scratch.
+    pub(crate) kda_low: Vec<f32>,
+    pub(crate) kda_decay: Vec<f32>,
+    pub(crate) kda_gate: Vec<f32>,
+    pub(crate) kda_beta: Vec<f32>,
+    pub(crate) kda_states: Vec<(SharedMut<f32>, SharedMut<f32>)>,
+    pub(crate) kda_scratch: Vec<f32>,
     // Per token of the step: its chunk and absolute position; chunk boundaries.
     pub(crate) tok_chunk: Vec<u32>,
     pub(crate) tok_pos: Vec<u32>,

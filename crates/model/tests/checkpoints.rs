@@ -608,3 +608,50 @@ fn q8_kv_cache_needs_heads_in_whole_blocks() {
     assert!(fixture("qwen3").check_kv_cache(KvDtype::Q8).is_ok());
     assert!(fixture("deepseek_v3").check_kv_cache(KvDtype::Q8).is_ok());
 }
+
+/// The kimi_linear fixture's config and tensors, edited, in a scratch copy.
+fn kda_copy(name: &str, edit: impl FnOnce(&mut serde_json::Value, &mut Vec<(String, Vec<usize>, Vec<f32>)>)) -> std::path::PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/kimi_linear");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.shape().to_vec(), t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()))
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    edit(&mut cfg, &mut tensors);
+    let dir = scratch(&format!("kda-{name}"));
+    write_hf_dir(&dir, &cfg, &tensors);
+    dir
+}
+
+/// Kimi Linear checkpoints that disagree with their config, and configs that cannot be
+/// right, are errors naming the tensor or the key.
+#[test]
+fn kda_checkpoints_that_disagree_with_their_config_are_clear_errors() {
+    load_model(&kda_copy("untouched", |_, _| {})).expect("the copy as written loads");
+    let case = |name: &str, edit: &dyn Fn(&mut serde_json::Value, &mut Vec<(String, Vec<usize>, Vec<f32>)>), needles: &[&str]| {
+        expect_error(&kda_copy(name, edit), needles);
+    };
+    case("no-a-log", &|_, t| t.retain(|x| x.0 != "model.layers.1.self_attn.A_log"), &["model.layers.1.self_attn.A_log", "missing"]);
+    case(
+        "conv-taps",
+        &|_, t| {
+            let c = t.iter_mut().find(|x| x.0 == "model.layers.0.self_attn.k_conv1d.weight").unwrap();
+            c.1 = vec![128, 1, 3];
+            c.2.truncate(128 * 3);
+        },
+        &["model.layers.0.self_attn.k_conv1d.weight", "[128, 1, 3]", "[128, 1, 4]", "[128, 4, 1]"],
+    );
+    case("layer-past-the-end", &|c, _| c["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 5]), &["linear_attn_config.kda_layers", "5 is not a layer", "1-based", "4"]);
+    case("layer-zero", &|c, _| c["linear_attn_config"]["kda_layers"] = serde_json::json!([0, 1, 2]), &["linear_attn_config.kda_layers", "0 is not a layer"]);
+    // Layer 2 made KDA: its MLA tensors are there, its KDA ones are not.
+    case("mla-layer-as-kda", &|c, _| c["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 3, 4]), &["model.layers.2.self_attn.q_conv1d.weight", "missing"]);
+    case("no-linear-config", &|c, _| drop(c.as_object_mut().unwrap().remove("linear_attn_config")), &["linear_attn_config", "missing"]);
+    case("rope-mla", &|c, _| c["mla_use_nope"] = serde_json::json!(false), &["mla_use_nope", "NoPE"]);
+    case("q-lora", &|c, _| c["q_lora_rank"] = serde_json::json!(16), &["q_lora_rank", "no q-LoRA"]);
+    case("wide-heads", &|c, _| c["linear_attn_config"]["head_dim"] = serde_json::json!(512), &["linear_attn_config.head_dim", "≤ 256"]);
+    case("softmax-router", &|c, _| c["moe_router_activation_func"] = serde_json::json!("softmax"), &["moe_router_activation_func", "sigmoid"]);
+}

@@ -44,7 +44,7 @@ fn given_back_when_cut() {
             model.forward(&pool, &mut ws, &mut cache, &chunk, LogitsFor::Last, &mut logits).unwrap();
         }
         let filled = resident_bytes();
-        cache.truncate(16);
+        cache.truncate(16).unwrap();
         let cut = resident_bytes();
         if let (Some(before), Some(filled), Some(cut)) = (before, filled, cut) {
             let grew = filled.saturating_sub(before);

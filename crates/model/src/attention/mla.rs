@@ -1,4 +1,5 @@
-//! Multi-head latent attention (deepseek_v3, kimi_k2; spec §2.5), absorbed for prefill
+//! Multi-head latent attention (deepseek_v3, kimi_k2; spec §2.5; kimi_linear's NoPE form,
+//! §2.7, leaves q_pe and k_pe unrotated), absorbed for prefill
 //! and decode alike: the cache holds only the normed latent and the roped shared key
 //! (`kv_lora_rank + qk_rope_head_dim` floats per token per layer), never per-head K/V.
 
@@ -114,15 +115,14 @@ impl Mla {
         let (h, nh, r) = (c.hidden, self.heads.len(), m.kv_lora_rank);
         let (nope, rope, dv) = (m.nope_dim, m.rope_dim, m.v_dim);
         let dq = nope + rope;
-        // mlx hard-codes 1e-6 for the MLA norms.
-        const MLA_NORM_EPS: f32 = 1e-6;
+        let norm_eps = m.norm_eps;
         let xn = &ws.xn[..n * h];
         match &self.q_a {
             Some((qa, qa_norm)) => {
                 let ql = qa.rows;
                 run.linear(qa, xn, n, &mut ws.head_in[..n * ql], &mut ws.mm);
                 for row in ws.head_in[..n * ql].chunks_exact_mut(ql) {
-                    ops::rms_norm_heads(row, qa_norm, MLA_NORM_EPS);
+                    ops::rms_norm_heads(row, qa_norm, norm_eps);
                 }
                 run.linear(&self.q, &ws.head_in[..n * ql], n, &mut ws.q[..n * nh * dq], &mut ws.mm);
             }
@@ -136,14 +136,17 @@ impl Mla {
             let (cos, sin) = (&ws.cos[t * half..(t + 1) * half], &ws.sin[t * half..(t + 1) * half]);
             let kva = &mut ws.k[t * kv_row..(t + 1) * kv_row];
             let (c_raw, k_pe) = kva.split_at_mut(r);
-            ops::rms_norm_heads(c_raw, &self.kv_a_norm, MLA_NORM_EPS);
-            k_pe.iter_mut().for_each(|v| *v *= rot_scale);
-            ops::rope_head(k_pe, cos, sin, c.rope.interleaved);
+            ops::rms_norm_heads(c_raw, &self.kv_a_norm, norm_eps);
+            if m.rotary {
+                k_pe.iter_mut().for_each(|v| *v *= rot_scale);
+                ops::rope_head(k_pe, cos, sin, c.rope.interleaved);
+            }
             let cache = &mut caches[run.chunks[ws.tok_chunk[t] as usize].cache];
             let pos = ws.tok_pos[t] as usize;
             cache.k[li].write_row(pos, c_raw);
             cache.v[li].write_row(pos, k_pe);
-            for head in 0..nh {
+            // NoPE (Kimi Linear): q_pe and k_pe meet unrotated.
+            for head in (0..nh).filter(|_| m.rotary) {
                 let q_pe = &mut ws.q[(t * nh + head) * dq + nope..(t * nh + head + 1) * dq];
                 q_pe.iter_mut().for_each(|v| *v *= rot_scale);
                 ops::rope_head(q_pe, cos, sin, c.rope.interleaved);

@@ -1,7 +1,9 @@
-//! Attention blocks, one file each: grouped-query attention (`gqa`) and multi-head latent
-//! attention (`mla`). A new kind is a new file and one arm of [`Attn`].
+//! Attention blocks, one file each: grouped-query attention (`gqa`), multi-head latent
+//! attention (`mla`) and Kimi Delta Attention (`kda`, linear attention over a recurrent
+//! state). A new kind is a new file and one arm of [`Attn`].
 
 pub(crate) mod gqa;
+pub(crate) mod kda;
 pub(crate) mod mla;
 
 use crate::gather::Columns;
@@ -16,6 +18,7 @@ use std::ops::Range;
 pub(crate) enum Attn {
     Gqa(gqa::Gqa),
     Mla(mla::Mla),
+    Kda(kda::Kda),
 }
 
 impl Attn {
@@ -30,6 +33,7 @@ impl Attn {
                 }
                 v
             }
+            Attn::Kda(k) => k.linears(),
         }
     }
 
@@ -44,6 +48,7 @@ impl Attn {
                 v.extend([&mut m.q, &mut m.kv_a, &mut m.o]);
                 v
             }
+            Attn::Kda(k) => k.streamed_mut(),
         }
     }
 
@@ -53,6 +58,7 @@ impl Attn {
         match self {
             Attn::Gqa(g) => g.forward(run, ws, caches, li),
             Attn::Mla(m) => m.forward(run, run.cfg.mla.as_ref().expect("MLA config"), ws, caches, li),
+            Attn::Kda(k) => k.forward(run, run.cfg.kda.as_ref().expect("KDA config"), ws, caches, li),
         }
     }
 }

@@ -123,8 +123,12 @@ impl Moe {
         let p = |s: &str| format!("model.layers.{i}.{s}");
         let h = cfg.hidden;
         let m = cfg.moe.as_ref().expect("MoE layers have a MoE config");
+        use crate::config::Arch;
+        // Kimi Linear's HF checkpoints name the block as Mixtral's; mlx renames it `mlp`.
+        let hf_kimi = cfg.arch == Arch::KimiLinear && ld.find(&p("block_sparse_moe.gate.weight")).is_some();
         let (prefix, names) = match cfg.arch {
-            crate::config::Arch::Mixtral => (p("block_sparse_moe"), ["w1", "w3", "w2"]),
+            Arch::Mixtral => (p("block_sparse_moe"), ["w1", "w3", "w2"]),
+            _ if hf_kimi => (p("block_sparse_moe"), ["w1", "w3", "w2"]),
             _ => (p("mlp"), ["gate_proj", "up_proj", "down_proj"]),
         };
         let (owned, width, hidden) = match &spec.experts {
@@ -133,7 +137,9 @@ impl Moe {
         };
         let [gate, up, down] = ld.experts(&prefix, names, m, h, owned.clone(), width, hidden)?;
         let correction_bias = match cfg.arch {
-            crate::config::Arch::DeepseekV3 => Some(ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.experts)?),
+            Arch::DeepseekV3 => Some(ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.experts)?),
+            Arch::KimiLinear if hf_kimi => Some(ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.experts)?),
+            Arch::KimiLinear => Some(ld.vector(&format!("{prefix}.e_score_correction_bias"), m.experts)?),
             _ => None,
         };
         let router = ld.part(&format!("{prefix}.gate.weight"), None, m.experts, h, &Sel::all(m.experts, h))?;

@@ -7,6 +7,8 @@ use crate::gguf::GgufValue;
 use serde_json::Value;
 use std::path::PathBuf;
 
+mod kimi_linear;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     Llama,
@@ -16,6 +18,8 @@ pub enum Arch {
     Mixtral,
     /// DeepSeek-V3 and Kimi-K2 (MLA attention, DeepSeekMoE).
     DeepseekV3,
+    /// Kimi Linear: KDA layers between NoPE MLA layers, DeepSeekMoE.
+    KimiLinear,
 }
 
 impl Arch {
@@ -27,6 +31,7 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Mixtral => "mixtral",
             Arch::DeepseekV3 => "deepseek_v3",
+            Arch::KimiLinear => "kimi_linear",
         }
     }
 }
@@ -67,6 +72,23 @@ pub struct MlaConfig {
     pub nope_dim: usize,
     pub rope_dim: usize,
     pub v_dim: usize,
+    /// RoPE on `q_pe` / `k_pe` (DeepSeek); Kimi Linear's MLA leaves them unrotated (NoPE).
+    pub rotary: bool,
+    /// Epsilon of the `q_a` and `kv_a` norms (mlx: 1e-6 for DeepSeek, `rms_norm_eps` for Kimi Linear).
+    pub norm_eps: f32,
+}
+
+/// Kimi Delta Attention (spec §2.7): a gated delta-rule linear attention whose state is
+/// a fixed `heads × head_dim × head_dim` per sequence, on the layers `layers` marks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KdaConfig {
+    pub heads: usize,
+    /// Key and value width of a head (Dk = Dv).
+    pub head_dim: usize,
+    /// Taps of the causal depthwise convolution on q, k and v (4).
+    pub conv_kernel: usize,
+    /// Per layer: KDA (true) or the model's MLA.
+    pub layers: Vec<bool>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,7 +222,23 @@ pub struct ModelConfig {
     pub layer_ffn: Vec<FfnKind>,
     pub moe: Option<MoeConfig>,
     pub mla: Option<MlaConfig>,
+    pub kda: Option<KdaConfig>,
 }
+
+impl ModelConfig {
+    /// Whether layer `i` is a KDA layer (its cache is a recurrent state, not keys and values).
+    pub fn is_kda(&self, i: usize) -> bool {
+        self.kda.as_ref().is_some_and(|k| k.layers[i])
+    }
+}
+
+/// The widest KDA head the delta-rule kernels take.
+pub const KDA_HEAD_DIM_MAX: usize = tessera_kernels::delta_rule::DK_MAX;
+/// The longest short convolution a KDA layer may have (Kimi's is 4).
+pub const KDA_CONV_KERNEL_MAX: usize = 16;
+
+/// mlx hard-codes 1e-6 for DeepSeek's MLA norms, whatever `rms_norm_eps` says.
+const MLA_NORM_EPS_DEEPSEEK: f32 = 1e-6;
 
 struct Json<'a> {
     path: PathBuf,
@@ -265,12 +303,13 @@ impl ModelConfig {
             "qwen3_moe" => Arch::Qwen3Moe,
             "mixtral" => Arch::Mixtral,
             "deepseek_v3" | "kimi_k2" => Arch::DeepseekV3,
+            "kimi_linear" => return kimi_linear::from_json(&j),
             other => {
                 return Err(LoadError::key(
                     &j.path,
                     "model_type",
                     format!(
-                        "`{other}` is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3, kimi_k2)"
+                        "`{other}` is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3, kimi_k2, kimi_linear)"
                     ),
                 ))
             }
@@ -292,6 +331,8 @@ impl ModelConfig {
                 nope_dim: j.usize("qk_nope_head_dim")?,
                 rope_dim: j.usize("qk_rope_head_dim")?,
                 v_dim: j.usize("v_head_dim")?,
+                rotary: true,
+                norm_eps: MLA_NORM_EPS_DEEPSEEK,
             })
         } else {
             None
@@ -369,7 +410,7 @@ impl ModelConfig {
                 (ab, ab, j.bool_or("mlp_bias", false)?)
             }
             Arch::Qwen2 => (true, false, false),
-            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral => (false, false, false),
+            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::KimiLinear => (false, false, false),
         };
         let layers = j.usize("num_hidden_layers")?;
         let (moe, layer_ffn) = match arch {
@@ -470,6 +511,7 @@ impl ModelConfig {
             layer_ffn,
             moe,
             mla,
+            kda: None,
         };
         cfg.validate().map_err(|(key, reason)| LoadError::key(&j.path, key, reason))?;
         Ok(cfg)
@@ -576,6 +618,8 @@ impl ModelConfig {
                 nope_dim: k_mla - rope_dim,
                 rope_dim,
                 v_dim: v_mla,
+                rotary: true,
+                norm_eps: MLA_NORM_EPS_DEEPSEEK,
             })
         } else {
             None
@@ -649,6 +693,7 @@ impl ModelConfig {
             layer_ffn,
             moe,
             mla,
+            kda: None,
         };
         cfg.validate().map_err(|(k, reason)| LoadError::key(path, key(gguf_key(k)), reason))?;
         Ok(cfg)
@@ -703,6 +748,17 @@ impl ModelConfig {
         if let Some(m) = &self.mla {
             if m.kv_lora_rank == 0 || m.v_dim == 0 || m.rope_dim % 2 != 0 || m.q_lora_rank == Some(0) {
                 return Err(("kv_lora_rank", format!("invalid MLA dims {m:?}")));
+            }
+        }
+        if let Some(k) = &self.kda {
+            if k.heads == 0 || k.head_dim == 0 || k.head_dim > KDA_HEAD_DIM_MAX {
+                return Err(("linear_attn_config.head_dim", format!("{} heads of {} (heads > 0, 1 ≤ head_dim ≤ {KDA_HEAD_DIM_MAX})", k.heads, k.head_dim)));
+            }
+            if k.conv_kernel == 0 || k.conv_kernel > KDA_CONV_KERNEL_MAX {
+                return Err(("linear_attn_config.short_conv_kernel_size", format!("{} taps (1 to {KDA_CONV_KERNEL_MAX})", k.conv_kernel)));
+            }
+            if k.layers.len() != self.layers {
+                return Err(("linear_attn_config.kda_layers", format!("{} layer kinds for {} layers", k.layers.len(), self.layers)));
             }
         }
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
