@@ -125,6 +125,44 @@ def to_bf16_bits(a):
     return (u >> np.uint32(16)).astype(np.uint16)
 
 
+def write_streaming(out, tensors, seed, draw=None):
+    """Writes `tensors` ((name, shape) in file order) to out/model.safetensors as bf16, each drawn
+    from one default_rng(seed) stream in file order (`draw(name, shape, rng)`, this file's
+    recipe by default) and written on its own."""
+    draw = draw or globals()["draw"]
+    header, off = {}, 0
+    for name, shape in tensors:
+        n = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    header["__metadata__"] = {"format": "pt"}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * ((-len(hb)) % 8)  # pad the header so the data starts 8-byte aligned
+    total = 8 + len(hb) + off
+    n_params = off // 2
+    print(f"{len(tensors)} tensors, {n_params / 1e9:.3f} B parameters, file {total / 1e9:.3f} GB -> {out}")
+
+    rng = np.random.default_rng(seed)
+    t0 = time.time()
+    path = out / "model.safetensors"
+    tmp = out / "model.safetensors.partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        done = 0
+        for i, (name, shape) in enumerate(tensors):
+            b = to_bf16_bits(draw(name, shape, rng))
+            assert f.tell() == 8 + len(hb) + header[name]["data_offsets"][0]
+            f.write(b.astype("<u2").tobytes())
+            done += b.size
+            if name.endswith("post_attention_layernorm.weight") or i == len(tensors) - 1:
+                el = time.time() - t0
+                print(f"  {name.rsplit('.', 2)[0]}: {done / n_params:6.1%} {el:6.1f}s", flush=True)
+    os.replace(tmp, path)
+    assert os.path.getsize(path) == total
+    print(f"wrote {path} ({total / 1e9:.3f} GB) in {time.time() - t0:.1f}s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(REPO / "models" / "bench-moe"))
@@ -154,37 +192,7 @@ def main():
         f.write("\n")
 
     tensors = tensor_list(cfg)
-    header, off = {}, 0
-    for name, shape in tensors:
-        n = 2 * math.prod(shape)
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
-    header["__metadata__"] = {"format": "pt"}
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * ((-len(hb)) % 8)  # pad the header so the data starts 8-byte aligned
-    total = 8 + len(hb) + off
-    n_params = off // 2
-    print(f"{len(tensors)} tensors, {n_params / 1e9:.3f} B parameters, file {total / 1e9:.3f} GB -> {out}")
-
-    rng = np.random.default_rng(a.seed)
-    t0 = time.time()
-    path = out / "model.safetensors"
-    tmp = out / "model.safetensors.partial"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        done = 0
-        for i, (name, shape) in enumerate(tensors):
-            b = to_bf16_bits(draw(name, shape, rng))
-            assert f.tell() == 8 + len(hb) + header[name]["data_offsets"][0]
-            f.write(b.astype("<u2").tobytes())
-            done += b.size
-            if name.endswith("post_attention_layernorm.weight") or i == len(tensors) - 1:
-                el = time.time() - t0
-                print(f"  {name.rsplit('.', 2)[0]}: {done / n_params:6.1%} {el:6.1f}s", flush=True)
-    os.replace(tmp, path)
-    assert os.path.getsize(path) == total
-    print(f"wrote {path} ({total / 1e9:.3f} GB) in {time.time() - t0:.1f}s")
+    write_streaming(out, tensors, a.seed)
 
     if a.check:
         import mlx.core as mx

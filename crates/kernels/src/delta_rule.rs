@@ -48,12 +48,35 @@ pub const DK_MAX: usize = 256;
 
 /// Floats of scratch [`chunk`] needs for blocks of `c` tokens.
 pub fn chunk_scratch_len(c: usize, dk: usize, dv: usize) -> usize {
-    c * dk + c * c + c * dv
+    4 * c * dk + 2 * c * c + c * dv
+}
+
+/// `Σ_d a[d]·b[d]·e^{x[d] − y[d]}` (every exponent ≤ 0 where used: a decay between two
+/// tokens of a block, never a ratio that could overflow).
+#[inline]
+fn decayed_dot(a: &[f32], b: &[f32], x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let n = a.len();
+    let (mut i, lanes) = (0, acc.len());
+    while i + lanes <= n {
+        for l in 0..lanes {
+            acc[l] += a[i + l] * b[i + l] * crate::ops::exp_poly(x[i + l] - y[i + l]);
+        }
+        i += lanes;
+    }
+    let mut tail = 0.0;
+    while i < n {
+        tail += a[i] * b[i] * crate::ops::exp_poly(x[i] - y[i]);
+        i += 1;
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// `t` tokens on one head in blocks of `c`: `q`, `k`, `log_g` are `t × dk`, `v` and `out`
 /// are `t × dv` (token-major), `beta` is `t`. Equal to [`step`] token by token, to float
-/// rounding; `scratch` holds [`chunk_scratch_len`] floats.
+/// rounding; `scratch` holds [`chunk_scratch_len`] floats. Per block the decays enter as
+/// `e^{G}` of in-block cumulative logs (all ≤ 0: no overflow), computed once per token and
+/// channel (or per pair, within the block) and outside the products.
 #[allow(clippy::too_many_arguments)]
 pub fn chunk(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], log_g: &[f32], beta: &[f32], out: &mut [f32], c: usize, scratch: &mut [f32]) {
     let t = beta.len();
@@ -66,11 +89,16 @@ pub fn chunk(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], log_g: &[f32], 
     assert!(state.len() == dv * dk && q.len() == t * dk && log_g.len() == t * dk && out.len() == t * dv, "delta_rule::chunk: shapes");
     assert!(scratch.len() >= chunk_scratch_len(c, dk, dv), "delta_rule::chunk: scratch of {} floats, need {}", scratch.len(), chunk_scratch_len(c, dk, dv));
     let (cum, rest) = scratch.split_at_mut(c * dk);
-    let (a, u) = rest.split_at_mut(c * c);
+    let (kd, rest) = rest.split_at_mut(c * dk);
+    let (qd, rest) = rest.split_at_mut(c * dk);
+    let (kl, rest) = rest.split_at_mut(c * dk);
+    let (a, rest) = rest.split_at_mut(c * c);
+    let (w, u) = rest.split_at_mut(c * c);
     for start in (0..t).step_by(c) {
         let n = c.min(t - start);
-        // Token `s` of the block, `w` wide.
+        // Token `s` of the block, `w` wide; row `s` of a block buffer.
         let at = |w: usize, s: usize| (start + s) * w..(start + s + 1) * w;
+        let row = |s: usize| s * dk..(s + 1) * dk;
         // G_s: cumulative log decay within the block, per key channel.
         for s in 0..n {
             let lg = &log_g[at(dk, s)];
@@ -78,27 +106,34 @@ pub fn chunk(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], log_g: &[f32], 
                 cum[s * dk + d] = lg[d] + if s > 0 { cum[(s - 1) * dk + d] } else { 0.0 };
             }
         }
-        // A[s][r] = Σ_d k_s k_r e^{G_s − G_r}, r < s.
+        // e^{G_s} ⊙ k_s, e^{G_s} ⊙ q_s, and e^{G_n − G_s} ⊙ k_s (the write as the block's end sees it).
+        let last = (n - 1) * dk;
         for s in 0..n {
-            let ks = &k[at(dk, s)];
-            for r in 0..s {
+            let (ks, qs) = (&k[at(dk, s)], &q[at(dk, s)]);
+            for d in 0..dk {
+                let (g, gl) = (crate::ops::exp_poly(cum[s * dk + d]), crate::ops::exp_poly(cum[last + d] - cum[s * dk + d]));
+                kd[s * dk + d] = g * ks[d];
+                qd[s * dk + d] = g * qs[d];
+                kl[s * dk + d] = gl * ks[d];
+            }
+        }
+        // A[s][r] = Σ_d k_s k_r e^{G_s − G_r} (r < s), W[t][s] = Σ_d q_t k_s e^{G_t − G_s} (s ≤ t).
+        for s in 0..n {
+            let (ks, qs) = (&k[at(dk, s)], &q[at(dk, s)]);
+            for r in 0..=s {
                 let kr = &k[at(dk, r)];
-                let mut x = 0.0f32;
-                for d in 0..dk {
-                    x += ks[d] * kr[d] * (cum[s * dk + d] - cum[r * dk + d]).exp();
+                if r < s {
+                    a[s * c + r] = decayed_dot(ks, kr, &cum[row(s)], &cum[row(r)]);
                 }
-                a[s * c + r] = x;
+                w[s * c + r] = decayed_dot(qs, kr, &cum[row(s)], &cum[row(r)]);
             }
         }
         // ũ_s = β_s (v_s − S (e^{G_s} ⊙ k_s) − Σ_{r<s} A[s][r] ũ_r), in order.
         for s in 0..n {
-            let (ks, vs) = (&k[at(dk, s)], &v[at(dv, s)]);
+            let vs = &v[at(dv, s)];
+            let kds = &kd[row(s)];
             for i in 0..dv {
-                let row = &state[i * dk..(i + 1) * dk];
-                let mut m = 0.0f32;
-                for d in 0..dk {
-                    m += row[d] * cum[s * dk + d].exp() * ks[d];
-                }
+                let m: f32 = state[i * dk..(i + 1) * dk].iter().zip(kds).map(|(x, y)| x * y).sum();
                 let mut acc = vs[i] - m;
                 for r in 0..s {
                     acc -= a[s * c + r] * u[r * dv + i];
@@ -106,40 +141,30 @@ pub fn chunk(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], log_g: &[f32], 
                 u[s * dv + i] = beta[start + s] * acc;
             }
         }
-        // o_t = S (e^{G_t} ⊙ q_t) + Σ_{s≤t} (Σ_d q_t k_s e^{G_t − G_s}) ũ_s.
+        // o_t = S (e^{G_t} ⊙ q_t) + Σ_{s≤t} W[t][s] ũ_s.
         for tt in 0..n {
-            let qt = &q[at(dk, tt)];
+            let qdt = &qd[row(tt)];
             let o = &mut out[at(dv, tt)];
             for (i, oi) in o.iter_mut().enumerate() {
-                let row = &state[i * dk..(i + 1) * dk];
-                let mut y = 0.0f32;
-                for d in 0..dk {
-                    y += row[d] * cum[tt * dk + d].exp() * qt[d];
-                }
-                *oi = y;
+                *oi = state[i * dk..(i + 1) * dk].iter().zip(qdt).map(|(x, y)| x * y).sum();
             }
             for s in 0..=tt {
-                let ks = &k[at(dk, s)];
-                let mut w = 0.0f32;
-                for d in 0..dk {
-                    w += qt[d] * ks[d] * (cum[tt * dk + d] - cum[s * dk + d]).exp();
-                }
+                let ws = w[tt * c + s];
                 for (oi, &us) in o.iter_mut().zip(&u[s * dv..(s + 1) * dv]) {
-                    *oi += w * us;
+                    *oi += ws * us;
                 }
             }
         }
-        // S ← S diag(e^{G_n}) + Σ_s ũ_s (k_s ⊙ e^{G_n − G_s})ᵀ.
-        let last = (n - 1) * dk;
+        // S ← S diag(e^{G_n}) + Σ_s ũ_s (e^{G_n − G_s} ⊙ k_s)ᵀ.
         for i in 0..dv {
-            let row = &mut state[i * dk..(i + 1) * dk];
-            for d in 0..dk {
-                row[d] *= cum[last + d].exp();
+            let srow = &mut state[i * dk..(i + 1) * dk];
+            for (x, &g) in srow.iter_mut().zip(&cum[last..last + dk]) {
+                *x *= crate::ops::exp_poly(g);
             }
             for s in 0..n {
-                let (ks, us) = (&k[at(dk, s)], u[s * dv + i]);
-                for d in 0..dk {
-                    row[d] += us * ks[d] * (cum[last + d] - cum[s * dk + d]).exp();
+                let us = u[s * dv + i];
+                for (x, &kls) in srow.iter_mut().zip(&kl[row(s)]) {
+                    *x += us * kls;
                 }
             }
         }
