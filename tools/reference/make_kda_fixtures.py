@@ -92,23 +92,61 @@ def kimi_linear_cfg(**kw):
     return cfg
 
 
+def kimi_k3_cfg(**kw):
+    """Every K3 difference on: q-LoRA and the output gate in MLA, the lower-bounded decay and
+    the full-rank gate in KDA, SiTU with both betas, the latent MoE with its norm, attention
+    residuals in blocks of 2 layers (three blocks over 5 layers); text config nested."""
+    text = kimi_linear_cfg(
+        num_hidden_layers=5,
+        q_lora_rank=16,
+        mla_use_output_gate=True,
+        hidden_act="situ",
+        activation_situ_beta=4.0,
+        activation_situ_linear_beta=25.0,
+        routed_expert_hidden_size=32,
+        latent_moe_use_norm=True,
+        attn_res_block_size=2,
+        max_position_embeddings=4096,
+        linear_attn_config={"num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 3, 5], "full_attn_layers": [4],
+                            "gate_lower_bound": -5.0, "use_full_rank_gate": True},
+    )
+    del text["model_max_length"]
+    text.update(kw)
+    return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": text, "tie_word_embeddings": False,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+
+
 FIXTURES = {
     "kimi_linear": dict(seed=2424, config=kimi_linear_cfg()),
+    "kimi_k3": dict(seed=3131, config=kimi_k3_cfg()),
 }
 QUANT_FIXTURES = {
     "kimi_linear_mlx_q4g32": dict(seed=2525, base=kimi_linear_cfg(), q=dict(group_size=32, bits=4, mode="affine")),
+    "kimi_k3_mlx_mxfp4": dict(seed=3232, base=kimi_k3_cfg(), q=dict(group_size=32, bits=4, mode="mxfp4")),
 }
 
 
+def text_of(cfg):
+    return cfg.get("text_config", cfg)
+
+
+def prefix_of(cfg):
+    return "language_model." if cfg["model_type"] == "kimi_k3" else ""
+
+
 def is_kda(cfg, i):
-    return (i + 1) in cfg["linear_attn_config"]["kda_layers"]
+    return (i + 1) in text_of(cfg)["linear_attn_config"]["kda_layers"]
 
 
 def is_moe(cfg, i):
-    return cfg["num_experts"] > 0 and i >= cfg["first_k_dense_replace"] and i % cfg["moe_layer_freq"] == 0
+    t = text_of(cfg)
+    return t["num_experts"] > 0 and i >= t["first_k_dense_replace"] and i % t["moe_layer_freq"] == 0
 
 
-def hf_shapes(cfg):
+def hf_shapes(top):
+    """HF names and shapes (without K3's `language_model.`: `random_params` adds it)."""
+    cfg = text_of(top)
+    k3 = top["model_type"] == "kimi_k3"
     H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     lin = cfg["linear_attn_config"]
     hk, d, k = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
@@ -128,14 +166,25 @@ def hf_shapes(cfg):
             s[a + "f_a_proj.weight"] = (d, H)
             s[a + "f_b_proj.weight"] = (p, d)
             s[a + "b_proj.weight"] = (hk, H)
-            s[a + "g_a_proj.weight"] = (d, H)
-            s[a + "g_b_proj.weight"] = (p, d)
-            s[a + "A_log"] = (1, 1, hk, 1)
+            if k3:
+                s[a + "g_proj.weight"] = (p, H)
+            else:
+                s[a + "g_a_proj.weight"] = (d, H)
+                s[a + "g_b_proj.weight"] = (p, d)
+            s[a + "A_log"] = (hk,) if k3 else (1, 1, hk, 1)
             s[a + "dt_bias"] = (p,)
             s[a + "o_norm.weight"] = (d,)
             s[a + "o_proj.weight"] = (H, p)
         else:
-            s[a + "q_proj.weight"] = (nh * (nope + rope), H)
+            if cfg.get("q_lora_rank"):
+                ql = cfg["q_lora_rank"]
+                s[a + "q_a_proj.weight"] = (ql, H)
+                s[a + "q_a_layernorm.weight"] = (ql,)
+                s[a + "q_b_proj.weight"] = (nh * (nope + rope), ql)
+            else:
+                s[a + "q_proj.weight"] = (nh * (nope + rope), H)
+            if cfg.get("mla_use_output_gate"):
+                s[a + "g_proj.weight"] = (nh * dv, H)
             s[a + "kv_a_proj_with_mqa.weight"] = (r + rope, H)
             s[a + "kv_a_layernorm.weight"] = (r,)
             s[a + "kv_b_proj.weight"] = (nh * (nope + dv), r)
@@ -144,10 +193,16 @@ def hf_shapes(cfg):
             m = pre + "block_sparse_moe."
             s[m + "gate.weight"] = (E, H)
             s[m + "gate.e_score_correction_bias"] = (E,)
+            R = cfg.get("routed_expert_hidden_size") or H
             for e in range(E):
-                s[m + f"experts.{e}.w1.weight"] = (im, H)
-                s[m + f"experts.{e}.w3.weight"] = (im, H)
-                s[m + f"experts.{e}.w2.weight"] = (H, im)
+                s[m + f"experts.{e}.w1.weight"] = (im, R)
+                s[m + f"experts.{e}.w3.weight"] = (im, R)
+                s[m + f"experts.{e}.w2.weight"] = (R, im)
+            if R != H:
+                s[m + "routed_expert_down_proj.weight"] = (R, H)
+                s[m + "routed_expert_up_proj.weight"] = (H, R)
+                if cfg.get("latent_moe_use_norm"):
+                    s[m + "routed_expert_norm.weight"] = (R,)
             s[m + "shared_experts.gate_proj.weight"] = (im * ns, H)
             s[m + "shared_experts.up_proj.weight"] = (im * ns, H)
             s[m + "shared_experts.down_proj.weight"] = (H, im * ns)
@@ -155,6 +210,13 @@ def hf_shapes(cfg):
             s[pre + "mlp.gate_proj.weight"] = (inter, H)
             s[pre + "mlp.up_proj.weight"] = (inter, H)
             s[pre + "mlp.down_proj.weight"] = (H, inter)
+        if cfg.get("attn_res_block_size"):
+            for r_name in ("self_attention_res", "mlp_res"):
+                s[pre + f"{r_name}.proj_weight"] = (1, H)
+                s[pre + f"{r_name}.norm_weight"] = (H,)
+    if cfg.get("attn_res_block_size"):
+        s["model.output_attn_res.proj_weight"] = (1, H)
+        s["model.output_attn_res.norm_weight"] = (H,)
     return s
 
 
@@ -162,7 +224,7 @@ def random_params(cfg, rng):
     """make_dense_fixtures' recipe over the HF names (sorted order), with KDA's own."""
     out = {}
     for name, shape in sorted(hf_shapes(cfg).items()):
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "norm_weight")):
             a = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name.endswith("e_score_correction_bias"):
             a = 0.1 * rng.standard_normal(shape)
@@ -178,34 +240,47 @@ def random_params(cfg, rng):
             a = 2.0 * rng.standard_normal(shape) / math.sqrt(shape[1])
         else:  # Linear [out, in]
             a = rng.standard_normal(shape) / math.sqrt(shape[-1])
-        out[name] = a.astype(np.float32)
+        out[prefix_of(cfg) + name] = a.astype(np.float32)
     return out
 
 
-def expected_mlx_params(cfg, hf):
-    """A numpy re-implementation of mlx-lm's kimi_linear sanitize()."""
-    w = dict(hf)
+def expected_mlx_params(top, hf):
+    """A numpy re-implementation of mlx-lm's kimi_linear / kimi_k3 sanitize()."""
+    cfg, pf = text_of(top), prefix_of(top)
+    k3 = top["model_type"] == "kimi_k3"
+    w = {k[len(pf):]: v for k, v in hf.items()}
     E = cfg["num_experts"]
     for i in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{i}."
-        if is_moe(cfg, i):
+        if is_moe(top, i):
             src, dst = pre + "block_sparse_moe.", pre + "mlp."
             for s_name, d_name in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
                 w[dst + f"switch_mlp.{d_name}.weight"] = np.stack([w.pop(src + f"experts.{e}.{s_name}.weight") for e in range(E)])
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                w[dst + f"shared_experts.{n}.weight"] = w.pop(src + f"shared_experts.{n}.weight")
-            w[dst + "gate.weight"] = w.pop(src + "gate.weight")
+            for n in ("shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj", "routed_expert_down_proj",
+                      "routed_expert_up_proj", "routed_expert_norm", "gate"):
+                if src + n + ".weight" in w:
+                    w[dst + n + ".weight"] = w.pop(src + n + ".weight")
             w[dst + "e_score_correction_bias"] = w.pop(src + "gate.e_score_correction_bias")
         a = pre + "self_attn."
-        if is_kda(cfg, i):
-            for x in "qkv":
-                w[a + f"{x}_conv.conv.weight"] = np.ascontiguousarray(np.moveaxis(w.pop(a + f"{x}_conv1d.weight"), 2, 1))
+        if is_kda(top, i):
+            convs = [np.ascontiguousarray(np.moveaxis(w.pop(a + f"{x}_conv1d.weight"), 2, 1)) for x in "qkv"]
+            if k3:
+                w[a + "qkv_proj.weight"] = np.concatenate([w.pop(a + f"{x}_proj.weight") for x in "qkv"])
+                w[a + "qkv_conv.conv.weight"] = np.concatenate(convs)
+            else:
+                for x, c in zip("qkv", convs):
+                    w[a + f"{x}_conv.conv.weight"] = c
         else:
             nh, nope, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
             kvb = w.pop(a + "kv_b_proj.weight").reshape(nh, nope + dv, -1)
             w[a + "embed_q.weight"] = np.ascontiguousarray(kvb[:, :nope, :].swapaxes(-1, -2))
             w[a + "unembed_out.weight"] = np.ascontiguousarray(kvb[:, nope:, :])
-    return w
+    for k in list(w):
+        for src in ("self_attention_res", "mlp_res", "output_attn_res"):
+            for part in ("proj", "norm"):
+                if k.endswith(f"{src}.{part}_weight"):
+                    w[k[: -len(f"{src}.{part}_weight")] + f"{src}_{part}.weight"] = w.pop(k)
+    return {pf + k: v for k, v in w.items()}
 
 
 class RouterRecorder(nn.Module):
@@ -222,9 +297,10 @@ class RouterRecorder(nn.Module):
         return y
 
 
-def routing_gaps(cfg, log, bias):
+def routing_gaps(top, log, bias):
     """Min gap between the k-th and (k+1)-th choice score (after group masking) and between the
     kept and dropped group scores, over every recorded token: how far each selection is from a tie."""
+    cfg = text_of(top)
     k, g, kg = cfg["num_experts_per_token"], cfg["num_expert_group"], cfg["topk_group"]
     gap, group_gap = np.inf, np.inf
     for layer, logits in log:
@@ -293,7 +369,8 @@ def load_checked(d, cfg, params):
 
 
 def biases(params, cfg):
-    return {i: params[f"model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias"].astype(np.float64) for i in range(cfg["num_hidden_layers"]) if is_moe(cfg, i)}
+    return {i: params[f"{prefix_of(cfg)}model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias"].astype(np.float64)
+            for i in range(text_of(cfg)["num_hidden_layers"]) if is_moe(cfg, i)}
 
 
 def build(name, quant, seed):
@@ -340,11 +417,24 @@ def run_one(name, quant):
         {"prompt_logits": mx.array(r["prompt_logits"]), "decode_logits": mx.array(r["decode_logits"])},
         metadata={"format": "pt"},
     )
-    notes = (
+    k3 = (spec.get("base") or spec.get("config"))["model_type"] == "kimi_k3"
+    what = (
+        "kimi_k3 (top-level model_type kimi_k3, text_config model_type kimi_linear, tensors under language_model.): 5 layers, "
+        "KDA at 1-based 1, 2, 3, 5 (4 heads x 32, lower-bounded decay gate_lower_bound -5, full-rank output gate g_proj, "
+        "A_log flat [Hk], q/k/v_proj and q/k/v_conv1d separate in HF, fused qkv_proj / qkv_conv by mlx's sanitize), NoPE MLA "
+        "at 4 (q-LoRA 16, kv_a/q_a norms at 1e-6, output gate g_proj); layer 0 dense, layers 1-4 latent MoE (experts in a "
+        "32-wide space between routed_expert_down_proj and routed_expert_up_proj, routed_expert_norm), 8 experts top-2 in 2 "
+        "groups, a shared expert; SiTU (beta 4, linear beta 25) in every MLP; attention residuals in blocks of 2 layers "
+        "(self_attention_res / mlp_res / output_attn_res proj_weight and norm_weight). "
+        if k3 else ""
+    )
+    linear = (
         "kimi_linear: 4 layers, KDA at 1-based layers 1, 2, 4 (4 heads x 32, conv kernel 4), NoPE MLA at layer 3 "
         "(4 heads, kv_lora 32, nope 16, unrotated pe 8, v 16, no q-LoRA); layer 0 dense SwiGLU (I 96), layers 1-3 "
         "MoE: 8 experts top-2 in 2 groups (1 kept), sigmoid scores, correction bias, renormalised, x2.446, one shared "
-        f"expert (Im 32). HF layout (block_sparse_moe.experts.e.w1/w2/w3, q/k/v_conv1d [P,1,K], A_log [1,1,Hk,1]); "
+        "expert (Im 32). HF layout (block_sparse_moe.experts.e.w1/w2/w3, q/k/v_conv1d [P,1,K], A_log [1,1,Hk,1]); "
+    )
+    notes = (what or linear) + (
         f"mlx-lm load_model(strict) checked bit-exact against a numpy sanitize. Parameters from numpy default_rng({seed}) "
         "in sorted-name order: norms 1+0.1N, correction bias 0.1N, A_log log U(0.02,1), dt_bias -1+0.5N, conv 0.5N, "
         f"embed N, lm_head 2N/sqrt(H), other Linear N/sqrt(in); prompt = next {PROMPT_LEN} draws of rng.integers(0,{VOCAB}). "

@@ -229,6 +229,12 @@ fn kimi_linear_every_placement() {
     for name in ["kimi_linear", "kimi_linear_mlx_q4g32"] {
         every_placement(name, &[]);
     }
+    // Kimi-K3: KDA heads, the gated MLA, the latent experts split; pipeline stages refused
+    // (its attention residuals would have to cross them), the reason named.
+    let pp = "attention residuals";
+    for name in ["kimi_k3", "kimi_k3_mlx_mxfp4"] {
+        every_placement(name, &[("PP2", pp), ("PP3", pp), ("PP2xTP2", pp), ("PP2xEP2", pp)]);
+    }
 }
 
 #[test]

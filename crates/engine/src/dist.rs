@@ -52,6 +52,14 @@ impl Placement {
         if pp > cfg.layers {
             return Err(format!("{pp} pipeline stages for {} layers", cfg.layers));
         }
+        if pp > 1 && cfg.attn_res_block.is_some() {
+            return Err(format!(
+                "--pp {pp}: this model's attention residuals (attn_res_block_size) feed every earlier block's sum into each layer, which pipeline stages do not pass yet: use --tp or --ep"
+            ));
+        }
+        if let Some(k) = cfg.kda.as_ref().filter(|k| tp > k.heads) {
+            return Err(format!("--tp {tp} is more than the model's {} KDA heads", k.heads));
+        }
         let pp_split = match pp_split {
             Some(s) => {
                 if s.len() != pp || s.contains(&0) || s.iter().sum::<usize>() != cfg.layers {

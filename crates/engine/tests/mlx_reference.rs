@@ -186,6 +186,19 @@ fn kimi_linear_mlx_affine_4bit() {
     check("kimi_linear_mlx_q4g32");
 }
 
+/// Every Kimi-K3 difference at once: fused q/k/v and convolutions (the MLX copy), the
+/// lower-bounded decay, the full-rank gate, q-LoRA and gated NoPE MLA, SiTU, the latent
+/// MoE with its norm, attention residuals; weights under `language_model.`.
+#[test]
+fn kimi_k3_every_difference() {
+    check("kimi_k3");
+}
+
+#[test]
+fn kimi_k3_mlx_mxfp4() {
+    check("kimi_k3_mlx_mxfp4");
+}
+
 #[test]
 fn deepseek_v3_one_expert_takes_every_token() {
     check("deepseek_v3_hot_expert");

@@ -100,6 +100,19 @@ pub fn exp_weights(x: &mut [f32], shift: f32, scale: f32) -> f64 {
     acc.iter().sum::<f64>() + rest.iter().map(|&v| v as f64).sum::<f64>()
 }
 
+/// Kimi-K3's SiTU gate in place: `gate = β tanh(gate/β) σ(gate) · u`, where `u` is `up`,
+/// or `β_lin tanh(up/β_lin)` with a `linear_beta`.
+pub fn situ_mul(gate: &mut [f32], up: &[f32], beta: f32, linear_beta: Option<f32>) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let a = beta * (*g / beta).tanh() / (1.0 + (-*g).exp());
+        let u = match linear_beta {
+            Some(b) => b * (u / b).tanh(),
+            None => u,
+        };
+        *g = a * u;
+    }
+}
+
 #[inline]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())

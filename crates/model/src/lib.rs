@@ -7,8 +7,9 @@
 //!
 //! The model's files, bottom to top (no file imports one above it): `linear` (weight
 //! matrices), `kv` (per-sequence caches), `step` (what a step carries, its workspace),
-//! `profile`, `load` (the loader and the weight arena); the blocks `attention/{gqa,mla}`
-//! and `ffn/{mlp,moe,routing}`; `model` (the layer stack and the forward skeleton).
+//! `profile`, `load` (the loader and the weight arena); the blocks `attention/{gqa,mla,kda}`
+//! and `ffn/{mlp,moe,routing}`; `attn_res` (Kimi-K3's residual mixes); `model` (the layer
+//! stack and the forward skeleton).
 
 pub mod chat;
 pub mod checkpoint;
@@ -21,6 +22,7 @@ pub mod shard;
 pub mod tokenizer;
 
 mod attention;
+mod attn_res;
 mod dump;
 mod ffn;
 mod gather;

@@ -31,6 +31,8 @@ pub(crate) struct Loader<'a> {
     /// When set, every tensor part read is kept (name, dtype, shape, bytes) so
     /// `tessera shard` can write this rank's slice as a standalone checkpoint.
     pub(crate) record: Option<std::cell::RefCell<Vec<RecordedTensor>>>,
+    /// Prefix of every tensor name ([`crate::config::ModelConfig::weight_prefix`]).
+    pub(crate) prefix: &'a str,
 }
 
 /// DeepSeek's FP8 block-scale grid (spec §2.5).
@@ -139,8 +141,9 @@ impl<'a> Loader<'a> {
         let n = stack.unwrap_or(1);
         let elems = sel.stack.clone().unwrap_or(0..1);
         let whole = sel.rows == (0..rows) && sel.cols == (0..cols) && elems == (0..n);
-        if !self.sharded {
-            assert!(whole, "a whole-model load selects whole tensors");
+        // A whole model views whole tensors in the map; a part of one even there (K3's
+        // fused qkv_proj is three matrices) is read like a shard's.
+        if !self.sharded && whole {
             return self.matrix(hf, stack, rows, cols);
         }
         let t = self.require(hf)?;
@@ -306,13 +309,19 @@ impl<'a> Loader<'a> {
         Ok(())
     }
 
+    /// The name HF tensor `hf` has in this checkpoint (its container's names, the
+    /// config's prefix: Kimi-K3's `language_model.`).
+    pub(crate) fn stored(&self, hf: &str) -> String {
+        stored_name(self.c.kind, &format!("{}{hf}", self.prefix))
+    }
+
     pub(crate) fn find(&self, hf: &str) -> Option<&'a TensorInfo> {
-        self.c.get(&stored_name(self.c.kind, hf))
+        self.c.get(&self.stored(hf))
     }
 
     pub(crate) fn require(&self, hf: &str) -> Result<&'a TensorInfo> {
         self.find(hf).ok_or_else(|| {
-            let tensor = stored_name(self.c.kind, hf);
+            let tensor = self.stored(hf);
             // A near miss is usually a renamed or damaged entry: say where it is.
             let near = match self.c.closest_name(&tensor, 3) {
                 Some(t) => format!("; {} holds `{}`, a near match: a renamed or corrupted entry?", self.c.file_of(t).display(), t.name),
@@ -590,6 +599,15 @@ impl<'a> Loader<'a> {
             }
         }
         floats(self.c, t)
+    }
+
+    /// [`Self::floats`], also taking a 1-D tensor of at least `n` elements and keeping
+    /// its first `n` (as mlx keeps K3's `A_log`).
+    pub(crate) fn floats_min(&self, hf: &str, shapes: &[&[usize]], n: usize) -> Result<Vec<f32>> {
+        match self.find(hf) {
+            Some(t) if t.shape.len() == 1 && t.shape[0] >= n => Ok(self.floats(hf, &[&[t.shape[0]]])?[..n].to_vec()),
+            _ => self.floats(hf, &[shapes, &[&[n]]].concat()),
+        }
     }
 
     /// A whole matrix dequantized to f32 (small matrices only: MLA's kv_b).

@@ -11,6 +11,7 @@
 
 use crate::attention::gqa::{attn_range_slots, Gqa};
 use crate::attention::{kda::{self, Kda}, mla::Mla, Attn};
+use crate::attn_res::{self, Blocks, ResMix};
 use crate::checkpoint::Checkpoint;
 use crate::config::{FfnKind, ModelConfig};
 use crate::error::{LoadError, Result};
@@ -33,6 +34,8 @@ struct Layer {
     ffn_norm: Vec<f32>,
     attn: Attn,
     ffn: Ffn,
+    /// Kimi-K3's attention residuals: the mixes before attention and before the FFN.
+    res: Option<[ResMix; 2]>,
 }
 
 /// Logits from this size up are stored past the caches (a batch's: 32 rows of SmolLM2's
@@ -54,6 +57,8 @@ pub struct Model {
     vocab: Range<usize>,
     /// Final norm (last stage).
     norm: Option<Vec<f32>>,
+    /// Kimi-K3's mix before the final norm (last stage, attention residuals only).
+    output_res: Option<ResMix>,
     /// Layers `spec.layers`.
     layers: Vec<Layer>,
     inv_freq: Vec<f32>,
@@ -98,8 +103,12 @@ impl Model {
             return Err(bad(format!("stage layers {:?} of a {}-layer model", spec.layers, cfg.layers)));
         }
         let heads_total = cfg.heads;
+        let heads_total = cfg.kda.as_ref().map_or(heads_total, |k| heads_total.min(k.heads));
         if spec.tp_size == 0 || spec.tp_rank >= spec.tp_size || spec.tp_size > heads_total {
             return Err(bad(format!("tensor-parallel rank {} of {} for {heads_total} attention heads", spec.tp_rank, spec.tp_size)));
+        }
+        if cfg.attn_res_block.is_some() && !(spec.first_stage() && spec.last_stage()) {
+            return Err(bad("a pipeline stage of a model with attention residuals (not supported yet)".into()));
         }
         if let ExpertSplit::Experts { owned } = &spec.experts {
             let e = cfg.moe.as_ref().map_or(0, |m| m.experts);
@@ -114,6 +123,7 @@ impl Model {
             bytes_read: std::cell::Cell::new(0),
             presliced,
             record: record.then(|| std::cell::RefCell::new(Vec::new())),
+            prefix: &cfg.weight_prefix,
         };
         let (h, v) = (cfg.hidden, cfg.vocab);
         let (tp, tpr) = (spec.tp_size, spec.tp_rank);
@@ -141,11 +151,16 @@ impl Model {
                 FfnKind::Dense => Ffn::Dense(Mlp::load(&ld, &p("mlp"), cfg.mlp_bias, MlpParts { group: CollGroup::Tp, rank: tpr, ranks: tp, width: cfg.intermediate, hidden: h })?),
                 FfnKind::Moe => Ffn::Moe(Moe::load(&ld, &cfg, &spec, i)?),
             };
+            let res = match cfg.attn_res_block {
+                Some(_) => Some([ResMix::load(&ld, &p("self_attention_res"), h)?, ResMix::load(&ld, &p("mlp_res"), h)?]),
+                None => None,
+            };
             layers.push(Layer {
                 attn_norm: ld.vector(&p("input_layernorm.weight"), h)?,
                 ffn_norm: ld.vector(&p("post_attention_layernorm.weight"), h)?,
                 attn,
                 ffn,
+                res,
             });
         }
         // A layer past the configured count means config and tensors disagree.
@@ -170,6 +185,7 @@ impl Model {
             }
         }
         let norm = spec.last_stage().then(|| ld.vector("model.norm.weight", h)).transpose()?;
+        let output_res = (spec.last_stage() && cfg.attn_res_block.is_some()).then(|| ResMix::load(&ld, "model.output_attn_res", h)).transpose()?;
         // Matrices only ever multiplied (not the embedding, read by rows; not MLA's
         // per-head matrices, sliced by head) are placed in one arena, in the order a
         // token reads them, on huge pages where the OS has them (`memory`: streaming is
@@ -202,7 +218,7 @@ impl Model {
         let weights_arena = place_in_arena(moves, &ckpt, huge);
         let bytes_loaded = ld.bytes_read.get();
         let recorded = ld.record.map(|r| r.into_inner()).unwrap_or_default();
-        Ok((Model { norm, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa, bytes_loaded, weights_arena, ckpt }, recorded))
+        Ok((Model { norm, output_res, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa, bytes_loaded, weights_arena, ckpt }, recorded))
     }
 
     /// Bytes this shard read from the checkpoint files while loading (0 for a whole
@@ -414,10 +430,13 @@ impl Model {
         let (kda_p, kda_d, kda_heads) = c.kda.as_ref().map_or((0, 0, 0), |k| (k.heads * k.head_dim, k.head_dim, k.heads));
         let (q_dim, kv_dim, attn_dim) = (q_dim.max(kda_p), kv_dim.max(kda_p), attn_dim.max(kda_p));
         let moe = c.moe.as_ref().filter(|_| c.layer_ffn.contains(&FfnKind::Moe));
+        let res_blocks = c.attn_res_block.map_or(0, |b| c.layers.div_ceil(b));
         let ffn_width = c.intermediate.max(moe.map_or(0, |m| m.expert_width.max(m.shared_width)));
         let widest = [c.hidden, q_dim, attn_dim, ffn_width, head_in, head_out].into_iter().max().unwrap_or(1);
         let fused_slots = moe.map_or(0, |m| (t * m.top_k).min(EXPERT_SLOTS_FUSED_MAX));
-        let moe_rows = if moe.is_some() { t.max(fused_slots) * c.hidden } else { 0 };
+        // Routed experts' rows: the model's width, or a wider latent space's.
+        let moe_width = c.hidden.max(moe.and_then(|m| m.latent).map_or(0, |l| l.width));
+        let moe_rows = if moe.is_some() { t.max(fused_slots) * moe_width } else { 0 };
         // Decode-batch rows of vocabulary-parallel logits (TP > 1 only).
         let tp_gather = self.spec.tp_size;
         let (head_rows, vmax) = if tp_gather > 1 { (limits.sequences_per_step_max, output_rows(c.vocab, 0, tp_gather).len()) } else { (0, 0) };
@@ -441,6 +460,7 @@ impl Model {
             head_in: vec![0.0; t * head_in],
             head_out: vec![0.0; t * head_out],
             q_lat: vec![0.0; t * lat],
+            attn_gate: vec![0.0; if c.mla.as_ref().is_some_and(|m| m.output_gate) { t * attn_dim } else { 0 }],
             out_lat: vec![0.0; t * lat],
             router_logits: vec![0.0; moe.map_or(0, |m| t * m.experts)],
             route_ids: vec![0; moe.map_or(0, |m| t * m.top_k)],
@@ -450,13 +470,17 @@ impl Model {
             expert_slots: vec![(0, 0.0); moe.map_or(0, |m| t * m.top_k)],
             moe_in: vec![0.0; moe_rows],
             moe_out: vec![0.0; moe_rows],
+            moe_latent: vec![0.0; if moe.is_some_and(|m| m.latent.is_some()) { t * c.hidden.max(moe.and_then(|m| m.latent).map_or(0, |l| l.width)) } else { 0 }],
             attn_part: vec![0.0; if c.mla.is_some() { 0 } else { attn_range_slots(threads, limits.context_max) * (c.heads / c.kv_heads.max(1)).max(1) * c.head_dim }],
             attn_stats: vec![0.0; if c.mla.is_some() { 0 } else { attn_range_slots(threads, limits.context_max) * 2 * (c.heads / c.kv_heads.max(1)).max(1) }],
             moe_gate: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_up: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
-            moe_proj: vec![0.0; fused_slots * c.hidden],
+            moe_proj: vec![0.0; fused_slots * moe_width],
             moe_kept: Vec::new(),
             moe_active: Vec::with_capacity(moe.map_or(0, |m| m.experts)),
+            res_sums: vec![0.0; res_blocks * t * c.hidden],
+            res_inv_rms: vec![0.0; res_blocks * t],
+            res_mix: vec![0.0; if res_blocks > 0 { t * c.hidden } else { 0 }],
             kda_low: vec![0.0; t * 2 * kda_d],
             kda_decay: vec![0.0; t * kda_p],
             kda_gate: vec![0.0; t * kda_p],
@@ -622,10 +646,13 @@ impl Model {
         }
 
         let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, chunks, coll, spec: &self.spec };
+        if let Some(block) = c.attn_res_block {
+            self.layers_attn_res(&run, ws, caches, block)?;
+        }
         // The previous layer's FFN output, not yet added to the residual: the add joins
         // the next layer's norm in one pass over the tokens.
         let mut ffn_pending = false;
-        for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()) {
+        for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()).filter(|_| c.attn_res_block.is_none()) {
             let t0 = ws.clock();
             residual(pool, n, h, &mut ws.x, ffn_pending.then_some(&ws.proj[..]), Some((&layer.attn_norm, c.rms_eps, &mut ws.xn)));
             ws.charge(ProfileKind::Norms, t0, 0);
@@ -714,6 +741,54 @@ impl Model {
                 let src = &ws.logits_gather[k * part_len + r * vmax..k * part_len + r * vmax + vr.len()];
                 logits[r * c.vocab + vr.start..r * c.vocab + vr.end].copy_from_slice(src);
             }
+        }
+        Ok(())
+    }
+}
+
+impl Model {
+    /// The layers of a model with attention residuals (Kimi-K3; [`crate::attn_res`]): `ws.x`
+    /// holds the running sum of the current block, each sub-layer's input is the mix of
+    /// the block sums so far and it; after the last layer `ws.x` is the output mix.
+    fn layers_attn_res(&self, run: &Run, ws: &mut Workspace, caches: &mut [KvCache], block: usize) -> std::result::Result<(), StepError> {
+        let (c, n, pool) = (run.cfg, run.n, run.pool);
+        let (h, eps, t_max) = (c.hidden, c.rms_eps, ws.limits.tokens_per_step_max);
+        let mut count = 0;
+        for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()) {
+            let [before_attn, before_ffn] = layer.res.as_ref().expect("attention-residual layers load their mixes");
+            let t0 = ws.clock();
+            let blocks = Blocks { sums: &ws.res_sums, inv_rms: &ws.res_inv_rms, count, tokens_max: t_max };
+            attn_res::mix(pool, n, h, &blocks, &ws.x, before_attn, eps, &mut ws.res_mix);
+            residual(pool, n, h, &mut ws.res_mix, None, Some((&layer.attn_norm, eps, &mut ws.xn)));
+            let starts_block = li % block == 0;
+            if starts_block {
+                for t in 0..n {
+                    let row = &ws.x[t * h..(t + 1) * h];
+                    ws.res_sums[(count * t_max + t) * h..(count * t_max + t + 1) * h].copy_from_slice(row);
+                    ws.res_inv_rms[count * t_max + t] = attn_res::inv_rms(row, eps);
+                }
+                count += 1;
+            }
+            ws.charge(ProfileKind::Norms, t0, 0);
+            layer.attn.forward(run, ws, caches, li)?;
+            let t0 = ws.clock();
+            // A new block's running sum starts at this attention's output.
+            if starts_block {
+                ws.x[..n * h].copy_from_slice(&ws.proj[..n * h]);
+            } else {
+                residual(pool, n, h, &mut ws.x, Some(&ws.proj), None);
+            }
+            let blocks = Blocks { sums: &ws.res_sums, inv_rms: &ws.res_inv_rms, count, tokens_max: t_max };
+            attn_res::mix(pool, n, h, &blocks, &ws.x, before_ffn, eps, &mut ws.res_mix);
+            residual(pool, n, h, &mut ws.res_mix, None, Some((&layer.ffn_norm, eps, &mut ws.xn)));
+            ws.charge(ProfileKind::Norms, t0, 0);
+            layer.ffn.forward(run, ws, li)?;
+            residual(pool, n, h, &mut ws.x, Some(&ws.proj), None);
+        }
+        if let Some(out) = &self.output_res {
+            let blocks = Blocks { sums: &ws.res_sums, inv_rms: &ws.res_inv_rms, count, tokens_max: t_max };
+            attn_res::mix(pool, n, h, &blocks, &ws.x, out, eps, &mut ws.res_mix);
+            ws.x[..n * h].copy_from_slice(&ws.res_mix[..n * h]);
         }
         Ok(())
     }

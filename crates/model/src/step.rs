@@ -3,14 +3,14 @@
 //! buffer of a step lives in, and `Run`, the fixed context the blocks' forwards share.
 
 use crate::checkpoint::Checkpoint;
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig};
 use crate::ffn::routing::RouteScratch;
 use crate::gather::{Columns, Gather};
 use crate::linear::Linear;
 use crate::profile::{Profile, ProfileKind};
 use crate::shard::{Collectives, ShardSpec};
 use tessera_kernels::pool::SharedMut;
-use tessera_kernels::{Isa, MatmulScratch, ThreadPool};
+use tessera_kernels::{ops, Isa, MatmulScratch, ThreadPool};
 
 /// Which rows of a step produce logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +96,8 @@ pub struct Workspace {
     pub(crate) head_out: Vec<f32>,
     pub(crate) q_lat: Vec<f32>,
     pub(crate) out_lat: Vec<f32>,
+    /// Kimi-K3's MLA output gate, `t × heads · v_dim`.
+    pub(crate) attn_gate: Vec<f32>,
     // MoE.
     pub(crate) router_logits: Vec<f32>,
     pub(crate) route_ids: Vec<u32>,
@@ -105,6 +107,8 @@ pub struct Workspace {
     pub(crate) expert_slots: Vec<(u32, f32)>,
     pub(crate) moe_in: Vec<f32>,
     pub(crate) moe_out: Vec<f32>,
+    /// Kimi-K3's latent MoE: `down(x)` (`t × R`), then the up projection's rows (`t × H`).
+    pub(crate) moe_latent: Vec<f32>,
     /// Attention split over key ranges: each range's normalised output and stats.
     pub(crate) attn_part: Vec<f32>,
     pub(crate) attn_stats: Vec<f32>,
@@ -116,6 +120,11 @@ pub struct Workspace {
     pub(crate) moe_kept: Vec<f32>,
     /// Experts with at least one slot this step.
     pub(crate) moe_active: Vec<u32>,
+    // Attention residuals: each block's starting sum per token (`blocks × t × H`), their
+    // inverse RMS, and one mix.
+    pub(crate) res_sums: Vec<f32>,
+    pub(crate) res_inv_rms: Vec<f32>,
+    pub(crate) res_mix: Vec<f32>,
     // KDA: f_a and g_a outputs (t × 2D), the log decays and gates (t × P), β (t × heads),
     // each chunk's (convolution state, delta-rule state), per-thread delta-rule scratch.
     pub(crate) kda_low: Vec<f32>,
@@ -174,10 +183,17 @@ pub(crate) struct Run<'a> {
 }
 
 impl Run<'_> {
-    /// SwiGLU's gate on `rows` rows of `width`: `gate = silu(gate) · up`, row by row.
-    pub(crate) fn silu_rows(&self, rows: usize, width: usize, gate: &mut [f32], up: &[f32]) {
-        let isa = self.isa;
-        self.pool.for_rows(rows, PER_TOKEN_PARALLEL_MIN, (gate, width), (&mut [] as &mut [f32], 0), &|r, g, _| isa.silu_mul(g, &up[r * width..(r + 1) * width]));
+    /// The MLP gate on `rows` rows of `width`, row by row: `gate = silu(gate) · up`, or
+    /// Kimi-K3's SiTU ([`crate::config::Activation`]).
+    pub(crate) fn gate_rows(&self, rows: usize, width: usize, gate: &mut [f32], up: &[f32]) {
+        let (isa, act) = (self.isa, self.cfg.activation);
+        self.pool.for_rows(rows, PER_TOKEN_PARALLEL_MIN, (gate, width), (&mut [] as &mut [f32], 0), &|r, g, _| {
+            let up = &up[r * width..(r + 1) * width];
+            match act {
+                Activation::Silu => isa.silu_mul(g, up),
+                Activation::Situ { beta, linear_beta } => ops::situ_mul(g, up, beta, linear_beta),
+            }
+        });
     }
 
     pub(crate) fn linear(&self, l: &Linear, x: &[f32], n: usize, y: &mut [f32], mm: &mut MatmulScratch) {

@@ -28,6 +28,11 @@ pub(crate) fn scratch_per_thread(tokens: usize, head_dim: usize) -> usize {
     5 * tokens * head_dim + tokens + delta_rule::chunk_scratch_len(KDA_BLOCK_TOKENS, head_dim, head_dim)
 }
 
+pub(crate) enum Gate {
+    LowRank { a: Linear, b: Linear },
+    Full(Linear),
+}
+
 /// One layer's KDA on this rank.
 pub(crate) struct Kda {
     /// This rank's heads.
@@ -40,9 +45,8 @@ pub(crate) struct Kda {
     pub(crate) f_b: Linear,
     /// β's logits, one row per head.
     pub(crate) b: Linear,
-    /// The output gate's low-rank pair `g_b ∘ g_a`.
-    pub(crate) g_a: Linear,
-    pub(crate) g_b: Linear,
+    /// The output gate: Kimi Linear's low-rank pair `g_b ∘ g_a`, or K3's full-rank `g_proj`.
+    pub(crate) gate: Gate,
     /// Convolution taps `[3·P][K]`: this rank's q channels, then k's, then v's; tap
     /// `K − 1` multiplies the current token.
     pub(crate) conv: Vec<f32>,
@@ -65,31 +69,53 @@ impl Kda {
         let ch = heads.start * d..heads.end * d;
         let rows = |name: &str, total: usize, cols: usize, sel: Range<usize>| ld.part(&p(name), None, total, cols, &Sel::rows(sel, cols));
         let whole = |name: &str, r: usize, cols: usize| ld.part(&p(name), None, r, cols, &Sel::all(r, cols));
+        // q, k and v: separate, or K3's fused `qkv_proj [3P, H]` (this rank's rows of each third).
+        let fused = ld.find(&p("qkv_proj.weight")).is_some();
+        let qkv: Vec<Linear> = (0..3)
+            .map(|seg| match fused {
+                true => rows("qkv_proj.weight", 3 * all, h, seg * all + ch.start..seg * all + ch.end),
+                false => rows(&format!("{}_proj.weight", ["q", "k", "v"][seg]), all, h, ch.clone()),
+            })
+            .collect::<Result<_>>()?;
+        let [q, k, v]: [Linear; 3] = qkv.try_into().unwrap_or_else(|_| unreachable!("three projections"));
         let mut conv = Vec::with_capacity(3 * ch.len() * taps);
-        for x in ["q", "k", "v"] {
-            // HF `{x}_conv1d.weight [P, 1, K]`, MLX `{x}_conv.conv.weight [P, K, 1]`: one order.
-            let (hf, mlx) = (p(&format!("{x}_conv1d.weight")), p(&format!("{x}_conv.conv.weight")));
-            let name = match (ld.find(&hf), ld.find(&mlx)) {
-                (None, Some(_)) => mlx,
-                (None, None) => {
-                    return Err(LoadError::MissingTensor { path: ld.c.path.clone(), tensor: hf, hint: format!(" (nor its MLX name `{mlx}`: the config makes layer {i} KDA)") });
-                }
-                _ => hf,
-            };
-            let w = ld.floats(&name, &[&[all, 1, taps], &[all, taps, 1]])?;
-            conv.extend_from_slice(&w[ch.start * taps..ch.end * taps]);
+        if ld.find(&p("qkv_conv.conv.weight")).is_some() {
+            let w = ld.floats(&p("qkv_conv.conv.weight"), &[&[3 * all, taps, 1], &[3 * all, 1, taps]])?;
+            for seg in 0..3 {
+                conv.extend_from_slice(&w[(seg * all + ch.start) * taps..(seg * all + ch.end) * taps]);
+            }
+        } else {
+            for x in ["q", "k", "v"] {
+                // HF `{x}_conv1d.weight [P, 1, K]`, MLX `{x}_conv.conv.weight [P, K, 1]`: one order.
+                let (hf, mlx) = (p(&format!("{x}_conv1d.weight")), p(&format!("{x}_conv.conv.weight")));
+                let name = match (ld.find(&hf), ld.find(&mlx)) {
+                    (None, Some(_)) => mlx,
+                    (None, None) => {
+                        let hint = format!(" (nor its MLX name `{mlx}`, nor a fused `qkv_conv`: the config makes layer {i} KDA)");
+                        return Err(LoadError::MissingTensor { path: ld.c.path.clone(), tensor: ld.stored(&hf), hint });
+                    }
+                    _ => hf,
+                };
+                let w = ld.floats(&name, &[&[all, 1, taps], &[all, taps, 1]])?;
+                conv.extend_from_slice(&w[ch.start * taps..ch.end * taps]);
+            }
         }
-        let a_log = ld.floats(&p("A_log"), &[&[1, 1, hk, 1], &[hk]])?;
+        // A_log: [1, 1, Hk, 1] (Kimi Linear), [Hk] (K3); mlx keeps the first Hk of a longer one.
+        let a_log = ld.floats_min(&p("A_log"), &[&[1, 1, hk, 1]], hk)?;
         let dt_bias = ld.floats(&p("dt_bias"), &[&[all], &[hk, d]])?;
+        let gate = if kc.full_rank_gate {
+            Gate::Full(rows("g_proj.weight", all, h, ch.clone())?)
+        } else {
+            Gate::LowRank { a: whole("g_a_proj.weight", d, h)?, b: rows("g_b_proj.weight", all, d, ch.clone())? }
+        };
         Ok(Kda {
-            q: rows("q_proj.weight", all, h, ch.clone())?,
-            k: rows("k_proj.weight", all, h, ch.clone())?,
-            v: rows("v_proj.weight", all, h, ch.clone())?,
+            q,
+            k,
+            v,
             f_a: whole("f_a_proj.weight", d, h)?,
             f_b: rows("f_b_proj.weight", all, d, ch.clone())?,
             b: rows("b_proj.weight", hk, h, heads.clone())?,
-            g_a: whole("g_a_proj.weight", d, h)?,
-            g_b: rows("g_b_proj.weight", all, d, ch.clone())?,
+            gate,
             conv,
             a: a_log[heads.clone()].iter().map(|v| v.exp()).collect(),
             dt_bias: dt_bias[ch].to_vec(),
@@ -101,11 +127,21 @@ impl Kda {
 
     /// Every weight matrix of the block.
     pub(crate) fn linears(&self) -> Vec<&Linear> {
-        vec![&self.q, &self.k, &self.v, &self.f_a, &self.f_b, &self.b, &self.g_a, &self.g_b, &self.o]
+        let mut v = vec![&self.q, &self.k, &self.v, &self.f_a, &self.f_b, &self.b, &self.o];
+        match &self.gate {
+            Gate::LowRank { a, b } => v.extend([a, b]),
+            Gate::Full(g) => v.push(g),
+        }
+        v
     }
 
     pub(crate) fn streamed_mut(&mut self) -> Vec<&mut Linear> {
-        vec![&mut self.q, &mut self.k, &mut self.v, &mut self.f_a, &mut self.g_a, &mut self.b, &mut self.f_b, &mut self.g_b, &mut self.o]
+        let mut v = vec![&mut self.q, &mut self.k, &mut self.v, &mut self.f_a, &mut self.b, &mut self.f_b, &mut self.o];
+        match &mut self.gate {
+            Gate::LowRank { a, b } => v.extend([a, b]),
+            Gate::Full(g) => v.push(g),
+        }
+        v
     }
 
     /// KDA over `ws.xn`, each chunk's sequence continuing from its state in `caches`
@@ -122,12 +158,18 @@ impl Kda {
             let ck = run.ckpt;
             matmul_group(run.pool, run.isa, &[self.q.weights(ck), self.k.weights(ck), self.v.weights(ck)], xn, n, &mut [q, k, v], &mut ws.mm);
             let (fa, ga) = ws.kda_low[..2 * n * d].split_at_mut(n * d);
-            matmul_group(run.pool, run.isa, &[self.f_a.weights(ck), self.g_a.weights(ck), self.b.weights(ck)], xn, n, &mut [fa, ga, &mut ws.kda_beta[..n * nh]], &mut ws.mm);
+            let beta = &mut ws.kda_beta[..n * nh];
+            match &self.gate {
+                Gate::LowRank { a, .. } => matmul_group(run.pool, run.isa, &[self.f_a.weights(ck), a.weights(ck), self.b.weights(ck)], xn, n, &mut [fa, ga, beta], &mut ws.mm),
+                Gate::Full(g) => matmul_group(run.pool, run.isa, &[self.f_a.weights(ck), g.weights(ck), self.b.weights(ck)], xn, n, &mut [fa, &mut ws.kda_gate[..n * p], beta], &mut ws.mm),
+            }
         }
         let (fa, ga) = ws.kda_low[..2 * n * d].split_at(n * d);
         run.linear(&self.f_b, fa, n, &mut ws.kda_decay[..n * p], &mut ws.mm);
-        run.linear(&self.g_b, ga, n, &mut ws.kda_gate[..n * p], &mut ws.mm);
-        let linears = [&self.q, &self.k, &self.v, &self.f_a, &self.g_a, &self.b, &self.f_b, &self.g_b];
+        if let Gate::LowRank { b, .. } = &self.gate {
+            run.linear(b, ga, n, &mut ws.kda_gate[..n * p], &mut ws.mm);
+        }
+        let linears: Vec<&Linear> = self.linears().into_iter().filter(|l| !std::ptr::eq(*l, &self.o)).collect();
         ws.charge_work(ProfileKind::AttnProj, t0, linears.iter().map(|l| l.bytes()).sum(), Linear::macs_of(n, linears));
 
         let t0 = ws.clock();
@@ -197,12 +239,16 @@ impl Kda {
                 l2_normalise(kh, 1.0);
             }
         });
-        let (a, dt_bias) = (&self.a, &self.dt_bias);
+        let (a, dt_bias, lower) = (&self.a, &self.dt_bias, kc.gate_lower_bound);
         let nh = self.heads.len();
         run.pool.for_rows(n, PER_TOKEN_PARALLEL_MIN, (&mut ws.kda_decay[..n * p], p), (&mut ws.kda_beta[..n * nh], nh), &|_, g, beta| {
             for (hh, gh) in g.chunks_exact_mut(d).enumerate() {
                 for (x, &bias) in gh.iter_mut().zip(&dt_bias[hh * d..(hh + 1) * d]) {
-                    *x = -a[hh] * softplus(*x + bias);
+                    // log g: Kimi Linear's −A·softplus(a + dt), or K3's λ·σ(A·(a + dt)) ∈ (λ, 0).
+                    *x = match lower {
+                        None => -a[hh] * softplus(*x + bias),
+                        Some(l) => l * sigmoid(a[hh] * (*x + bias)),
+                    };
                 }
             }
             beta.iter_mut().for_each(|b| *b = sigmoid(*b));

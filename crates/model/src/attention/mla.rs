@@ -8,7 +8,6 @@ use crate::error::Result;
 use crate::kv::{KvCache, TokenCaches};
 use crate::linear::Linear;
 use crate::load::{Loader, Sel};
-use crate::names::stored_name;
 use crate::profile::ProfileKind;
 use crate::shard::split;
 use crate::step::{Run, StepError, Workspace};
@@ -31,6 +30,8 @@ pub(crate) struct Mla {
     /// `[heads · dv, r]`: head h's rows map the latent output to values (W_UV).
     pub(crate) unembed_out: Linear,
     pub(crate) o: Linear,
+    /// Kimi-K3's output gate `g_proj` (this rank's heads' rows): `o ⊙ σ(g_proj(x))`.
+    pub(crate) gate: Option<Linear>,
 }
 
 
@@ -77,7 +78,7 @@ impl Mla {
                 let src = &kv_b[(head * per + m.nope_dim) * r..(head + 1) * per * r];
                 uo[local * m.v_dim * r..(local + 1) * m.v_dim * r].copy_from_slice(src);
             }
-            let name = stored_name(ld.c.kind, &p("kv_b_proj.weight"));
+            let name = ld.stored(&p("kv_b_proj.weight"));
             (
                 Linear::owned_f32(format!("{name} (W_UKᵀ per head)"), mine * r, m.nope_dim, &eq),
                 Linear::owned_f32(format!("{name} (W_UV per head)"), mine * m.v_dim, r, &uo),
@@ -87,7 +88,9 @@ impl Mla {
         if cfg.o_bias {
             o.bias = Some(ld.vector(&p("o_proj.bias"), h)?[o_rows].to_vec());
         }
+        let gate = m.output_gate.then(|| ld.part(&p("g_proj.weight"), None, nh * m.v_dim, h, &Sel::rows(heads.start * m.v_dim..heads.end * m.v_dim, h))).transpose()?;
         Ok(Mla {
+            gate,
             heads,
             q_a,
             q,
@@ -104,7 +107,7 @@ impl Mla {
         let t0 = ws.clock();
         self.forward_inner(run, m, ws, caches, li)?;
         // MLA's projections and latent attention are interleaved per head: one entry.
-        let linears = [&self.q, &self.kv_a, &self.embed_q, &self.unembed_out, &self.o].into_iter().chain(self.q_a.as_ref().map(|(l, _)| l));
+        let linears = [&self.q, &self.kv_a, &self.embed_q, &self.unembed_out, &self.o].into_iter().chain(self.q_a.as_ref().map(|(l, _)| l)).chain(self.gate.as_ref());
         let bytes = linears.clone().map(|l| l.bytes()).sum::<usize>();
         ws.charge_work(ProfileKind::AttnProj, t0, bytes, Linear::macs_of(run.n, linears));
         Ok(())
@@ -188,6 +191,13 @@ impl Mla {
             matmul(run.pool, run.isa, rows, &ws.head_in[..n * r], n, &mut ws.head_out[..n * dv], &mut ws.mm);
             for t in 0..n {
                 ws.attn[(t * nh + head) * dv..(t * nh + head + 1) * dv].copy_from_slice(&ws.head_out[t * dv..(t + 1) * dv]);
+            }
+        }
+        if let Some(g) = &self.gate {
+            let width = nh * dv;
+            run.linear(g, &ws.xn[..n * h], n, &mut ws.attn_gate[..n * width], &mut ws.mm);
+            for (o, &g) in ws.attn[..n * width].iter_mut().zip(&ws.attn_gate[..n * width]) {
+                *o *= 1.0 / (1.0 + (-g).exp());
             }
         }
         let (tp, heads) = (run.spec.tp_size, c.heads);

@@ -28,9 +28,8 @@ impl Attn {
             Attn::Gqa(g) => vec![&g.q, &g.k, &g.v, &g.o],
             Attn::Mla(m) => {
                 let mut v = vec![&m.q, &m.kv_a, &m.embed_q, &m.unembed_out, &m.o];
-                if let Some((qa, _)) = &m.q_a {
-                    v.push(qa);
-                }
+                v.extend(m.q_a.as_ref().map(|(qa, _)| qa));
+                v.extend(m.gate.as_ref());
                 v
             }
             Attn::Kda(k) => k.linears(),
@@ -46,6 +45,7 @@ impl Attn {
             Attn::Mla(m) => {
                 let mut v: Vec<&mut Linear> = m.q_a.as_mut().map(|(qa, _)| qa).into_iter().collect();
                 v.extend([&mut m.q, &mut m.kv_a, &mut m.o]);
+                v.extend(m.gate.as_mut());
                 v
             }
             Attn::Kda(k) => k.streamed_mut(),

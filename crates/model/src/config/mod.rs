@@ -62,6 +62,26 @@ pub struct MoeConfig {
     pub routed_scaling: f32,
     pub n_group: usize,
     pub topk_group: usize,
+    /// Kimi-K3's latent MoE: routed experts run in a space of this width between a down
+    /// and an up projection (`routed_expert_hidden_size`), optionally RMS-normed there.
+    pub latent: Option<LatentMoe>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LatentMoe {
+    pub width: usize,
+    /// `routed_expert_norm` on the routed sum, before the up projection.
+    pub norm: bool,
+}
+
+/// The gate activation of every MLP (dense, shared and routed experts).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Activation {
+    /// `silu(gate) · up`.
+    Silu,
+    /// Kimi-K3's SiTU: `β tanh(gate/β) σ(gate) · β_lin tanh(up/β_lin)` (the up clamp only
+    /// with `linear_beta`), in f32.
+    Situ { beta: f32, linear_beta: Option<f32> },
 }
 
 /// Multi-head latent attention (DeepSeek-V3).
@@ -76,6 +96,8 @@ pub struct MlaConfig {
     pub rotary: bool,
     /// Epsilon of the `q_a` and `kv_a` norms (mlx: 1e-6 for DeepSeek, `rms_norm_eps` for Kimi Linear).
     pub norm_eps: f32,
+    /// Kimi-K3: the heads' outputs gated by `σ(g_proj(x))` before o_proj.
+    pub output_gate: bool,
 }
 
 /// Kimi Delta Attention (spec §2.7): a gated delta-rule linear attention whose state is
@@ -89,6 +111,11 @@ pub struct KdaConfig {
     pub conv_kernel: usize,
     /// Per layer: KDA (true) or the model's MLA.
     pub layers: Vec<bool>,
+    /// Kimi-K3's lower-bounded decay `exp(λ σ(A (a + dt_bias)))` with λ = this (≈ −5);
+    /// `None`: Kimi Linear's `exp(−A softplus(a + dt_bias))`.
+    pub gate_lower_bound: Option<f32>,
+    /// Kimi-K3: the output gate is one `g_proj [P, H]`, not `g_b ∘ g_a`.
+    pub full_rank_gate: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,6 +250,12 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     pub mla: Option<MlaConfig>,
     pub kda: Option<KdaConfig>,
+    pub activation: Activation,
+    /// Kimi-K3's attention residuals: a softmax over depth of block sums, blocks of this
+    /// many layers (`attn_res_block_size`); `None`: the plain residual stream.
+    pub attn_res_block: Option<usize>,
+    /// Prefix of every HF tensor name in the checkpoint (Kimi-K3: `language_model.`).
+    pub weight_prefix: String,
 }
 
 impl ModelConfig {
@@ -303,13 +336,14 @@ impl ModelConfig {
             "qwen3_moe" => Arch::Qwen3Moe,
             "mixtral" => Arch::Mixtral,
             "deepseek_v3" | "kimi_k2" => Arch::DeepseekV3,
-            "kimi_linear" => return kimi_linear::from_json(&j),
+            "kimi_linear" => return kimi_linear::from_json(&j, false),
+            "kimi_k3" => return kimi_linear::kimi_k3(&j),
             other => {
                 return Err(LoadError::key(
                     &j.path,
                     "model_type",
                     format!(
-                        "`{other}` is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3, kimi_k2, kimi_linear)"
+                        "`{other}` is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3, kimi_k2, kimi_linear, kimi_k3)"
                     ),
                 ))
             }
@@ -333,6 +367,7 @@ impl ModelConfig {
                 v_dim: j.usize("v_head_dim")?,
                 rotary: true,
                 norm_eps: MLA_NORM_EPS_DEEPSEEK,
+                output_gate: false,
             })
         } else {
             None
@@ -437,6 +472,7 @@ impl ModelConfig {
                     routed_scaling: 1.0,
                     n_group: 1,
                     topk_group: 1,
+                    latent: None,
                 };
                 (Some(moe), kinds)
             }
@@ -451,6 +487,7 @@ impl ModelConfig {
                     routed_scaling: 1.0,
                     n_group: 1,
                     topk_group: 1,
+                    latent: None,
                 };
                 (Some(moe), vec![FfnKind::Moe; layers])
             }
@@ -479,6 +516,7 @@ impl ModelConfig {
                     routed_scaling: j.f32_or("routed_scaling_factor", Some(1.0))?,
                     n_group: j.usize_or("n_group", 1)?.max(1),
                     topk_group: j.usize_or("topk_group", 1)?.max(1),
+                    latent: None,
                 };
                 (Some(moe), kinds)
             }
@@ -512,6 +550,9 @@ impl ModelConfig {
             moe,
             mla,
             kda: None,
+            activation: Activation::Silu,
+            attn_res_block: None,
+            weight_prefix: String::new(),
         };
         cfg.validate().map_err(|(key, reason)| LoadError::key(&j.path, key, reason))?;
         Ok(cfg)
@@ -620,6 +661,7 @@ impl ModelConfig {
                 v_dim: v_mla,
                 rotary: true,
                 norm_eps: MLA_NORM_EPS_DEEPSEEK,
+                output_gate: false,
             })
         } else {
             None
@@ -644,6 +686,7 @@ impl ModelConfig {
                 routed_scaling: 1.0,
                 n_group: 1,
                 topk_group: 1,
+                latent: None,
             }),
             Arch::DeepseekV3 => {
                 let gating = uint_or("expert_gating_func", 2)?;
@@ -661,6 +704,7 @@ impl ModelConfig {
                     routed_scaling: float_or("expert_weights_scale", Some(1.0))?,
                     n_group: uint_or("expert_group_count", 1)?.max(1),
                     topk_group: uint_or("expert_group_used_count", 1)?.max(1),
+                    latent: None,
                 })
             }
             _ => None,
@@ -694,6 +738,9 @@ impl ModelConfig {
             moe,
             mla,
             kda: None,
+            activation: Activation::Silu,
+            attn_res_block: None,
+            weight_prefix: String::new(),
         };
         cfg.validate().map_err(|(k, reason)| LoadError::key(path, key(gguf_key(k)), reason))?;
         Ok(cfg)
@@ -759,6 +806,17 @@ impl ModelConfig {
             }
             if k.layers.len() != self.layers {
                 return Err(("linear_attn_config.kda_layers", format!("{} layer kinds for {} layers", k.layers.len(), self.layers)));
+            }
+        }
+        if let Some(b) = self.attn_res_block {
+            let blocks = self.layers.div_ceil(b.max(1));
+            if b == 0 || blocks > crate::attn_res::BLOCKS_MAX {
+                return Err(("attn_res_block_size", format!("blocks of {b} layers over {} layers make {blocks} blocks (1 to {})", self.layers, crate::attn_res::BLOCKS_MAX)));
+            }
+        }
+        if let Some(l) = self.moe.as_ref().and_then(|m| m.latent) {
+            if l.width == 0 {
+                return Err(("routed_expert_hidden_size", "must be > 0".into()));
             }
         }
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {

@@ -103,7 +103,7 @@ impl Run<'_> {
                 ops::add_bias(y, b);
             }
         }
-        self.silu_rows(n, w, gate, up);
+        self.gate_rows(n, w, gate, up);
     }
 
 }

@@ -11,7 +11,6 @@ use crate::gather::Columns;
 use crate::ffn::routing::route;
 use crate::linear::Linear;
 use crate::load::{Loader, Sel};
-use crate::names::stored_name;
 use crate::profile::ProfileKind;
 use crate::shard::{output_rows, CollGroup, ExpertSplit, ShardSpec};
 use crate::step::{Run, StepError, Workspace};
@@ -35,6 +34,15 @@ pub(crate) struct Moe {
     pub(crate) up: Vec<Linear>,
     pub(crate) down: Vec<Linear>,
     pub(crate) shared: Option<Mlp>,
+    /// Kimi-K3's latent space: routed experts run on `down(x)` and their sum comes back
+    /// through `norm` (optional) and `up`; whole on every rank.
+    pub(crate) latent: Option<Latent>,
+}
+
+pub(crate) struct Latent {
+    pub(crate) down: Linear,
+    pub(crate) up: Linear,
+    pub(crate) norm: Option<Vec<f32>>,
 }
 
 impl Loader<'_> {
@@ -66,7 +74,7 @@ impl Loader<'_> {
                         if let Some(rec) = &self.record {
                             let base = format!("{prefix}.experts.{i}.{}", names[k]);
                             for t in &mut rec.borrow_mut()[from..] {
-                                let stored_base = stored_name(self.c.kind, &stacked_base);
+                                let stored_base = self.stored(&stacked_base);
                                 if let Some(suffix) = t.name.strip_prefix(&stored_base) {
                                     t.name = format!("{base}{suffix}");
                                 }
@@ -98,11 +106,11 @@ impl Loader<'_> {
         if self.find(&stacked_name).is_none() {
             return Err(LoadError::MissingTensor {
                 path: self.c.path.clone(),
-                tensor: stored_name(self.c.kind, &format!("{prefix}.experts.0.{}.weight", names[0])),
+                tensor: self.stored(&format!("{prefix}.experts.0.{}.weight", names[0])),
                 hint: format!(
                     " (the {} config makes this layer MoE, but it has neither per-expert tensors nor stacked `{}`)",
                     self.arch,
-                    stored_name(self.c.kind, &stacked_name)
+                    self.stored(&stacked_name)
                 ),
             });
         }
@@ -131,19 +139,36 @@ impl Moe {
             _ if hf_kimi => (p("block_sparse_moe"), ["w1", "w3", "w2"]),
             _ => (p("mlp"), ["gate_proj", "up_proj", "down_proj"]),
         };
+        // The experts' own input and output width: the latent space's, or the model's.
+        let d = m.latent.map_or(h, |l| l.width);
         let (owned, width, hidden) = match &spec.experts {
-            ExpertSplit::Width => (0..m.experts, output_rows(m.expert_width, spec.moe_rank, spec.moe_size), output_rows(h, spec.moe_rank, spec.moe_size)),
-            ExpertSplit::Experts { owned } => (owned.clone(), 0..m.expert_width, 0..h),
+            ExpertSplit::Width => (0..m.experts, output_rows(m.expert_width, spec.moe_rank, spec.moe_size), output_rows(d, spec.moe_rank, spec.moe_size)),
+            ExpertSplit::Experts { owned } => (owned.clone(), 0..m.expert_width, 0..d),
         };
-        let [gate, up, down] = ld.experts(&prefix, names, m, h, owned.clone(), width, hidden)?;
+        let [gate, up, down] = ld.experts(&prefix, names, m, d, owned.clone(), width, hidden)?;
+        let latent = m
+            .latent
+            .map(|l| -> Result<Latent> {
+                Ok(Latent {
+                    down: ld.part(&format!("{prefix}.routed_expert_down_proj.weight"), None, l.width, h, &Sel::all(l.width, h))?,
+                    up: ld.part(&format!("{prefix}.routed_expert_up_proj.weight"), None, h, l.width, &Sel::all(h, l.width))?,
+                    norm: l.norm.then(|| ld.vector(&format!("{prefix}.routed_expert_norm.weight"), l.width)).transpose()?,
+                })
+            })
+            .transpose()?;
         let correction_bias = match cfg.arch {
             Arch::DeepseekV3 => Some(ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.experts)?),
-            Arch::KimiLinear if hf_kimi => Some(ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), m.experts)?),
-            Arch::KimiLinear => Some(ld.vector(&format!("{prefix}.e_score_correction_bias"), m.experts)?),
+            // HF puts it under the router (K3: either place), mlx beside it.
+            Arch::KimiLinear => {
+                let under = format!("{prefix}.gate.e_score_correction_bias");
+                let beside = format!("{prefix}.e_score_correction_bias");
+                Some(ld.vector(if ld.find(&under).is_some() || (hf_kimi && ld.find(&beside).is_none()) { &under } else { &beside }, m.experts)?)
+            }
             _ => None,
         };
         let router = ld.part(&format!("{prefix}.gate.weight"), None, m.experts, h, &Sel::all(m.experts, h))?;
         Ok(Moe {
+            latent,
             router,
             correction_bias,
             experts: owned,
@@ -164,7 +189,7 @@ impl Moe {
     /// slot's output (this member's `hidden` columns of it) lands in `ws.moe_proj`, in
     /// slot order from slot `s0`. Returns the expert bytes read and `s0..s1`.
     fn experts_fused(&self, run: &Run, ws: &mut Workspace, layer: usize, width_split: bool) -> std::result::Result<(usize, Range<usize>), StepError> {
-        let h = run.cfg.hidden;
+        let h = self.expert_dim(run);
         let width = self.gate.first().map_or(0, |l| l.rows);
         let hw = self.down.first().map_or(0, |l| l.rows);
         let starts = &ws.expert_count;
@@ -174,9 +199,10 @@ impl Moe {
         let Some(&last) = active.last() else { return Ok((0, 0..0)) };
         // Slots of this rank's experts are contiguous in expert order.
         let (s0, s1) = (starts[active[0] as usize], starts[last as usize + 1]);
+        let src = if self.latent.is_some() { &ws.moe_latent } else { &ws.xn };
         for (j, &(t, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
             let t = t as usize;
-            ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&ws.xn[t * h..(t + 1) * h]);
+            ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&src[t * h..(t + 1) * h]);
         }
         let slots = s1 - s0;
         let local = |i: usize| active[i] as usize - self.experts.start;
@@ -188,7 +214,7 @@ impl Moe {
         };
         if width > 0 {
             matmul_jobs(run.pool, run.isa, &ws.moe_in[..slots * h], h, 2 * active.len(), &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
-            run.silu_rows(slots, width, gate, up);
+            run.gate_rows(slots, width, gate, up);
         }
         let full = run.cfg.moe.as_ref().map_or(0, |m| m.expert_width);
         if width_split {
@@ -214,12 +240,22 @@ impl Moe {
     /// combined rows after; under `Experts` the combine is a chain (member r adds its
     /// slots to the running sums of members before it, the last broadcasts them), since
     /// one node adds the slots in expert order and members hold ascending expert ranges.
+    /// Width of the routed experts' input and output: the latent space's, or the model's.
+    fn expert_dim(&self, run: &Run) -> usize {
+        self.latent.as_ref().map_or(run.cfg.hidden, |l| l.down.rows)
+    }
+
     pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, layer: usize) -> std::result::Result<(), StepError> {
         let cfg = run.cfg.moe.as_ref().expect("MoE config");
-        let (n, h) = (run.n, run.cfg.hidden);
+        let (n, hidden) = (run.n, run.cfg.hidden);
+        // From the router on, `h` is the experts' width (routing reads the model's rows).
+        let h = self.expert_dim(run);
         let (e, k) = (cfg.experts, cfg.top_k);
         let t0 = ws.clock();
-        run.linear(&self.router, &ws.xn[..n * h], n, &mut ws.router_logits[..n * e], &mut ws.mm);
+        run.linear(&self.router, &ws.xn[..n * hidden], n, &mut ws.router_logits[..n * e], &mut ws.mm);
+        if let Some(l) = &self.latent {
+            run.linear(&l.down, &ws.xn[..n * hidden], n, &mut ws.moe_latent[..n * h], &mut ws.mm);
+        }
         let scratch = ws.route_scratch.as_mut().expect("workspace sized for MoE");
         for t in 0..n {
             route(
@@ -285,9 +321,10 @@ impl Moe {
                 continue;
             }
             let cnt = b - a;
+            let src = if self.latent.is_some() { &ws.moe_latent } else { &ws.xn };
             for (j, &(t, _)) in ws.expert_slots[a..b].iter().enumerate() {
                 let t = t as usize;
-                ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&ws.xn[t * h..(t + 1) * h]);
+                ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&src[t * h..(t + 1) * h]);
             }
             let local = ex - self.experts.start;
             let (gate, up, down) = (&self.gate[local], &self.up[local], &self.down[local]);
@@ -345,6 +382,19 @@ impl Moe {
             _ => [0, 0],
         };
         ws.charge_work(ProfileKind::Experts, t0, expert_bytes, expert_macs);
+        let h = hidden;
+        if let Some(l) = &self.latent {
+            // The routed sum, normed in the latent space, back to the model's width.
+            let (t0, d) = (ws.clock(), l.down.rows);
+            if let Some(w) = &l.norm {
+                for row in ws.moe_out[..n * d].chunks_exact_mut(d) {
+                    ops::rms_norm_heads(row, w, run.cfg.rms_eps);
+                }
+            }
+            run.linear(&l.up, &ws.moe_out[..n * d], n, &mut ws.moe_latent[..n * h], &mut ws.mm);
+            ws.moe_out[..n * h].copy_from_slice(&ws.moe_latent[..n * h]);
+            ws.charge_work(ProfileKind::Experts, t0, l.down.bytes() + l.up.bytes(), Linear::macs_of(n, [&l.down, &l.up]));
+        }
         match &self.shared {
             Some(s) => {
                 let t0 = ws.clock();

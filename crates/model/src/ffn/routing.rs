@@ -131,6 +131,7 @@ mod tests {
             routed_scaling: 1.0,
             n_group: 1,
             topk_group: 1,
+            latent: None,
         }
     }
 
