@@ -229,11 +229,11 @@ fn kimi_linear_every_placement() {
     for name in ["kimi_linear", "kimi_linear_mlx_q4g32"] {
         every_placement(name, &[]);
     }
-    // Kimi-K3: KDA heads, the gated MLA, the latent experts split; pipeline stages refused
-    // (its attention residuals would have to cross them), the reason named.
-    let pp = "attention residuals";
+    // Kimi-K3: KDA heads, the gated MLA, the latent experts split; pipeline stages pass
+    // the attention residuals' block sums on with the hidden states (5 layers in blocks of
+    // 2: PP3 hands over 1, then 2 blocks).
     for name in ["kimi_k3", "kimi_k3_mlx_mxfp4"] {
-        every_placement(name, &[("PP2", pp), ("PP3", pp), ("PP2xTP2", pp), ("PP2xEP2", pp)]);
+        every_placement(name, &[]);
     }
 }
 

@@ -52,11 +52,6 @@ impl Placement {
         if pp > cfg.layers {
             return Err(format!("{pp} pipeline stages for {} layers", cfg.layers));
         }
-        if pp > 1 && cfg.attn_res_block.is_some() {
-            return Err(format!(
-                "--pp {pp}: this model's attention residuals (attn_res_block_size) feed every earlier block's sum into each layer, which pipeline stages do not pass yet: use --tp or --ep"
-            ));
-        }
         if let Some(k) = cfg.kda.as_ref().filter(|k| tp > k.heads) {
             return Err(format!("--tp {tp} is more than the model's {} KDA heads", k.heads));
         }
@@ -303,7 +298,6 @@ impl<'m> Rank<'m> {
         }
         let limits = cfg.step_limits();
         let pool = ThreadPool::new(cfg.threads);
-        let h = model.cfg.hidden;
         let t = limits.tokens_per_step_max;
         let max_words = PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * cfg.sequences_max + t;
         Ok(Rank {
@@ -312,8 +306,8 @@ impl<'m> Rank<'m> {
             caches: (0..cfg.sequences_max).map(|_| model.new_cache(limits, cfg.kv_cache)).collect(),
             coll: CommCollectives { stage: stage_group, step: std::cell::Cell::new(0), tag: std::cell::RefCell::new(String::with_capacity(64)) },
             pairs,
-            hidden_in: vec![0.0; t * h],
-            hidden_out: vec![0.0; t * h],
+            hidden_in: vec![0.0; t * model.stage_input_width()],
+            hidden_out: vec![0.0; t * model.stage_output_width()],
             logits: LazyZeroed::new(t * model.cfg.vocab),
             plan: Vec::with_capacity(max_words),
             plan_wire: Vec::with_capacity(max_words),
@@ -461,7 +455,9 @@ impl<'m> Rank<'m> {
         let p = &self.plan;
         let step = p[PLAN_STEP];
         let (nc, n) = (p[PLAN_CHUNKS] as usize, p[PLAN_TOKENS] as usize);
-        let h = self.model.cfg.hidden;
+        // Floats per token into and out of this stage (the hidden state; with attention
+        // residuals also the block sums).
+        let (w_in, w_out) = (self.model.stage_input_width(), self.model.stage_output_width());
         let v = self.model.cfg.vocab;
         let g = self.placement.stage_size();
         let last = self.stage + 1 == self.placement.pp;
@@ -479,15 +475,15 @@ impl<'m> Rank<'m> {
             if self.stage > 0 {
                 let t0 = self.ws.clock();
                 let link = &self.pairs[&(self.rank - g, self.rank)];
-                link.recv(&mut self.hidden_in[..n * h], 0, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
+                link.recv(&mut self.hidden_in[..n * w_in], 0, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
                 self.ws.charge(ProfileKind::Pipeline, t0, 0);
             }
-            let input = (self.stage > 0).then_some(&self.hidden_in[..n * h]);
+            let input = (self.stage > 0).then_some(&self.hidden_in[..n * w_in]);
             let last_lead = (self.placement.pp - 1) * g;
             // Only the last stage's lead passes logits on (to the leader, or it is the
             // leader); the others compute them only where the head is split over them.
             let output = if !last {
-                StageOutput::Hidden(&mut self.hidden_out[..n * h])
+                StageOutput::Hidden(&mut self.hidden_out[..n * w_out])
             } else if self.rank == last_lead || self.placement.tp > 1 {
                 StageOutput::Logits(&mut self.logits[..rows * v])
             } else {
@@ -498,7 +494,7 @@ impl<'m> Rank<'m> {
             let t0 = self.ws.clock();
             if !last {
                 let link = &self.pairs[&(self.rank, self.rank + g)];
-                link.send(&self.hidden_out[..n * h], 1, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
+                link.send(&self.hidden_out[..n * w_out], 1, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
             }
             if self.placement.pp > 1 && self.rank == last_lead {
                 self.pairs[&(0, last_lead)].send(&self.logits[..rows * v], 0, step_tag(&mut tag, "logits", step)).map_err(dist_err)?;

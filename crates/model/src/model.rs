@@ -107,9 +107,7 @@ impl Model {
         if spec.tp_size == 0 || spec.tp_rank >= spec.tp_size || spec.tp_size > heads_total {
             return Err(bad(format!("tensor-parallel rank {} of {} for {heads_total} attention heads", spec.tp_rank, spec.tp_size)));
         }
-        if cfg.attn_res_block.is_some() && !(spec.first_stage() && spec.last_stage()) {
-            return Err(bad("a pipeline stage of a model with attention residuals (not supported yet)".into()));
-        }
+
         if let ExpertSplit::Experts { owned } = &spec.experts {
             let e = cfg.moe.as_ref().map_or(0, |m| m.experts);
             if owned.end > e || (owned.is_empty() && e > 0) {
@@ -345,6 +343,17 @@ impl Model {
         }
     }
 
+    /// Floats per token a pipeline stage takes in: the residual stream, and under
+    /// attention residuals every block sum the stages before made.
+    pub fn stage_input_width(&self) -> usize {
+        self.cfg.hidden * (1 + self.cfg.attn_res_block.map_or(0, |b| self.spec.layers.start.div_ceil(b)))
+    }
+
+    /// Floats per token a (non-last) pipeline stage passes on (see [`Self::stage_input_width`]).
+    pub fn stage_output_width(&self) -> usize {
+        self.cfg.hidden * (1 + self.cfg.attn_res_block.map_or(0, |b| self.spec.layers.end.div_ceil(b)))
+    }
+
     /// Whether a sequence's cache holds recurrent state (KDA layers anywhere in the model,
     /// on this rank or not): then it stands for its whole sequence, never a prefix of it.
     pub fn keeps_recurrent_state(&self) -> bool {
@@ -576,19 +585,20 @@ impl Model {
             };
         }
         let h = c.hidden;
+        let (w_in, w_out) = (self.stage_input_width(), self.stage_output_width());
         match (&io.input, self.spec.first_stage()) {
             (None, true) => {}
-            (Some(x), false) if x.len() == n * h => {}
-            _ => return Err(StepError::StageInput { first_stage: self.spec.first_stage(), need: n * h }),
+            (Some(x), false) if x.len() == n * w_in => {}
+            _ => return Err(StepError::StageInput { first_stage: self.spec.first_stage(), need: n * w_in }),
         }
         match &io.output {
             StageOutput::Logits(l) if self.spec.last_stage() && l.len() == logit_rows * c.vocab => {}
             StageOutput::Logits(l) if self.spec.last_stage() => {
                 return Err(StepError::LogitsBuffer { got: l.len(), need: logit_rows * c.vocab })
             }
-            StageOutput::Hidden(o) if !self.spec.last_stage() && o.len() == n * h => {}
+            StageOutput::Hidden(o) if !self.spec.last_stage() && o.len() == n * w_out => {}
             StageOutput::Discard if self.spec.last_stage() && self.spec.tp_size == 1 => {}
-            _ => return Err(StepError::StageOutput { last_stage: self.spec.last_stage(), need: n * h }),
+            _ => return Err(StepError::StageOutput { last_stage: self.spec.last_stage(), need: n * w_out }),
         }
         assert!(ws.threads >= pool.n_threads(), "workspace sized for fewer threads than the pool has");
         let ckpt = &*self.ckpt;
@@ -616,7 +626,8 @@ impl Model {
         ws.chunk_start[chunks.len()] = n;
         let t_embed = ws.clock();
         match io.input {
-            Some(x) => ws.x[..n * h].copy_from_slice(x),
+            // The residual stream comes last (attention residuals: after the block sums).
+            Some(x) => ws.x[..n * h].copy_from_slice(&x[(w_in / h - 1) * n * h..]),
             None => {
                 // Vocabulary-parallel embedding: rows outside this rank's slice are zero,
                 // and the TP sum assembles them.
@@ -647,7 +658,7 @@ impl Model {
 
         let run = Run { pool, isa: self.isa, ckpt, cfg: c, n, chunks, coll, spec: &self.spec };
         if let Some(block) = c.attn_res_block {
-            self.layers_attn_res(&run, ws, caches, block)?;
+            self.layers_attn_res(&run, ws, caches, block, io.input)?;
         }
         // The previous layer's FFN output, not yet added to the residual: the add joins
         // the next layer's norm in one pass over the tokens.
@@ -680,7 +691,13 @@ impl Model {
 
         let logits = match io.output {
             StageOutput::Hidden(out) => {
-                out.copy_from_slice(&ws.x[..n * h]);
+                // Attention residuals: every block sum so far, then the running sum.
+                let blocks = w_out / h - 1;
+                let t_max = ws.limits.tokens_per_step_max;
+                for b in 0..blocks {
+                    out[b * n * h..(b + 1) * n * h].copy_from_slice(&ws.res_sums[b * t_max * h..(b * t_max + n) * h]);
+                }
+                out[blocks * n * h..].copy_from_slice(&ws.x[..n * h]);
                 return Ok(());
             }
             StageOutput::Discard => return Ok(()),
@@ -750,10 +767,20 @@ impl Model {
     /// The layers of a model with attention residuals (Kimi-K3; [`crate::attn_res`]): `ws.x`
     /// holds the running sum of the current block, each sub-layer's input is the mix of
     /// the block sums so far and it; after the last layer `ws.x` is the output mix.
-    fn layers_attn_res(&self, run: &Run, ws: &mut Workspace, caches: &mut [KvCache], block: usize) -> std::result::Result<(), StepError> {
+    fn layers_attn_res(&self, run: &Run, ws: &mut Workspace, caches: &mut [KvCache], block: usize, input: Option<&[f32]>) -> std::result::Result<(), StepError> {
         let (c, n, pool) = (run.cfg, run.n, run.pool);
         let (h, eps, t_max) = (c.hidden, c.rms_eps, ws.limits.tokens_per_step_max);
-        let mut count = 0;
+        // A later pipeline stage starts from the block sums the stages before made.
+        let mut count = self.spec.layers.start.div_ceil(block);
+        if let Some(x) = input {
+            for b in 0..count {
+                for t in 0..n {
+                    let row = &x[(b * n + t) * h..(b * n + t + 1) * h];
+                    ws.res_sums[(b * t_max + t) * h..(b * t_max + t + 1) * h].copy_from_slice(row);
+                    ws.res_inv_rms[b * t_max + t] = attn_res::inv_rms(row, eps);
+                }
+            }
+        }
         for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()) {
             let [before_attn, before_ffn] = layer.res.as_ref().expect("attention-residual layers load their mixes");
             let t0 = ws.clock();
