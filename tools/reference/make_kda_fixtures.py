@@ -119,6 +119,8 @@ def kimi_k3_cfg(**kw):
 FIXTURES = {
     "kimi_linear": dict(seed=2424, config=kimi_linear_cfg()),
     "kimi_k3": dict(seed=3131, config=kimi_k3_cfg()),
+    # The published K3 layout: HF names, routed experts in compressed-tensors MXFP4.
+    "kimi_k3_ct_mxfp4": dict(seed=3333, config=kimi_k3_cfg(), compressed=True),
 }
 QUANT_FIXTURES = {
     "kimi_linear_mlx_q4g32": dict(seed=2525, base=kimi_linear_cfg(), q=dict(group_size=32, bits=4, mode="affine")),
@@ -379,7 +381,25 @@ def build(name, quant, seed):
     rng = np.random.default_rng(seed)
     params = random_params(cfg, rng)
     d = OUT / name
-    if not quant:
+    if spec.get("compressed"):
+        # Each routed expert's matrix as compressed-tensors MXFP4: `weight_packed` (the FP4
+        # codes, two per byte) and `weight_scale` (E8M0 per 32), from mx.quantize(mxfp4).
+        packed = {}
+        for k in [k for k in params if ".experts." in k and k.endswith(".weight")]:
+            wq, sc = mx.quantize(mx.array(params.pop(k)), group_size=32, bits=4, mode="mxfp4")
+            packed[k[: -len(".weight")]] = (np.array(wq).view(np.uint8), np.array(sc))
+        tensors = dict(params)
+        for base, (wq, sc) in packed.items():
+            tensors[base + ".weight_packed"], tensors[base + ".weight_scale"] = wq, sc
+        cfg = dict(cfg, quantization_config={"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"})
+        write_hf(d, cfg, tensors)
+        model, _ = load_model(d, strict=True)
+        got = dict(tree_flatten(model.parameters()))
+        for base, (wq, sc) in packed.items():
+            e = int(base.split(".experts.")[1].split(".")[0])
+            dst = base.split(".block_sparse_moe.")[0] + ".mlp.switch_mlp." + {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[base[-2:]]
+            assert np.array_equal(np.array(got[dst + ".weight"][e]).view(np.uint8), wq) and np.array_equal(np.array(got[dst + ".scales"][e]), sc), base
+    elif not quant:
         write_hf(d, cfg, params)
         model = load_checked(d, cfg, params)
     else:
@@ -442,6 +462,11 @@ def run_one(name, quant):
         f"prompt+greedy[:-1] matches decode_logits to {r['cross']:.2e}; min margins: decode {r['dec_margin']:.4f}, prompt "
         f"{r['prompt_margin']:.4f}; min routing gaps: choice {r['gap']:.3g}, group {r['group_gap']:.3g}."
     )
+    if spec.get("compressed"):
+        notes += (" Routed experts in compressed-tensors MXFP4 as Kimi-K3 publishes them: each expert's w1/w2/w3 as "
+                  "weight_packed (U8, two FP4 codes a byte, from mx.quantize mode mxfp4 group 32) and weight_scale (U8 E8M0), "
+                  "config quantization_config compressed-tensors mxfp4-pack-quantized; mlx-lm's load_model(strict) maps them to "
+                  "switch_mlp weight/scales (checked bit-exact) and the references come from that model.")
     if quant:
         notes += " 4-bit: mlx_lm.utils.quantize_model group 32 (the router mlp.gate at 8 bits group 64, the model's predicate), save_model, reloaded (strict) and checked; references from the reloaded model."
     obj = {"prompt_ids": r["prompt"], "greedy_ids": r["ids"], "reference": REFERENCE, "seed": seed, "min_decode_margin": round(r["dec_margin"], 6), "notes": notes}

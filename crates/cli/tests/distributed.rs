@@ -232,7 +232,7 @@ fn kimi_linear_every_placement() {
     // Kimi-K3: KDA heads, the gated MLA, the latent experts split; pipeline stages pass
     // the attention residuals' block sums on with the hidden states (5 layers in blocks of
     // 2: PP3 hands over 1, then 2 blocks).
-    for name in ["kimi_k3", "kimi_k3_mlx_mxfp4"] {
+    for name in ["kimi_k3", "kimi_k3_mlx_mxfp4", "kimi_k3_ct_mxfp4"] {
         every_placement(name, &[]);
     }
 }

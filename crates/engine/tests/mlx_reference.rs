@@ -199,6 +199,13 @@ fn kimi_k3_mlx_mxfp4() {
     check("kimi_k3_mlx_mxfp4");
 }
 
+/// K3 as published: HF names, routed experts in compressed-tensors MXFP4
+/// (`weight_packed` + `weight_scale`).
+#[test]
+fn kimi_k3_compressed_tensors_mxfp4_experts() {
+    check("kimi_k3_ct_mxfp4");
+}
+
 #[test]
 fn deepseek_v3_one_expert_takes_every_token() {
     check("deepseek_v3_hot_expert");

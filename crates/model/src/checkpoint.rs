@@ -264,6 +264,7 @@ impl Checkpoint {
                 });
             }
         }
+        compressed_mxfp4_as_mlx(&mut tensors, &mut by_name);
         Ok(Checkpoint { path: dir.into(), kind: CheckpointKind::HfDir, files, tensors, by_name, gguf: None, config: Some(config) })
     }
 
@@ -378,6 +379,36 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError) -> String {
         E::InvalidHeaderDeserialization(err) => format!("header JSON is invalid: {err}"),
         E::InvalidHeaderStart => "header does not start with '{' (not a safetensors file?)".into(),
         other => format!("{other}"),
+    }
+}
+
+/// compressed-tensors MXFP4 (Kimi-K3's routed experts, spec §2.8): `X.weight_packed` (the
+/// FP4 codes, two per byte, stored as bytes or 32-bit words) beside `X.weight_scale` (U8
+/// E8M0 exponents per 32) is MLX's mxfp4 byte for byte, as mlx reads it (a U32 view of the
+/// codes): the pair is listed as `X.weight` (U32) and `X.scales`, and every later reader
+/// sees one layout. Other compressed-tensors schemes are left as they are.
+fn compressed_mxfp4_as_mlx(tensors: &mut [TensorInfo], by_name: &mut HashMap<String, usize>) {
+    let pairs: Vec<(usize, usize, String)> = tensors
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| {
+            let base = t.name.strip_suffix(".weight_packed")?;
+            let &j = by_name.get(&format!("{base}.weight_scale"))?;
+            let row_bytes = t.range.len() / t.shape[..t.shape.len().saturating_sub(1)].iter().product::<usize>().max(1);
+            let fits = tensors[j].dtype == TensorDtype::U8 && !t.shape.is_empty() && row_bytes % 4 == 0 && matches!(t.dtype, TensorDtype::U8 | TensorDtype::U32 | TensorDtype::I32);
+            (fits && !by_name.contains_key(&format!("{base}.weight"))).then(|| (i, j, base.to_string()))
+        })
+        .collect();
+    for (i, j, base) in pairs {
+        let t = &mut tensors[i];
+        let row_bytes = t.range.len() / t.shape[..t.shape.len() - 1].iter().product::<usize>().max(1);
+        *t.shape.last_mut().expect("checked non-empty") = row_bytes / 4;
+        t.dtype = TensorDtype::U32;
+        for (k, name) in [(i, format!("{base}.weight")), (j, format!("{base}.scales"))] {
+            by_name.remove(&tensors[k].name);
+            tensors[k].name = name.clone();
+            by_name.insert(name, k);
+        }
     }
 }
 
