@@ -5,7 +5,7 @@
 //! Nothing is cached across steps: a step recomputes it over its own tokens' layers.
 
 use crate::load::Loader;
-use crate::error::Result;
+use crate::error::{LoadError, Result};
 use crate::step::PER_TOKEN_PARALLEL_MIN;
 use tessera_kernels::{ops, ThreadPool};
 
@@ -19,11 +19,14 @@ impl ResMix {
     /// `{name}.proj_weight [1, H]` and `{name}.norm_weight [H]` (HF), or mlx's
     /// `{name}_proj.weight` and `{name}_norm.weight`.
     pub(crate) fn load(ld: &Loader, name: &str, hidden: usize) -> Result<ResMix> {
-        let hf = format!("{name}.proj_weight");
-        let (proj, norm) = if ld.find(&hf).is_some() {
-            (ld.floats(&hf, &[&[1, hidden], &[hidden]])?, ld.floats(&format!("{name}.norm_weight"), &[&[hidden]])?)
-        } else {
-            (ld.floats(&format!("{name}_proj.weight"), &[&[1, hidden], &[hidden]])?, ld.floats(&format!("{name}_norm.weight"), &[&[hidden]])?)
+        let (hf, mlx) = (format!("{name}.proj_weight"), format!("{name}_proj.weight"));
+        let (proj, norm) = match (ld.find(&hf), ld.find(&mlx)) {
+            (Some(_), _) => (ld.floats(&hf, &[&[1, hidden], &[hidden]])?, ld.floats(&format!("{name}.norm_weight"), &[&[hidden]])?),
+            (None, Some(_)) => (ld.floats(&mlx, &[&[1, hidden], &[hidden]])?, ld.floats(&format!("{name}_norm.weight"), &[&[hidden]])?),
+            (None, None) => {
+                let hint = format!(" (nor its MLX name `{}`: the config's attn_res_block_size asks for attention residuals)", ld.stored(&mlx));
+                return Err(LoadError::MissingTensor { path: ld.c.path.clone(), tensor: ld.stored(&hf), hint });
+            }
         };
         Ok(ResMix { u: norm.iter().zip(&proj).map(|(w, p)| w * p).collect() })
     }

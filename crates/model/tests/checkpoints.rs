@@ -611,7 +611,12 @@ fn q8_kv_cache_needs_heads_in_whole_blocks() {
 
 /// The kimi_linear fixture's config and tensors, edited, in a scratch copy.
 fn kda_copy(name: &str, edit: impl FnOnce(&mut serde_json::Value, &mut Vec<(String, Vec<usize>, Vec<f32>)>)) -> std::path::PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/kimi_linear");
+    fixture_copy("kimi_linear", name, edit)
+}
+
+/// Float fixture `fixture`'s config and tensors, edited, in a scratch copy.
+fn fixture_copy(fixture: &str, name: &str, edit: impl FnOnce(&mut serde_json::Value, &mut Vec<(String, Vec<usize>, Vec<f32>)>)) -> std::path::PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(fixture);
     let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -622,7 +627,7 @@ fn kda_copy(name: &str, edit: impl FnOnce(&mut serde_json::Value, &mut Vec<(Stri
         .collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     edit(&mut cfg, &mut tensors);
-    let dir = scratch(&format!("kda-{name}"));
+    let dir = scratch(&format!("{fixture}-{name}"));
     write_hf_dir(&dir, &cfg, &tensors);
     dir
 }
@@ -654,4 +659,38 @@ fn kda_checkpoints_that_disagree_with_their_config_are_clear_errors() {
     case("q-lora", &|c, _| c["q_lora_rank"] = serde_json::json!(16), &["q_lora_rank", "no q-LoRA"]);
     case("wide-heads", &|c, _| c["linear_attn_config"]["head_dim"] = serde_json::json!(512), &["linear_attn_config.head_dim", "≤ 256"]);
     case("softmax-router", &|c, _| c["moe_router_activation_func"] = serde_json::json!("softmax"), &["moe_router_activation_func", "sigmoid"]);
+}
+
+/// Kimi-K3 checkpoints missing what its config asks for, and K3 configs that cannot be
+/// right, are errors naming the tensor (with its `language_model.` prefix) or the key.
+#[test]
+fn k3_checkpoints_that_disagree_with_their_config_are_clear_errors() {
+    load_model(&fixture_copy("kimi_k3", "untouched", |_, _| {})).expect("the copy as written loads");
+    let case = |name: &str, edit: &dyn Fn(&mut serde_json::Value, &mut Vec<(String, Vec<usize>, Vec<f32>)>), needles: &[&str]| {
+        expect_error(&fixture_copy("kimi_k3", name, edit), needles);
+    };
+    let drop = |t: &mut Vec<(String, Vec<usize>, Vec<f32>)>, name: &str| t.retain(|x| x.0 != name);
+    case(
+        "no-residual-mix",
+        &|_, t| drop(t, "language_model.model.layers.2.mlp_res.proj_weight"),
+        &["language_model.model.layers.2.mlp_res.proj_weight", "language_model.model.layers.2.mlp_res_proj.weight", "missing"],
+    );
+    case(
+        "no-latent-norm",
+        &|_, t| drop(t, "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight"),
+        &["language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight", "missing"],
+    );
+    case("no-mla-gate", &|_, t| drop(t, "language_model.model.layers.3.self_attn.g_proj.weight"), &["language_model.model.layers.3.self_attn.g_proj.weight", "missing"]);
+    case(
+        "short-a-log",
+        &|_, t| {
+            let a = t.iter_mut().find(|x| x.0 == "language_model.model.layers.0.self_attn.A_log").unwrap();
+            (a.1, a.2) = (vec![2], a.2[..2].to_vec());
+        },
+        &["language_model.model.layers.0.self_attn.A_log", "[2]", "[4]"],
+    );
+    case("block-zero", &|c, _| c["text_config"]["attn_res_block_size"] = serde_json::json!(0), &["attn_res_block_size", "must be > 0"]);
+    case("silu", &|c, _| c["text_config"]["hidden_act"] = serde_json::json!("silu"), &["hidden_act", "situ"]);
+    case("bad-beta", &|c, _| c["text_config"]["activation_situ_beta"] = serde_json::json!(-1.0), &["activation_situ_beta", "positive"]);
+    case("text-config", &|c, _| c["text_config"] = serde_json::json!(7), &["text_config", "expected an object"]);
 }
