@@ -418,3 +418,33 @@ fn decode_profile_accounts_for_the_bytes_read() {
     // top-2 of 8 experts in each of 2 MoE layers: exactly 4 experts' bytes per token.
     assert_eq!(p.bytes[K::Experts as usize] / p.steps, 4 * expert_bytes);
 }
+
+/// KDA's state across steps: a prompt prefilled in chunks of odd sizes (one token, then
+/// cuts inside and across the delta rule's 32-token blocks) gives mlx-lm's logits at its
+/// last position and at every decode step after it, within the same tolerance.
+#[test]
+fn kda_prompt_cut_at_odd_places_is_one_pass() {
+    for name in ["kimi_linear", "kimi_k3"] {
+        let exp = expected(name);
+        let model = load_model(&fixtures().join(name)).unwrap();
+        let vocab = model.cfg.vocab;
+        let limits = StepLimits { tokens_per_step_max: 64, context_max: 128, sequences_per_step_max: 1 };
+        let pool = ThreadPool::new(2);
+        let mut ws = model.new_workspace(limits, pool.n_threads());
+        for cuts in [&[1usize, 6, 13, 25][..], &[33, 12], &[2, 31, 1, 11]] {
+            assert_eq!(cuts.iter().sum::<usize>(), exp.prompt.len());
+            let mut cache = model.new_cache(limits, KvDtype::F32);
+            let mut last = vec![0.0; vocab];
+            let mut at = 0;
+            for &c in cuts {
+                model.forward(&pool, &mut ws, &mut cache, &exp.prompt[at..at + c], LogitsFor::Last, &mut last).unwrap();
+                at += c;
+            }
+            for (k, &id) in exp.greedy.iter().enumerate() {
+                let d = max_abs_diff(&last, &exp.decode_logits[k * vocab..(k + 1) * vocab]);
+                assert!(d <= LOGIT_TOL, "{name}, prompt cut {cuts:?}: decode step {k} logits differ by {d}");
+                model.forward(&pool, &mut ws, &mut cache, &[id], LogitsFor::Last, &mut last).unwrap();
+            }
+        }
+    }
+}

@@ -60,8 +60,8 @@ pub(crate) fn mix(pool: &ThreadPool, n: usize, h: usize, blocks: &Blocks, partia
         let row = |b: usize| &blocks.sums[(b * blocks.tokens_max + t) * h..(b * blocks.tokens_max + t + 1) * h];
         // The blocks' logits, then the partial sum's; at most BLOCKS_MAX + 1 of them.
         let mut logits = [0.0f32; BLOCKS_MAX + 1];
-        for b in 0..blocks.count {
-            logits[b] = ops::dot(row(b), u) * blocks.inv_rms[b * blocks.tokens_max + t];
+        for (b, l) in logits[..blocks.count].iter_mut().enumerate() {
+            *l = ops::dot(row(b), u) * blocks.inv_rms[b * blocks.tokens_max + t];
         }
         logits[blocks.count] = ops::dot(p, u) * inv_rms(p, eps);
         let l = &mut logits[..blocks.count + 1];

@@ -587,7 +587,7 @@ impl<'a> Loader<'a> {
     /// and MLX `[P, K, 1]`, the same values in the same order).
     pub(crate) fn floats(&self, hf: &str, shapes: &[&[usize]]) -> Result<Vec<f32>> {
         let t = self.require(hf)?;
-        if !shapes.iter().any(|s| *s == t.shape.as_slice()) {
+        if !shapes.contains(&t.shape.as_slice()) {
             let want: Vec<String> = shapes.iter().map(|s| shape_str(s)).collect();
             return Err(LoadError::tensor(self.c.file_of(t), &t.name, format!("shape {} is none of the config's {}", shape_str(&t.shape), want.join(" or "))));
         }

@@ -609,6 +609,9 @@ fn q8_kv_cache_needs_heads_in_whole_blocks() {
     assert!(fixture("deepseek_v3").check_kv_cache(KvDtype::Q8).is_ok());
 }
 
+/// A checkpoint's tensors as (name, shape, values).
+type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
 /// The kimi_linear fixture's config and tensors, edited, in a scratch copy.
 fn kda_copy(name: &str, edit: impl FnOnce(&mut serde_json::Value, &mut Vec<(String, Vec<usize>, Vec<f32>)>)) -> std::path::PathBuf {
     fixture_copy("kimi_linear", name, edit)
@@ -637,7 +640,7 @@ fn fixture_copy(fixture: &str, name: &str, edit: impl FnOnce(&mut serde_json::Va
 #[test]
 fn kda_checkpoints_that_disagree_with_their_config_are_clear_errors() {
     load_model(&kda_copy("untouched", |_, _| {})).expect("the copy as written loads");
-    let case = |name: &str, edit: &dyn Fn(&mut serde_json::Value, &mut Vec<(String, Vec<usize>, Vec<f32>)>), needles: &[&str]| {
+    let case = |name: &str, edit: &dyn Fn(&mut serde_json::Value, &mut Tensors), needles: &[&str]| {
         expect_error(&kda_copy(name, edit), needles);
     };
     case("no-a-log", &|_, t| t.retain(|x| x.0 != "model.layers.1.self_attn.A_log"), &["model.layers.1.self_attn.A_log", "missing"]);
@@ -666,7 +669,7 @@ fn kda_checkpoints_that_disagree_with_their_config_are_clear_errors() {
 #[test]
 fn k3_checkpoints_that_disagree_with_their_config_are_clear_errors() {
     load_model(&fixture_copy("kimi_k3", "untouched", |_, _| {})).expect("the copy as written loads");
-    let case = |name: &str, edit: &dyn Fn(&mut serde_json::Value, &mut Vec<(String, Vec<usize>, Vec<f32>)>), needles: &[&str]| {
+    let case = |name: &str, edit: &dyn Fn(&mut serde_json::Value, &mut Tensors), needles: &[&str]| {
         expect_error(&fixture_copy("kimi_k3", name, edit), needles);
     };
     let drop = |t: &mut Vec<(String, Vec<usize>, Vec<f32>)>, name: &str| t.retain(|x| x.0 != name);

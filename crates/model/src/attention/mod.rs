@@ -15,6 +15,7 @@ use std::ops::Range;
 
 /// One layer's attention block. Built once per layer at load: the size difference
 /// between the arms costs nothing on the hot path.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Attn {
     Gqa(gqa::Gqa),
     Mla(mla::Mla),
