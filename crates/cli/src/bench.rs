@@ -20,7 +20,7 @@ pub struct BenchArgs {
     /// Decode steps per decode measurement.
     #[arg(long, default_value_t = 128)]
     tg: usize,
-    /// Compute threads, also used to measure bandwidth (default: all cores).
+    /// Compute threads, also used to measure bandwidth (default: this host's cores ÷ the ranks `launch` runs on it).
     #[arg(long)]
     threads: Option<usize>,
     /// Batch sizes for batched decode (sequences per step).
@@ -81,7 +81,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         anyhow::bail!("--profile-batch {} outside 1..={batch_max}", a.profile_batch);
     }
     let load_before = loadavg();
-    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = a.threads.unwrap_or_else(crate::cluster::default_threads);
     let cfg = BenchConfig {
         threads,
         pp: a.pp.clone(),

@@ -65,7 +65,15 @@ pub fn run(args: DoctorArgs) -> Result<()> {
     if let Some(n) = args.local {
         return run_local(n, args.json);
     }
-    let (Some(rank), Some(world)) = (args.rank, args.world) else { bail!("give --rank and --world (or --local N)") };
+    if args.rank.is_none() && args.world.is_none() && args.master.is_none() && args.hostfile.is_none() {
+        // Under `tessera launch` (or torchrun, mpirun, Slurm): join from the environment.
+        if let Some(env) = crate::cluster::ClusterEnv::from_env(args.secret_file.as_ref())? {
+            return report(&env.connect()?, args.json);
+        }
+    }
+    let (Some(rank), Some(world)) = (args.rank, args.world) else {
+        bail!("give --rank and --world with --master or --hostfile, or --local N, or run it under `tessera launch -n N -- doctor`")
+    };
     let peers = match (&args.master, &args.hostfile) {
         (Some(m), None) => Peers::Master(tessera_comm::config::resolve(m).map_err(anyhow::Error::msg)?),
         (None, Some(h)) => Peers::Table(CommConfig::read_hostfile(h)?),

@@ -4,6 +4,8 @@
 mod bench;
 mod cluster;
 mod doctor;
+mod inspect;
+mod dry_run;
 mod npy;
 mod serve;
 mod shard;
@@ -47,6 +49,9 @@ enum Command {
         path: PathBuf,
         #[command(flatten)]
         placement: PlacementArgs,
+        /// Print one JSON object (the same facts) instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Write one rank's slice of a Hugging Face checkpoint as a standalone checkpoint,
     /// so each node needs only its own files (run it with `--model DIR/{rank}`-style paths).
@@ -73,6 +78,9 @@ enum Command {
         /// One host per rank, one per line (ssh; same binary path and directory there).
         #[arg(long)]
         hostfile: Option<PathBuf>,
+        /// Print which host runs which rank, its threads and its share of the model; start nothing.
+        #[arg(long)]
+        dry_run: bool,
         /// The tessera subcommand and its flags, after `--`.
         #[arg(last = true, required = true)]
         args: Vec<String>,
@@ -114,7 +122,7 @@ pub(crate) struct RuntimeArgs {
     /// File holding the cluster secret (else TESSERA_CLUSTER_SECRET).
     #[arg(long)]
     pub(crate) secret_file: Option<PathBuf>,
-    /// Compute threads (default: all cores).
+    /// Compute threads (default: this host's cores ÷ the ranks `launch` runs on it).
     #[arg(long)]
     pub(crate) threads: Option<usize>,
     /// KV-cache capacity in tokens (default: min(model limit, 4096)).
@@ -198,8 +206,8 @@ fn main() {
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),
-        Command::Inspect { path, placement } => inspect(&path, &placement),
-        Command::Launch { n, hostfile, args } => cluster::launch(n, hostfile, args),
+        Command::Inspect { path, placement, json } => inspect::inspect(&path, &placement, json),
+        Command::Launch { n, hostfile, dry_run, args } => cluster::launch(n, hostfile, args, dry_run),
         Command::Shard { model, world, placement, rank, out } => shard_cmd(&model, world, &placement, rank, &out),
         Command::Doctor(a) => doctor::run(a),
         Command::Bench(a) => bench::run(a),
@@ -250,9 +258,7 @@ fn prefetch(model: &Model) {
 
 fn engine_config(model: &Model, rt: &RuntimeArgs) -> EngineConfig {
     let mut cfg = EngineConfig::for_model(model);
-    if let Some(t) = rt.threads {
-        cfg.threads = t;
-    }
+    cfg.threads = rt.threads.unwrap_or_else(cluster::default_threads);
     if let Some(c) = rt.ctx {
         cfg.context_max = c;
     }
@@ -508,11 +514,12 @@ fn generate_ids(gen: &mut Generator, prompts: &[Vec<u32>], a: &GenerateArgs) -> 
         let (ids, _, stats) = gen.generate(&prompts[0], a.max_tokens, &sampling_of(a), &[], |_| true)?;
         println!("ids: {}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
         eprintln!(
-            "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
+            "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {} threads",
             stats.prompt_tokens,
             stats.prompt_tok_per_sec(),
             stats.generated_tokens,
-            stats.decode_tok_per_sec()
+            stats.decode_tok_per_sec(),
+            gen.config().threads
         );
         return Ok(());
     }
@@ -549,136 +556,5 @@ fn logits(a: LogitsArgs) -> Result<()> {
     npy::write_f32(&a.out, &[a.tokens.len(), model.cfg.vocab], &logits)
         .with_context(|| format!("writing {}", a.out.display()))?;
     eprintln!("wrote {} [{} x {}] float32", a.out.display(), a.tokens.len(), model.cfg.vocab);
-    Ok(())
-}
-
-fn human_bytes(b: usize) -> String {
-    let b = b as f64;
-    if b >= (1u64 << 30) as f64 {
-        format!("{:.2} GiB", b / (1u64 << 30) as f64)
-    } else if b >= (1u64 << 20) as f64 {
-        format!("{:.1} MiB", b / (1u64 << 20) as f64)
-    } else {
-        format!("{:.1} KiB", b / 1024.0)
-    }
-}
-
-fn inspect(path: &Path, placement: &PlacementArgs) -> Result<()> {
-    if !placement.is_single() {
-        return inspect_placement(path, placement);
-    }
-    let model = tessera_model::load_model(path).with_context(|| format!("loading {}", path.display()))?;
-    let ckpt = model.checkpoint();
-    let c = &model.cfg;
-    let mut formats: std::collections::BTreeMap<String, (usize, usize, usize)> = Default::default();
-    let mut params = 0usize;
-    for t in ckpt.tensors() {
-        let e = formats.entry(t.dtype.name()).or_default();
-        e.0 += 1;
-        e.1 += t.elements();
-        e.2 += t.range.len();
-        params += t.elements();
-    }
-    println!("checkpoint      {} ({:?}, {} file(s), {})", path.display(), ckpt.kind, ckpt.files.len(), human_bytes(ckpt.data_bytes()));
-    println!("architecture    {}", c.arch.name());
-    println!(
-        "shape           {} layers, hidden {}, {} heads / {} kv heads × {}, intermediate {}, vocab {}",
-        c.layers, c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, c.vocab
-    );
-    let (per_tok, active) = model.per_token_reads();
-    println!(
-        "parameters      {} total ({:.1} M); {} active per token ({:.1} M)",
-        params,
-        params as f64 / 1e6,
-        active,
-        active as f64 / 1e6
-    );
-    if let Some(m) = c.moe.as_ref().filter(|_| c.layer_ffn.contains(&tessera_model::config::FfnKind::Moe)) {
-        let moe_layers = c.layer_ffn.iter().filter(|k| **k == tessera_model::config::FfnKind::Moe).count();
-        println!(
-            "experts         {} routed, top-{} ({:?}), width {}, shared width {}, {} of {} layers MoE",
-            m.experts, m.top_k, m.routing, m.expert_width, m.shared_width, moe_layers, c.layers
-        );
-    }
-    if let Some(m) = &c.mla {
-        println!(
-            "attention       MLA{}: q_lora {:?}, kv_lora {}, nope {}, rope {}, v {}",
-            if m.rotary { "" } else { " (NoPE: q_pe and k_pe unrotated)" },
-            m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_dim
-        );
-    }
-    if let Some(k) = &c.kda {
-        let layers: Vec<String> = (0..c.layers).filter(|&l| k.layers[l]).map(|l| (l + 1).to_string()).collect();
-        println!(
-            "linear attn     KDA on {} of {} layers (1-based {}): {} heads × {}, short conv {}; the other layers MLA",
-            layers.len(),
-            c.layers,
-            layers.join(","),
-            k.heads,
-            k.head_dim,
-            k.conv_kernel
-        );
-    }
-    println!("embeddings      {}", if model.is_tied() { "tied to the LM head" } else { "separate LM head" });
-    println!("rope            theta {}, {:?}, {}", c.rope.theta, c.rope.scaling, if c.rope.interleaved { "interleaved pairs" } else { "rotate-half" });
-    println!("context         {} tokens (model limit)", c.context_max);
-    println!("tensor formats:");
-    for (f, (n, elems, bytes)) in &formats {
-        println!("  {f:<6} {n:>5} tensors {:>12} params {:>11}", elems, human_bytes(*bytes));
-    }
-    println!("bytes read per decoded token   {} ({})", per_tok, human_bytes(per_tok));
-    let kv = |d: KvDtype| human_bytes(model.kv_bytes_per_token(d));
-    if c.mla.is_some() {
-        println!("KV cache per token of context  {} (f32 latent + rope key)", kv(KvDtype::F32));
-    } else {
-        println!("KV cache per token of context  {} (f16 keys and values; {} with --kv-cache q8, {} with f32)", kv(KvDtype::F16), kv(KvDtype::Q8), kv(KvDtype::F32));
-    }
-    if c.kda.is_some() {
-        println!("recurrent state {} per sequence, whatever its length (KDA: f32 delta-rule states and conv tails)", human_bytes(model.state_bytes_per_sequence()));
-    }
-    match Tokenizer::from_checkpoint(ckpt) {
-        Ok(t) => println!(
-            "tokenizer       {} tokens, bos {:?}, eos {:?}, stop {:?}, add_bos {}",
-            t.vocab_size(),
-            t.bos,
-            t.eos,
-            t.stop,
-            t.add_bos
-        ),
-        Err(e) => println!("tokenizer       none ({e})"),
-    }
-    match ChatTemplate::from_checkpoint(ckpt) {
-        Ok(Some(t)) => println!("chat template   yes ({} chars)", t.source().len()),
-        Ok(None) => println!("chat template   none"),
-        Err(e) => println!("chat template   unusable ({e})"),
-    }
-    Ok(())
-}
-
-/// Each rank's share of a placement: layers, heads/experts, bytes it reads from disk,
-/// weight bytes per decoded token, KV cache per token.
-fn inspect_placement(path: &Path, p: &PlacementArgs) -> Result<()> {
-    let ckpt = Arc::new(Checkpoint::open(path).with_context(|| format!("loading {}", path.display()))?);
-    let cfg = ModelConfig::from_checkpoint(&ckpt)?;
-    let world = p.tp.max(p.ep) * p.pp;
-    let placement = Placement::new(world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
-    println!("placement       {}", placement.describe());
-    println!("checkpoint      {} of tensor data", human_bytes(ckpt.data_bytes()));
-    for rank in 0..world {
-        let spec = placement.spec(rank, &cfg);
-        let shard = Model::load_shard(Arc::clone(&ckpt), cfg.clone(), spec.clone())?;
-        let experts = match &spec.experts {
-            tessera_model::ExpertSplit::Experts { owned } => format!("experts {owned:?}"),
-            tessera_model::ExpertSplit::Width => format!("tp {}/{}", spec.tp_rank, spec.tp_size),
-        };
-        println!(
-            "rank {rank:<3} layers {:?}, {experts}: reads {} from disk, {} weights per decoded token, KV {} per token{}",
-            spec.layers,
-            human_bytes(shard.bytes_loaded()),
-            human_bytes(shard.bytes_per_token()),
-            human_bytes(shard.kv_bytes_per_token(KvDtype::F16)),
-            if cfg.kda.is_some() { format!(", recurrent state {} per sequence", human_bytes(shard.state_bytes_per_sequence())) } else { String::new() }
-        );
-    }
     Ok(())
 }

@@ -657,3 +657,56 @@ fn gguf_batched_sequences_equal_each_alone() {
         }
     }
 }
+
+/// `launch` without surprises: local ranks share the host's cores by default (each gets
+/// cores ÷ ranks threads, shown in generate's summary), `doctor` joins from the launch
+/// environment like every other subcommand, and `--dry-run` shows each rank's host,
+/// threads and share without starting anything.
+#[test]
+fn launch_shares_cores_joins_doctor_and_dry_runs() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let model = fixture("qwen3_moe");
+    let m = model.to_str().unwrap().to_string();
+    let args: Vec<String> = ["generate", "--model", &m, "--prompt-ids", "1,2,3", "--max-tokens", "2", "--tp", "2"].iter().map(|s| s.to_string()).collect();
+    let out = tessera(2, &args);
+    ok(&out, "launch -n 2 -- generate --tp 2");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let want = format!("| {} threads", (cores / 2).max(1));
+    assert!(stderr.contains(&want), "two local ranks should take {want:?} each:\n{stderr}");
+
+    let out = tessera(2, &["doctor".to_string(), "--json".to_string()]);
+    let stdout = ok(&out, "launch -n 2 -- doctor --json");
+    let text: String = stdout.lines().map(|l| l.trim_start_matches("[rank 0] ")).collect::<Vec<_>>().join("\n");
+    let json = &text[text.find('{').unwrap_or_else(|| panic!("no JSON report:\n{stdout}"))..];
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    assert_eq!(v["world_size"].as_u64(), Some(2), "{v}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["launch", "-n", "2", "--dry-run", "--"])
+        .args(["generate", "--model", &m, "--prompt-ids", "1", "--pp", "2"])
+        .output()
+        .unwrap();
+    let stdout = ok(&out, "launch --dry-run");
+    for needle in ["placement", "rank 0: this machine", "rank 1: this machine", "layers 0..", "ranks)", "dry run: nothing started"] {
+        assert!(stdout.contains(needle), "dry run lacks {needle:?}:\n{stdout}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera")).args(["launch", "-n", "2", "--dry-run", "--", "generate", "--model", &m, "--tp", "3"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("placement refused"), "{out:?}");
+}
+
+/// `inspect --json` holds what the text says, for one node and for each rank.
+#[test]
+fn inspect_json_matches_the_model() {
+    let model = fixture("kimi_linear");
+    let m = model.to_str().unwrap().to_string();
+    let v: serde_json::Value = serde_json::from_str(&ok(&tessera(1, &["inspect".into(), m.clone(), "--json".into()]), "inspect --json")).unwrap();
+    assert_eq!((v["arch"].as_str(), v["layers"].as_u64(), v["parameters"].as_u64()), (Some("kimi_linear"), Some(4), Some(377_188)), "{v}");
+    // 3 KDA layers of 4 heads × 32² f32 states and 3 × 3 × 128 conv floats.
+    assert_eq!(v["state_bytes_per_sequence"].as_u64(), Some(3 * 4 * (4 * 32 * 32 + 3 * 3 * 128)), "{v}");
+    assert_eq!(v["kda_layers"], serde_json::json!([0, 1, 3]));
+    let v: serde_json::Value = serde_json::from_str(&ok(&tessera(1, &["inspect".into(), m, "--tp".into(), "2".into(), "--json".into()]), "inspect --tp 2 --json")).unwrap();
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    let states: u64 = ranks.iter().map(|r| r["state_bytes_per_sequence"].as_u64().unwrap()).sum();
+    assert_eq!(states, 3 * 4 * (4 * 32 * 32 + 3 * 3 * 128), "each rank holds its heads' states: {v}");
+}

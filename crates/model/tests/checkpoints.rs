@@ -655,8 +655,13 @@ fn kda_checkpoints_that_disagree_with_their_config_are_clear_errors() {
     );
     case("layer-past-the-end", &|c, _| c["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 5]), &["linear_attn_config.kda_layers", "5 is not a layer", "1-based", "4"]);
     case("layer-zero", &|c, _| c["linear_attn_config"]["kda_layers"] = serde_json::json!([0, 1, 2]), &["linear_attn_config.kda_layers", "0 is not a layer"]);
-    // Layer 2 made KDA: its MLA tensors are there, its KDA ones are not.
-    case("mla-layer-as-kda", &|c, _| c["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 3, 4]), &["model.layers.2.self_attn.q_conv1d.weight", "missing"]);
+    // Layer 2 made KDA: its MLA tensors are there (a q_proj of MLA's shape), its KDA ones are not.
+    case("mla-layer-as-kda", &|c, _| c["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 3, 4]), &["model.layers.2.self_attn.q_proj.weight", "[96, 64]", "[128, 64]"]);
+    case(
+        "no-conv",
+        &|_, t| t.retain(|x| x.0 != "model.layers.1.self_attn.v_conv1d.weight"),
+        &["model.layers.1.self_attn.v_conv1d.weight", "v_conv.conv.weight", "missing"],
+    );
     case("no-linear-config", &|c, _| drop(c.as_object_mut().unwrap().remove("linear_attn_config")), &["linear_attn_config", "missing"]);
     case("rope-mla", &|c, _| c["mla_use_nope"] = serde_json::json!(false), &["mla_use_nope", "NoPE"]);
     case("q-lora", &|c, _| c["q_lora_rank"] = serde_json::json!(16), &["q_lora_rank", "no q-LoRA"]);
