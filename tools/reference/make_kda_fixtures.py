@@ -26,7 +26,6 @@ Run from the repository root:  python tools/reference/make_kda_fixtures.py [name
 import argparse
 import json
 import math
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -37,11 +36,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+from mlx_lm.utils import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jsonfmt  # noqa: E402
 from make_dense_fixtures import DECODE_STEPS, MAX_TRIES, MIN_DISTINCT, MIN_MARGIN, OUT, REFERENCE, VOCAB, margins  # noqa: E402
+from make_moe_fixtures import quantize_save_reload  # noqa: E402
 
 PROMPT_LEN = 45
 MIN_ROUTE_GAP = 1e-4
@@ -408,16 +408,7 @@ def build(name, quant, seed):
             write_hf(tmp, cfg, params)
             model = load_checked(tmp, cfg, params)
             config = json.loads((tmp / "config.json").read_text())
-        q = spec["q"]
-        model, qconfig = quantize_model(model, config, q["group_size"], q["bits"], mode=q["mode"])
-        mem = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
-        if d.exists():
-            shutil.rmtree(d)
-        save_model(d, model)
-        save_config(qconfig, config_path=d / "config.json")
-        model, _ = load_model(d, strict=True)
-        got = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
-        assert set(got) == set(mem) and all(np.array_equal(got[k], mem[k]) for k in mem)
+        model = quantize_save_reload(model, config, spec["q"], d)
     prompt = rng.integers(0, VOCAB, size=PROMPT_LEN).tolist()
     return compute_refs(model, cfg, prompt, biases(params, cfg)), d
 

@@ -680,18 +680,10 @@ def build_float(name, spec, seed):
     return r
 
 
-def build_quant(name, spec, seed):
-    cfg = spec["base"]
-    d = OUT / name
-    rng = np.random.default_rng(seed)
-    params = random_hf_params(cfg, rng, spec.get("out_scale", 1.0))
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        write_hf_checkpoint(tmp, cfg, params)
-        model = load_and_check_hf(tmp, cfg, params)
-        config = json.loads((tmp / "config.json").read_text())
-    # mlx_lm.convert: cast (float32 here, a no-op), then quantize_model with the model's predicate
-    q = spec["q"]
+def quantize_save_reload(model, config, q, d):
+    """mlx_lm.convert's steps on a float model: quantize_model with the model's own predicate
+    (the cast to float32 is a no-op here), save_model + save_config into `d`, reload (strict);
+    every reloaded tensor is checked bit-exact against the quantized one in memory."""
     model, qconfig = quantize_model(model, config, q["group_size"], q["bits"], mode=q["mode"])
     mem = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     if d.exists():
@@ -704,6 +696,20 @@ def build_quant(name, spec, seed):
     assert set(lp) == set(mem), sorted(set(lp) ^ set(mem))
     for k in mem:
         assert lp[k].dtype == mem[k].dtype and np.array_equal(lp[k], mem[k]), k
+    return qmodel
+
+
+def build_quant(name, spec, seed):
+    cfg = spec["base"]
+    d = OUT / name
+    rng = np.random.default_rng(seed)
+    params = random_hf_params(cfg, rng, spec.get("out_scale", 1.0))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        write_hf_checkpoint(tmp, cfg, params)
+        model = load_and_check_hf(tmp, cfg, params)
+        config = json.loads((tmp / "config.json").read_text())
+    qmodel = quantize_save_reload(model, config, spec["q"], d)
     prompt = rng.integers(0, VOCAB, size=PROMPT_LEN).tolist()
     r = compute_refs(qmodel, cfg, prompt, bias_by_layer_of(params, cfg))
     hdr = read_safetensors_header(d / "model.safetensors")
