@@ -87,13 +87,66 @@ pub fn run(args: DoctorArgs) -> Result<()> {
     report(&comm, args.json)
 }
 
+/// Floats a buffer past every cache holds for the read-bandwidth probe (1 GiB: this Xeon's
+/// last-level cache is 480 MiB, an M3 Ultra's well under that).
+const NODE_PROBE_FLOATS: usize = 1 << 28;
+/// Passes of each node probe (the best is reported, as `bench` reports it).
+const NODE_PROBE_PASSES: usize = 5;
+
+/// One node's facts for the cluster file: free memory (MiB), read bandwidth past the caches
+/// (GB/s), int8 and f32 multiply-add ceilings (GMAC/s), cores; f32 so one all-gather moves them.
+fn measure_node() -> [f32; 5] {
+    let threads = crate::cluster::default_threads();
+    let pool = tessera_kernels::ThreadPool::new(threads);
+    let isa = tessera_kernels::Isa::detect();
+    let buf = vec![1.0f32; NODE_PROBE_FLOATS];
+    let bw = tessera_engine::bench::read_bandwidth(&pool, &buf, NODE_PROBE_PASSES);
+    drop(buf);
+    let [int8, f32] = [tessera_kernels::MacKind::Int8, tessera_kernels::MacKind::F32].map(|k| tessera_engine::bench::mac_peak(&pool, isa, k, NODE_PROBE_PASSES).best_gmac_s);
+    let free_mib = tessera_model::memory::available_bytes().map_or(0.0, |b| (b >> 20) as f32);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    [free_mib, bw.best_gb_s as f32, int8 as f32, f32 as f32, cores as f32]
+}
+
 fn report(comm: &Communicator, json: bool) -> Result<()> {
     let r = doctor::run(comm, &DoctorOptions::default())?;
+    // Nodes one at a time (ranks sharing a host would halve each other's bandwidth), then
+    // every node's facts to every rank.
+    let n = comm.world_size();
+    let everyone = comm.group(&(0..n).collect::<Vec<_>>())?;
+    let mut mine = [0.0f32; 5];
+    for r in 0..n {
+        if r == comm.rank() {
+            mine = measure_node();
+        }
+        everyone.barrier("doctor node probes")?;
+    }
+    let mut all = vec![0.0f32; 5 * n];
+    everyone.all_gather(&mine, &mut all, "doctor nodes")?;
     if comm.rank() == 0 {
         if json {
-            println!("{}", r.to_json());
+            let mut v: serde_json::Value = serde_json::from_str(&r.to_json())?;
+            v["nodes"] = all
+                .chunks_exact(5)
+                .enumerate()
+                .map(|(rank, f)| {
+                    serde_json::json!({
+                        "name": format!("rank {rank}"),
+                        "memory_free_bytes": f[0] as u64 * (1 << 20),
+                        "read_gb_s": f[1],
+                        "int8_gmac_s": f[2],
+                        "f32_gmac_s": f[3],
+                        "cores": f[4] as u64,
+                    })
+                })
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&v)?);
         } else {
             print!("{r}");
+            println!("nodes (free memory, read bandwidth past the caches, int8 / f32 multiply-add ceilings, cores):");
+            for (rank, f) in all.chunks_exact(5).enumerate() {
+                println!("  rank {rank}: {:.1} GiB free, {:.1} GB/s, {:.0} / {:.0} GMAC/s, {} cores", f[0] / 1024.0, f[1], f[2], f[3], f[4] as u64);
+            }
         }
     }
     Ok(())

@@ -660,7 +660,8 @@ fn gguf_batched_sequences_equal_each_alone() {
 
 /// `launch` without surprises: local ranks share the host's cores by default (each gets
 /// cores ÷ ranks threads, shown in generate's summary), `doctor` joins from the launch
-/// environment like every other subcommand, and `--dry-run` shows each rank's host,
+/// environment like every other subcommand (and measures every node: free memory,
+/// bandwidth past the caches, compute ceilings), and `--dry-run` shows each rank's host,
 /// threads and share without starting anything.
 #[test]
 fn launch_shares_cores_joins_doctor_and_dry_runs() {
@@ -680,6 +681,14 @@ fn launch_shares_cores_joins_doctor_and_dry_runs() {
     let json = &text[text.find('{').unwrap_or_else(|| panic!("no JSON report:\n{stdout}"))..];
     let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"));
     assert_eq!(v["world_size"].as_u64(), Some(2), "{v}");
+    // Each node's own facts, measured one node at a time: the cluster file `plan` reads.
+    let nodes = v["nodes"].as_array().unwrap_or_else(|| panic!("no nodes: {v}"));
+    assert_eq!(nodes.len(), 2, "{v}");
+    for n in nodes {
+        for key in ["memory_free_bytes", "read_gb_s", "int8_gmac_s", "f32_gmac_s", "cores"] {
+            assert!(n[key].as_f64().is_some_and(|x| x > 0.0), "node {key} not measured: {n}");
+        }
+    }
 
     let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["launch", "-n", "2", "--dry-run", "--"])

@@ -153,6 +153,14 @@ pub fn resident_bytes() -> Option<u64> {
     Some(pages * PAGE_BYTES as u64)
 }
 
+/// Memory this machine can give a new program without swapping, in bytes (Linux:
+/// `MemAvailable` of `/proc/meminfo`); `None` elsewhere.
+pub fn available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// The page size [`LazyZeroed::populate_new_pages`] assumes (Linux x86-64 and most
 /// arm64; a larger page only makes some calls redundant).
 const PAGE_BYTES: usize = 4096;
