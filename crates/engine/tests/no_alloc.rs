@@ -48,6 +48,8 @@ fn decode_steps_allocate_nothing() {
         (fixtures.join("qwen3_moe"), sampled.clone()),
         (fixtures.join("deepseek_v3"), SamplingParams::default()),
         (fixtures.join("gguf_moe/qwen3_moe.q8_0.gguf"), SamplingParams::default()),
+        (fixtures.join("kimi_linear"), SamplingParams::default()),
+        (fixtures.join("kimi_k3"), SamplingParams::default()),
     ] {
         let n = decode_allocations(&model, &sampling);
         assert_eq!(n, 0, "{}: {n} heap allocations in 23 decode steps (temperature {})", model.display(), sampling.temperature);

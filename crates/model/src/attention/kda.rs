@@ -169,8 +169,13 @@ impl Kda {
         if let Gate::LowRank { b, .. } = &self.gate {
             run.linear(b, ga, n, &mut ws.kda_gate[..n * p], &mut ws.mm);
         }
-        let linears: Vec<&Linear> = self.linears().into_iter().filter(|l| !std::ptr::eq(*l, &self.o)).collect();
-        ws.charge_work(ProfileKind::AttnProj, t0, linears.iter().map(|l| l.bytes()).sum(), Linear::macs_of(n, linears));
+        // Every projection but o (charged with it below), without a list: a step allocates nothing.
+        let (g1, g2) = match &self.gate {
+            Gate::LowRank { a, b } => (a, Some(b)),
+            Gate::Full(g) => (g, None),
+        };
+        let inputs = [&self.q, &self.k, &self.v, &self.f_a, &self.b, &self.f_b, g1].into_iter().chain(g2);
+        ws.charge_work(ProfileKind::AttnProj, t0, inputs.clone().map(|l| l.bytes()).sum(), Linear::macs_of(n, inputs));
 
         let t0 = ws.clock();
         // Each chunk's state: fresh at a sequence's first token; where this step reads it.
