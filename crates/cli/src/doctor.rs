@@ -108,6 +108,21 @@ fn measure_node() -> [f32; 5] {
     [free_mib, bw.best_gb_s as f32, int8 as f32, f32 as f32, cores as f32]
 }
 
+/// Bytes of a host name in the nodes' exchange (longer ones are cut).
+const HOSTNAME_BYTES: usize = 64;
+
+/// This machine's host name, NUL-padded to [`HOSTNAME_BYTES`].
+fn hostname() -> [u8; HOSTNAME_BYTES] {
+    let mut buf = [0u8; HOSTNAME_BYTES];
+    // SAFETY: gethostname writes at most len bytes into the buffer it is given.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), HOSTNAME_BYTES - 1) };
+    if rc != 0 {
+        buf = [0u8; HOSTNAME_BYTES];
+    }
+    buf[HOSTNAME_BYTES - 1] = 0;
+    buf
+}
+
 fn report(comm: &Communicator, json: bool) -> Result<()> {
     let r = doctor::run(comm, &DoctorOptions::default())?;
     // Nodes one at a time (ranks sharing a host would halve each other's bandwidth), then
@@ -123,6 +138,12 @@ fn report(comm: &Communicator, json: bool) -> Result<()> {
     }
     let mut all = vec![0.0f32; 5 * n];
     everyone.all_gather(&mine, &mut all, "doctor nodes")?;
+    let mut names = vec![0u8; HOSTNAME_BYTES * n];
+    everyone.all_gather(&hostname(), &mut names, "doctor host names")?;
+    let name = |rank: usize| {
+        let b = &names[rank * HOSTNAME_BYTES..(rank + 1) * HOSTNAME_BYTES];
+        String::from_utf8_lossy(&b[..b.iter().position(|&c| c == 0).unwrap_or(b.len())]).into_owned()
+    };
     if comm.rank() == 0 {
         if json {
             let mut v: serde_json::Value = serde_json::from_str(&r.to_json())?;
@@ -131,7 +152,9 @@ fn report(comm: &Communicator, json: bool) -> Result<()> {
                 .enumerate()
                 .map(|(rank, f)| {
                     serde_json::json!({
-                        "name": format!("rank {rank}"),
+                        "name": format!("rank {rank} ({})", name(rank)),
+                        "rank": rank,
+                        "host": name(rank),
                         "memory_free_bytes": f[0] as u64 * (1 << 20),
                         "read_gb_s": f[1],
                         "int8_gmac_s": f[2],
@@ -140,12 +163,17 @@ fn report(comm: &Communicator, json: bool) -> Result<()> {
                     })
                 })
                 .collect();
+            // The links as a list too: one-way latency (half the round trip) and bandwidth.
+            v["links"] = (0..n)
+                .flat_map(|a| (a + 1..n).map(move |b| (a, b)))
+                .map(|(a, b)| serde_json::json!({ "from": a, "to": b, "latency_us": r.link_rtt_us[a][b] / 2.0, "bandwidth_gb_s": r.link_bandwidth_gbps[a][b] }))
+                .collect();
             println!("{}", serde_json::to_string_pretty(&v)?);
         } else {
             print!("{r}");
             println!("nodes (free memory, read bandwidth past the caches, int8 / f32 multiply-add ceilings, cores):");
             for (rank, f) in all.chunks_exact(5).enumerate() {
-                println!("  rank {rank}: {:.1} GiB free, {:.1} GB/s, {:.0} / {:.0} GMAC/s, {} cores", f[0] / 1024.0, f[1], f[2], f[3], f[4] as u64);
+                println!("  rank {rank} ({}): {:.1} GiB free, {:.1} GB/s, {:.0} / {:.0} GMAC/s, {} cores", name(rank), f[0] / 1024.0, f[1], f[2], f[3], f[4] as u64);
             }
         }
     }

@@ -688,7 +688,11 @@ fn launch_shares_cores_joins_doctor_and_dry_runs() {
         for key in ["memory_free_bytes", "read_gb_s", "int8_gmac_s", "f32_gmac_s", "cores"] {
             assert!(n[key].as_f64().is_some_and(|x| x > 0.0), "node {key} not measured: {n}");
         }
+        assert!(n["host"].as_str().is_some_and(|h| !h.is_empty()), "{n}");
     }
+    let links = v["links"].as_array().unwrap_or_else(|| panic!("no links: {v}"));
+    assert_eq!(links.len(), 1, "{v}");
+    assert!(links[0]["latency_us"].as_f64().is_some_and(|x| x > 0.0) && links[0]["bandwidth_gb_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
 
     let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["launch", "-n", "2", "--dry-run", "--"])
