@@ -471,6 +471,12 @@ fn shards_on_disk_run_the_same_model() {
         ("qwen3_moe_mlx_nvfp4", &["--ep", "2"]),
         ("deepseek_v3_mlx_q4g32", &["--tp", "2"]),
         ("fp8/deepseek_v3_fp8", &["--pp", "2"]),
+        // Kimi: a shard stores each third of K3's fused qkv_proj under its own name, and
+        // its stacked experts under per-expert names, all with the `language_model.` prefix.
+        ("kimi_linear_mlx_q4g32", &["--tp", "2"]),
+        ("kimi_k3_mlx_mxfp4", &["--tp", "2"]),
+        ("kimi_k3_mlx_mxfp4", &["--ep", "2"]),
+        ("kimi_k3_ct_mxfp4", &["--pp", "2"]),
     ] {
         let src = fixture(source);
         let dir = scratch(&format!("shard-{}{}", source.replace('/', "-"), placement.join("")));

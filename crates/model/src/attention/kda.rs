@@ -72,9 +72,24 @@ impl Kda {
         // q, k and v: separate, or K3's fused `qkv_proj [3P, H]` (this rank's rows of each third).
         let fused = ld.find(&p("qkv_proj.weight")).is_some();
         let qkv: Vec<Linear> = (0..3)
-            .map(|seg| match fused {
-                true => rows("qkv_proj.weight", 3 * all, h, seg * all + ch.start..seg * all + ch.end),
-                false => rows(&format!("{}_proj.weight", ["q", "k", "v"][seg]), all, h, ch.clone()),
+            .map(|seg| {
+                let own = format!("{}_proj", ["q", "k", "v"][seg]);
+                if !fused {
+                    return rows(&format!("{own}.weight"), all, h, ch.clone());
+                }
+                let from = ld.record.as_ref().map_or(0, |r| r.borrow().len());
+                let l = rows("qkv_proj.weight", 3 * all, h, seg * all + ch.start..seg * all + ch.end)?;
+                // A shard stores each third under its own name (with its scales): the
+                // shard loads through the separate path.
+                if let Some(rec) = &ld.record {
+                    let fused_name = ld.stored(&p("qkv_proj"));
+                    for t in &mut rec.borrow_mut()[from..] {
+                        if let Some(suffix) = t.name.strip_prefix(&fused_name) {
+                            t.name = format!("{}{suffix}", ld.stored(&p(&own)));
+                        }
+                    }
+                }
+                Ok(l)
             })
             .collect::<Result<_>>()?;
         let [q, k, v]: [Linear; 3] = qkv.try_into().unwrap_or_else(|_| unreachable!("three projections"));

@@ -76,7 +76,7 @@ impl Loader<'_> {
                             for t in &mut rec.borrow_mut()[from..] {
                                 let stored_base = self.stored(&stacked_base);
                                 if let Some(suffix) = t.name.strip_prefix(&stored_base) {
-                                    t.name = format!("{base}{suffix}");
+                                    t.name = format!("{}{base}{suffix}", self.prefix);
                                 }
                                 t.shape.remove(0);
                             }
