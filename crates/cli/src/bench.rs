@@ -115,7 +115,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     };
     let (report, profile) = match crate::engine_for(&model, cluster, &rt, cfg.context_needed(), sequences)? {
-        crate::Engine::Follow(rank) => return Ok(rank.follow()?),
+        crate::Engine::Follow(rank) => {
+            let r = rank.rank();
+            rank.follow()?;
+            // Followers hold their share until here: their resident memory, for `plan`'s check.
+            if let Some(m) = tessera_model::memory::resident() {
+                eprintln!("rank {r}: resident {} bytes ({} anonymous, {} file-backed)", m.bytes, m.anon_bytes, m.file_bytes);
+            }
+            return Ok(());
+        }
         crate::Engine::Drive(mut gen) => {
             let report = tessera_engine::bench::run_on(gen.stepper(), &model, ranks, &cfg, &mut progress)?;
             let profile = if a.profile {
@@ -382,6 +390,7 @@ fn to_json(r: &BenchReport, model: &str, date: &str, load_before: Option<String>
             "uncached_before": r.bandwidth_uncached.as_ref().map(|[b, _]| bandwidth_json(b)),
             "uncached_after": r.bandwidth_uncached.as_ref().map(|[_, a]| bandwidth_json(a)),
         },
+        "resident": r.resident.map(|m| serde_json::json!({ "bytes": m.bytes, "anon_bytes": m.anon_bytes, "file_bytes": m.file_bytes, "model_bytes": m.bytes.saturating_sub(r.pages.probe_bytes as u64) })),
         "pages": {
             "weights_arena_bytes": r.pages.weights_arena_bytes, "weights_huge_bytes": r.pages.weights_huge_bytes,
             "probe_bytes": r.pages.probe_bytes, "probe_huge_bytes": r.pages.probe_huge_bytes,

@@ -87,7 +87,7 @@ const RANK_VARS: &[&str] = &["TESSERA_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PM
 /// Whether this process is rank 0 (or alone), from the environment alone: unlike
 /// [`ClusterEnv::from_env`] it takes nothing (rank 0's inherited socket stays where it is).
 /// Ranks `launch` starts on this process's host (they share its cores).
-const LOCAL_RANKS_ENV: &str = "TESSERA_LOCAL_RANKS";
+pub(crate) const LOCAL_RANKS_ENV: &str = "TESSERA_LOCAL_RANKS";
 
 /// Compute threads when `--threads` is not given: this host's cores shared by the ranks
 /// `launch` runs on it (two local ranks each taking every core fight for them: SmolLM2

@@ -68,7 +68,7 @@ pub fn run(args: DoctorArgs) -> Result<()> {
     if args.rank.is_none() && args.world.is_none() && args.master.is_none() && args.hostfile.is_none() {
         // Under `tessera launch` (or torchrun, mpirun, Slurm): join from the environment.
         if let Some(env) = crate::cluster::ClusterEnv::from_env(args.secret_file.as_ref())? {
-            return report(&env.connect()?, args.json);
+            return report(&env.connect()?, args.json, crate::cluster::default_threads());
         }
     }
     let (Some(rank), Some(world)) = (args.rank, args.world) else {
@@ -84,7 +84,7 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         cfg.bind_addr = Some(tessera_comm::config::resolve(b).map_err(anyhow::Error::msg)?);
     }
     let comm = Communicator::connect(cfg)?;
-    report(&comm, args.json)
+    report(&comm, args.json, crate::cluster::default_threads())
 }
 
 /// Floats a buffer past every cache holds for the read-bandwidth probe (1 GiB: this Xeon's
@@ -93,19 +93,26 @@ const NODE_PROBE_FLOATS: usize = 1 << 28;
 /// Passes of each node probe (the best is reported, as `bench` reports it).
 const NODE_PROBE_PASSES: usize = 5;
 
+/// Bytes of the decode-kernel probes' matrices (past a 480 MiB last-level cache).
+const KERNEL_PROBE_BYTES: usize = 768 << 20;
+/// Facts per node in the exchange.
+const NODE_FACTS: usize = 7;
+
 /// One node's facts for the cluster file: free memory (MiB), read bandwidth past the caches
-/// (GB/s), int8 and f32 multiply-add ceilings (GMAC/s), cores; f32 so one all-gather moves them.
-fn measure_node() -> [f32; 5] {
-    let threads = crate::cluster::default_threads();
+/// (GB/s), int8 and f32 multiply-add ceilings (GMAC/s), cores, and the rates one-token
+/// products stream Q4_0 and BF16 weights through the kernels (GB/s); f32 so one
+/// all-gather moves them. A node is what one rank gets: `threads` of its host's cores (the default threads
+/// of a rank, the host's cores shared by its ranks), measured with that many threads.
+fn measure_node(threads: usize) -> [f32; NODE_FACTS] {
     let pool = tessera_kernels::ThreadPool::new(threads);
     let isa = tessera_kernels::Isa::detect();
-    let buf = vec![1.0f32; NODE_PROBE_FLOATS];
-    let bw = tessera_engine::bench::read_bandwidth(&pool, &buf, NODE_PROBE_PASSES);
-    drop(buf);
+    // The same probe as `bench`'s (and memory of the same kind as the weights').
+    let bw = tessera_engine::bench::read_bandwidth_fresh(&pool, NODE_PROBE_FLOATS);
     let [int8, f32] = [tessera_kernels::MacKind::Int8, tessera_kernels::MacKind::F32].map(|k| tessera_engine::bench::mac_peak(&pool, isa, k, NODE_PROBE_PASSES).best_gmac_s);
     let free_mib = tessera_model::memory::available_bytes().map_or(0.0, |b| (b >> 20) as f32);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    [free_mib, bw.best_gb_s as f32, int8 as f32, f32 as f32, cores as f32]
+    let kernel = |f| tessera_engine::bench::decode_kernel_gb_s(&pool, isa, f, KERNEL_PROBE_BYTES, NODE_PROBE_PASSES) as f32;
+    let (q4_0, bf16) = (kernel(tessera_kernels::WeightFormat::Q4_0), kernel(tessera_kernels::WeightFormat::Bf16));
+    [free_mib, bw.best_gb_s as f32, int8 as f32, f32 as f32, threads as f32, q4_0, bf16]
 }
 
 /// Bytes of a host name in the nodes' exchange (longer ones are cut).
@@ -123,20 +130,20 @@ fn hostname() -> [u8; HOSTNAME_BYTES] {
     buf
 }
 
-fn report(comm: &Communicator, json: bool) -> Result<()> {
+fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
     let r = doctor::run(comm, &DoctorOptions::default())?;
     // Nodes one at a time (ranks sharing a host would halve each other's bandwidth), then
     // every node's facts to every rank.
     let n = comm.world_size();
     let everyone = comm.group(&(0..n).collect::<Vec<_>>())?;
-    let mut mine = [0.0f32; 5];
+    let mut mine = [0.0f32; NODE_FACTS];
     for r in 0..n {
         if r == comm.rank() {
-            mine = measure_node();
+            mine = measure_node(threads);
         }
         everyone.barrier("doctor node probes")?;
     }
-    let mut all = vec![0.0f32; 5 * n];
+    let mut all = vec![0.0f32; NODE_FACTS * n];
     everyone.all_gather(&mine, &mut all, "doctor nodes")?;
     let mut names = vec![0u8; HOSTNAME_BYTES * n];
     everyone.all_gather(&hostname(), &mut names, "doctor host names")?;
@@ -148,7 +155,7 @@ fn report(comm: &Communicator, json: bool) -> Result<()> {
         if json {
             let mut v: serde_json::Value = serde_json::from_str(&r.to_json())?;
             v["nodes"] = all
-                .chunks_exact(5)
+                .chunks_exact(NODE_FACTS)
                 .enumerate()
                 .map(|(rank, f)| {
                     serde_json::json!({
@@ -160,6 +167,8 @@ fn report(comm: &Communicator, json: bool) -> Result<()> {
                         "int8_gmac_s": f[2],
                         "f32_gmac_s": f[3],
                         "cores": f[4] as u64,
+                        "decode_int8_gb_s": f[5],
+                        "decode_f32_gb_s": f[6],
                     })
                 })
                 .collect();
@@ -171,9 +180,19 @@ fn report(comm: &Communicator, json: bool) -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&v)?);
         } else {
             print!("{r}");
-            println!("nodes (free memory, read bandwidth past the caches, int8 / f32 multiply-add ceilings, cores):");
-            for (rank, f) in all.chunks_exact(5).enumerate() {
-                println!("  rank {rank} ({}): {:.1} GiB free, {:.1} GB/s, {:.0} / {:.0} GMAC/s, {} cores", name(rank), f[0] / 1024.0, f[1], f[2], f[3], f[4] as u64);
+            println!("nodes (free memory, read bandwidth past the caches, int8 / f32 multiply-add ceilings, cores of each rank's share):");
+            for (rank, f) in all.chunks_exact(NODE_FACTS).enumerate() {
+                println!(
+                    "  rank {rank} ({}): {:.1} GiB free, {:.1} GB/s, {:.0} / {:.0} GMAC/s, {} cores; decode kernels stream Q4_0 at {:.1} GB/s, BF16 at {:.1}",
+                    name(rank),
+                    f[0] / 1024.0,
+                    f[1],
+                    f[2],
+                    f[3],
+                    f[4] as u64,
+                    f[5],
+                    f[6]
+                );
             }
         }
     }
@@ -195,6 +214,7 @@ fn run_local(n: usize, json: bool) -> Result<()> {
         let c = Command::new(&exe)
             .args(["doctor", "--rank", &r.to_string(), "--world", &n.to_string(), "--master", &master])
             .env(SECRET_ENV, &secret)
+            .env(crate::cluster::LOCAL_RANKS_ENV, n.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
@@ -202,7 +222,7 @@ fn run_local(n: usize, json: bool) -> Result<()> {
         children.0.push(c);
     }
     let comm = Communicator::from_listening(l)?;
-    let res = report(&comm, json);
+    let res = report(&comm, json, crate::cluster::default_threads_for(n));
     drop(comm);
     for (i, c) in children.0.iter_mut().enumerate() {
         let st = c.wait()?;

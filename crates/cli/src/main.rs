@@ -7,6 +7,7 @@ mod doctor;
 mod inspect;
 mod dry_run;
 mod npy;
+mod plan;
 mod serve;
 mod shard;
 
@@ -87,6 +88,9 @@ enum Command {
     },
     /// Start or join a cluster; print link latency/bandwidth and all_reduce latency.
     Doctor(doctor::DoctorArgs),
+    /// Which placements of a model fit a cluster: each node's memory, the largest context,
+    /// predicted decode and prefill speed and what bounds it (reads headers only).
+    Plan(plan::PlanArgs),
     /// Measure prompt, decode and batched-decode speed on random tokens, and read bandwidth.
     Bench(bench::BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (continuous batching).
@@ -211,6 +215,7 @@ fn main() {
         Command::Shard { model, world, placement, rank, out } => shard_cmd(&model, world, &placement, rank, &out),
         Command::Doctor(a) => doctor::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Plan(a) => plan::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Tokenize { model, text, chat } => tokenize(&model, &text, chat),
     };

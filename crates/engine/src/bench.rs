@@ -250,6 +250,9 @@ pub struct BenchReport {
     pub mac_peak_before: [MacPeak; 2],
     pub mac_peak_after: [MacPeak; 2],
     pub pages: PageUse,
+    /// This process's resident memory after the last round (the bandwidth buffer of
+    /// `pages.probe_bytes` among it); `None` off Linux.
+    pub resident: Option<tessera_model::memory::Resident>,
 }
 
 /// One round's batch-1 decode and the bandwidth measured around it.
@@ -555,6 +558,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &Model, ranks: usize, cfg: &Benc
         }
     }
 
+    let resident = tessera_model::memory::resident();
     progress("bandwidth (after)");
     let bandwidth_after = read_bandwidth(&pool, bw_buf, BANDWIDTH_PASSES);
     progress("bandwidth past the caches (after)");
@@ -609,6 +613,7 @@ pub fn run_on(stepper: &mut dyn Stepper, model: &Model, ranks: usize, cfg: &Benc
         mac_peak_before,
         mac_peak_after,
         pages,
+        resident,
     })
 }
 
@@ -663,9 +668,62 @@ pub fn read_bandwidth(pool: &ThreadPool, buf: &[f32], passes: usize) -> Bandwidt
     Bandwidth { buffer_bytes: std::mem::size_of_val(buf), passes, best_gb_s: s.max, median_gb_s: s.median }
 }
 
+/// Columns of [`decode_kernel_gb_s`]'s matrix (a typical hidden width).
+const KERNEL_PROBE_COLS: usize = 4096;
+
+/// Bytes per second one-token products of `format` stream through the kernels, over a
+/// matrix of about `bytes` (past the caches) in the layout the loader gives that format
+/// on `isa`, on every thread of `pool`: best of `passes`. The decode rate a node's
+/// weights can reach (`doctor` measures it for `plan`), which the plain read probe
+/// overstates by the kernels' unpacking and arithmetic. Only GGUF Q4_0/Q8_0 and
+/// BF16/F16 (the int8- and f32-activation families) are probed.
+pub fn decode_kernel_gb_s(pool: &ThreadPool, isa: Isa, format: tessera_kernels::WeightFormat, bytes: usize, passes: usize) -> f64 {
+    use tessera_kernels::{matmul, repack_interleaved_into, interleaved_bytes, MatmulScratch, WeightFormat as W, WeightRows};
+    assert!(passes > 0 && matches!(format, W::Q4_0 | W::Q8_0 | W::Bf16 | W::F16), "probed formats only");
+    let cols = KERNEL_PROBE_COLS;
+    let row_bytes = format.row_bytes(cols).expect("whole blocks");
+    let rows = (bytes / row_bytes).next_multiple_of(8).max(8);
+    // Any finite weights: scales 0.01 (f16 0x211F), quants a fixed pattern; floats 0.01.
+    let mut src = vec![0u8; rows * row_bytes];
+    match format {
+        W::Bf16 => src.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&0x3C24u16.to_le_bytes())),
+        W::F16 => src.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&0x211Fu16.to_le_bytes())),
+        _ => {
+            for (i, b) in src.iter_mut().enumerate() {
+                *b = (i % 251) as u8;
+            }
+            for block in src.chunks_exact_mut(format.block_bytes()) {
+                block[..2].copy_from_slice(&0x211Fu16.to_le_bytes());
+            }
+        }
+    }
+    let layout = format.interleaved().filter(|&to| isa.runs_interleaved(to)).unwrap_or(format);
+    let mut mem = WeightBuffer::zeroed(if layout == format { src.len() } else { interleaved_bytes(format, rows, cols) }, huge_pages_wanted());
+    if layout == format {
+        mem.copy_from_slice(&src);
+    } else {
+        repack_interleaved_into(format, rows, cols, &src, &mut mem);
+    }
+    drop(src);
+    let w = WeightRows::new(layout, rows, cols, &mem).expect("a whole matrix");
+    let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.1).collect();
+    let mut y = vec![0.0f32; rows];
+    let mut mm = MatmulScratch::new(1, cols);
+    let mut pass = || {
+        let start = Instant::now();
+        matmul(pool, isa, w, &x, 1, &mut y, &mut mm);
+        mem.len() as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    pass();
+    let best = (0..passes).map(|_| pass()).fold(0.0, f64::max);
+    std::hint::black_box(&y);
+    best
+}
+
 /// [`read_bandwidth`] over a buffer of its own of `floats` (whole chunks), held only while
-/// it is measured: one pass to warm, then [`BANDWIDTH_PASSES`].
-fn read_bandwidth_fresh(pool: &ThreadPool, floats: usize) -> Bandwidth {
+/// it is measured (huge pages where the weights get them): one pass to warm, then
+/// [`BANDWIDTH_PASSES`]. `doctor` measures each node with it.
+pub fn read_bandwidth_fresh(pool: &ThreadPool, floats: usize) -> Bandwidth {
     let mem = probe_buffer(floats);
     let buf = probe_floats(&mem);
     read_bandwidth(pool, buf, 1);

@@ -67,6 +67,10 @@ impl MatmulScratch {
     pub fn new(tokens_max: usize, cols_max: usize) -> Self {
         MatmulScratch { q8: vec![BlockQ8::default(); tokens_max * cols_max.div_ceil(QK)], unit_starts: Vec::with_capacity(JOBS_MAX + 1) }
     }
+
+    pub fn bytes(&self) -> usize {
+        std::mem::size_of_val(self.q8.as_slice()) + self.unit_starts.capacity() * std::mem::size_of::<usize>()
+    }
 }
 
 /// `y[t·rows + r] = dot(W[r], x[t·cols ..])` for `t < n_tokens`.

@@ -268,6 +268,39 @@ impl Checkpoint {
         Ok(Checkpoint { path: dir.into(), kind: CheckpointKind::HfDir, files, tensors, by_name, gguf: None, config: Some(config) })
     }
 
+    /// A checkpoint of headers only (`synth`): `tensors` as (name, dtype, shape), each
+    /// given the bytes its dtype and shape take, laid end to end in no file. It has no
+    /// bytes to view or read: only a dry load (`Model::footprint`) takes it.
+    pub fn synthetic(path: &Path, tensors: Vec<(String, TensorDtype, Vec<usize>)>, config: serde_json::Value) -> Result<Checkpoint> {
+        let mut infos = Vec::with_capacity(tensors.len());
+        let mut by_name = HashMap::new();
+        let mut at = 0usize;
+        for (name, dtype, shape) in tensors {
+            let bytes = dtype_bytes(dtype, &shape).ok_or_else(|| LoadError::tensor(path, &name, format!("{dtype:?} {shape:?} is not a whole number of blocks")))?;
+            by_name.insert(name.clone(), infos.len());
+            infos.push(TensorInfo { name, dtype, shape, file: 0, range: at..at + bytes });
+            at += bytes;
+        }
+        Ok(Checkpoint { path: path.into(), kind: CheckpointKind::HfDir, files: Vec::new(), tensors: infos, by_name, gguf: None, config: Some(config) })
+    }
+
+    /// Lets go of every page of the memory maps this process has touched (a load that
+    /// copied matrices into its arena read them through the map): the process then holds
+    /// its weights once. A view still in use reads its pages again from the page cache
+    /// when touched. Advice only: a failure changes nothing but the resident size.
+    pub fn release_pages(&self) {
+        for f in &self.files {
+            // SAFETY: the maps are private and read-only, so dropping their pages loses
+            // nothing: the next read of a page refaults it from the file.
+            let _ = unsafe { f.map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
+    }
+
+    /// Whether its tensors have bytes (not [`Self::synthetic`]).
+    pub fn has_bytes(&self) -> bool {
+        !self.files.is_empty()
+    }
+
     pub fn tensors(&self) -> &[TensorInfo] {
         &self.tensors
     }
@@ -311,13 +344,32 @@ impl Checkpoint {
 
     /// The file a tensor lives in, for error messages.
     pub fn file_of(&self, t: &TensorInfo) -> &Path {
-        &self.files[t.file].path
+        self.files.get(t.file).map_or(&self.path, |f| &f.path)
     }
 
     /// Total bytes of tensor data.
     pub fn data_bytes(&self) -> usize {
         self.tensors.iter().map(|t| t.range.len()).sum()
     }
+}
+
+/// Bytes a tensor of `dtype` and `shape` takes (`None`: rows not whole blocks).
+pub(crate) fn dtype_bytes(dtype: TensorDtype, shape: &[usize]) -> Option<usize> {
+    use TensorDtype as D;
+    if let Some(f) = dtype.weight_format().filter(|f| f.is_quantized()) {
+        let (rows, cols) = match shape.split_last() {
+            Some((c, lead)) => (lead.iter().product::<usize>(), *c),
+            None => return Some(0),
+        };
+        return Some(rows * f.row_bytes(cols).ok()?);
+    }
+    let size = match dtype {
+        D::F64 | D::I64 | D::U64 => 8,
+        D::F32 | D::I32 | D::U32 => 4,
+        D::F16 | D::Bf16 | D::I16 | D::U16 => 2,
+        _ => 1,
+    };
+    Some(shape.iter().product::<usize>() * size)
 }
 
 fn read_safetensors_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<TensorInfo>> {

@@ -16,6 +16,9 @@ pub(crate) enum Storage {
     /// from `kv_b_proj`, the matrices placed in the weight arena): a byte range of a
     /// shared buffer.
     Owned(Arc<WeightBuffer>, Range<usize>),
+    /// Sized from the tensor headers alone (`Model::footprint`, for `tessera plan`):
+    /// shape and format without bytes; `in_arena` once placed. Never multiplied.
+    Dry { in_arena: bool },
 }
 
 /// A weight matrix `[rows, cols]`.
@@ -34,6 +37,7 @@ impl Linear {
         let data: &[u8] = match &self.storage {
             Storage::Mapped { file, range } => &ckpt.files[*file].map[range.clone()],
             Storage::Owned(v, range) => &v[range.clone()],
+            Storage::Dry { .. } => unreachable!("{}: a footprint is sized from headers and never runs", self.name),
         };
         WeightRows::new(self.format, self.rows, self.cols, data).expect("shape checked at load")
     }
@@ -57,6 +61,15 @@ impl Linear {
             [0, macs]
         }
     }
+    /// A matrix known by its shape and format only (see [`Storage::Dry`]).
+    pub(crate) fn dry(name: String, format: WeightFormat, rows: usize, cols: usize) -> Linear {
+        Linear { name, format, rows, cols, storage: Storage::Dry { in_arena: false }, bias: None }
+    }
+
+    pub(crate) fn is_dry(&self) -> bool {
+        matches!(self.storage, Storage::Dry { .. })
+    }
+
     pub(crate) fn owned_f32(name: String, rows: usize, cols: usize, data: &[f32]) -> Linear {
         assert_eq!(data.len(), rows * cols);
         let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -99,6 +112,10 @@ impl Linear {
         };
         if !(self.rows > 0 && self.rows.is_multiple_of(8) && isa.runs_interleaved(to) && to.row_bytes(self.cols).is_ok()) {
             return None;
+        }
+        if self.is_dry() {
+            // Sized from headers: the layout it would take if its scales fit.
+            return Some(to);
         }
         let data = self.weights(ckpt).data;
         let fits = match self.format {
@@ -153,6 +170,7 @@ impl Linear {
         let storage = match &self.storage {
             Storage::Mapped { file, range: r } => Storage::Mapped { file: *file, range: sub(r) },
             Storage::Owned(v, r) => Storage::Owned(Arc::clone(v), sub(r)),
+            Storage::Dry { in_arena } => Storage::Dry { in_arena: *in_arena },
         };
         Linear { name, format: self.format, rows: range.len(), cols: self.cols, storage, bias: None }
     }

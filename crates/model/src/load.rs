@@ -33,6 +33,11 @@ pub(crate) struct Loader<'a> {
     pub(crate) record: Option<std::cell::RefCell<Vec<RecordedTensor>>>,
     /// Prefix of every tensor name ([`crate::config::ModelConfig::weight_prefix`]).
     pub(crate) prefix: &'a str,
+    /// Size everything from the tensor headers, read nothing (`Model::footprint`):
+    /// matrices come back [`Storage::Dry`], vectors as zeros; every check still runs.
+    pub(crate) dry: bool,
+    /// Bytes of the f32 vectors (norms, biases, KDA's taps and decays) read so far.
+    pub(crate) floats_held: std::cell::Cell<usize>,
 }
 
 /// DeepSeek's FP8 block-scale grid (spec §2.5).
@@ -54,9 +59,11 @@ struct MlxLayout {
 /// one new buffer, on huge pages if `huge`, each at a 64-byte boundary; the copies and
 /// repacks run on every core, in runs of about equal bytes (big models have
 /// thousands of matrices). Returns the buffer, shared by the matrices' storage.
-pub(crate) fn place_in_arena(mut moves: Vec<(&mut Linear, Option<WeightFormat>)>, ckpt: &Checkpoint, huge: bool) -> Option<Arc<WeightBuffer>> {
+/// With `dry`, only sizes it: the matrices are marked placed, nothing is allocated, and
+/// the arena's bytes come back as the buffer's length would be.
+pub(crate) fn place_in_arena(mut moves: Vec<(&mut Linear, Option<WeightFormat>)>, ckpt: &Checkpoint, huge: bool, dry: bool) -> (Option<Arc<WeightBuffer>>, usize) {
     if moves.is_empty() {
-        return None;
+        return (None, 0);
     }
     let mut ranges = Vec::with_capacity(moves.len());
     let mut end = 0usize;
@@ -65,6 +72,13 @@ pub(crate) fn place_in_arena(mut moves: Vec<(&mut Linear, Option<WeightFormat>)>
         // A layout may store more per row than its source (Q4_Kx8's unpacked scales).
         end = start + to.map_or(l.bytes(), |to| l.rows * to.row_bytes(l.cols).expect("whole groups, checked by `interleaved`"));
         ranges.push(start..end);
+    }
+    if dry {
+        for (l, to) in moves {
+            l.format = to.unwrap_or(l.format);
+            l.storage = Storage::Dry { in_arena: true };
+        }
+        return (None, end);
     }
     let mut arena = WeightBuffer::zeroed(end, huge);
     {
@@ -98,7 +112,8 @@ pub(crate) fn place_in_arena(mut moves: Vec<(&mut Linear, Option<WeightFormat>)>
     for ((l, _), r) in moves.iter_mut().zip(ranges) {
         l.placed(&arena, r);
     }
-    Some(arena)
+    let len = arena.len();
+    (Some(arena), len)
 }
 
 /// A repacked FP8 matrix from its E4M3 bytes and f32 block scales.
@@ -216,6 +231,12 @@ impl<'a> Loader<'a> {
         let rb = format.row_bytes(cols).map_err(|e| LoadError::tensor(file, &t.name, e.to_string()))?;
         let (cb0, cb1) = (sel.cols.start / be * bb, sel.cols.end.div_ceil(be) * bb);
         let piece = cb1 - cb0;
+        if self.dry {
+            if src.is_none() {
+                self.bytes_read.set(self.bytes_read.get() + elems.len() * sel.rows.len() * piece);
+            }
+            return Ok(Linear::dry(t.name.clone(), format, elems.len() * sel.rows.len(), sel.cols.len()));
+        }
         let mut data = vec![0u8; elems.len() * sel.rows.len() * piece];
         let mut at = 0;
         let src_bytes: Option<&[u8]> = src.as_ref().map(|full| full.weights(self.c).data);
@@ -373,6 +394,10 @@ impl<'a> Loader<'a> {
             ));
         }
         if t.dtype == crate::checkpoint::TensorDtype::F8E4M3 {
+            if self.dry {
+                self.fp8_scales(t, &format!("{base}.weight_scale_inv"), n * rows, cols)?;
+                return Ok(Linear::dry(t.name.clone(), WeightFormat::Fp8, n * rows, cols));
+            }
             return self.fp8(t, &format!("{base}.weight_scale_inv"), n * rows, cols);
         }
         let format = self.format_of(t)?;
@@ -415,6 +440,9 @@ impl<'a> Loader<'a> {
     fn mlx_quantized(&self, w: &TensorInfo, scales: &TensorInfo, biases: Option<&TensorInfo>, lead: &[usize], rows: usize, cols: usize) -> Result<Linear> {
         let layout = self.mlx_layout(w, scales, biases, lead, rows, cols)?;
         let n: usize = lead.iter().product();
+        if self.dry {
+            return Ok(Linear::dry(w.name.clone(), layout.format, n * rows, cols));
+        }
         self.mlx_repack(w, layout, n * rows, cols, self.c.bytes(w), scales, self.c.bytes(scales), biases.map(|b| self.c.bytes(b)))
     }
 
@@ -493,6 +521,10 @@ impl<'a> Loader<'a> {
     /// tensor, bytes `bytes` of each row: positioned reads of exactly those bytes, counted.
     #[allow(clippy::too_many_arguments)]
     fn read_rows(&self, t: &TensorInfo, n: usize, rows_of: usize, elems: Range<usize>, row_sel: Range<usize>, bytes: Range<usize>) -> Result<Vec<u8>> {
+        if self.dry {
+            self.bytes_read.set(self.bytes_read.get() + elems.len() * row_sel.len() * bytes.len());
+            return Ok(Vec::new());
+        }
         let out = self.gather_rows(t, n, rows_of, elems, row_sel, bytes)?;
         self.bytes_read.set(self.bytes_read.get() + out.len());
         Ok(out)
@@ -542,7 +574,7 @@ impl<'a> Loader<'a> {
             let sb = self.read_rows(s, 1, rows.div_ceil(FP8_BLOCK), 0..1, gr, gc.start * 4..gc.end * 4)?;
             let mut scales = vec![0.0; sb.len() / 4];
             scalar::dequantize_row(WeightFormat::F32, &sb, &mut scales);
-            let l = fp8_linear(&t.name, rc.len(), cc.len(), &w, &scales);
+            let l = if self.dry { Linear::dry(t.name.clone(), WeightFormat::Fp8, rc.len(), cc.len()) } else { fp8_linear(&t.name, rc.len(), cc.len(), &w, &scales) };
             (rc, cc, l)
         } else {
             let scales = self.require(&format!("{base}.scales"))?;
@@ -558,7 +590,8 @@ impl<'a> Loader<'a> {
             let aux = g0 * layout.scale_bytes..g1 * layout.scale_bytes;
             let sb = self.read_rows(scales, n, rows, elems.clone(), sel.rows.clone(), aux.clone())?;
             let bb = biases.map(|b| self.read_rows(b, n, rows, elems.clone(), sel.rows.clone(), aux.clone())).transpose()?;
-            let l = self.mlx_repack(t, layout, elems.len() * sel.rows.len(), cc.len(), &packed, scales, &sb, bb.as_deref())?;
+            let rows = elems.len() * sel.rows.len();
+            let l = if self.dry { Linear::dry(t.name.clone(), layout.format, rows, cc.len()) } else { self.mlx_repack(t, layout, rows, cc.len(), &packed, scales, &sb, bb.as_deref())? };
             (sel.rows.clone(), cc, l)
         };
         let shift = |r: &Range<usize>, by: usize| r.start - by..r.end - by;
@@ -579,7 +612,8 @@ impl<'a> Loader<'a> {
                 rec.push(RecordedTensor { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone(), bytes: self.c.bytes(t).to_vec() });
             }
         }
-        vector(self.c, t, n)
+        self.floats_held.set(self.floats_held.get() + 4 * n);
+        vector(self.c, t, n, self.dry)
     }
 
     /// A small float tensor read whole whatever its rank, when its shape is one of
@@ -598,7 +632,8 @@ impl<'a> Loader<'a> {
                 rec.push(RecordedTensor { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone(), bytes: self.c.bytes(t).to_vec() });
             }
         }
-        floats(self.c, t)
+        self.floats_held.set(self.floats_held.get() + 4 * t.elements());
+        floats(self.c, t, self.dry)
     }
 
     /// [`Self::floats`], also taking a 1-D tensor of at least `n` elements and keeping
@@ -623,16 +658,17 @@ impl<'a> Loader<'a> {
 }
 
 /// A small tensor (norm weight, bias) of `n` elements, read into f32.
-pub(crate) fn vector(c: &Checkpoint, t: &TensorInfo, n: usize) -> Result<Vec<f32>> {
+/// With `dry`, zeros of its size (checked as a float vector, nothing read).
+pub(crate) fn vector(c: &Checkpoint, t: &TensorInfo, n: usize, dry: bool) -> Result<Vec<f32>> {
     let file = c.file_of(t);
     if t.elements() != n || t.shape.len() != 1 {
         return Err(LoadError::tensor(file, &t.name, format!("shape {} does not match the config's [{n}]", shape_str(&t.shape))));
     }
-    floats(c, t)
+    floats(c, t, dry)
 }
 
-/// Every element of a float tensor, checked finite.
-fn floats(c: &Checkpoint, t: &TensorInfo) -> Result<Vec<f32>> {
+/// Every element of a float tensor, checked finite (with `dry`: zeros, nothing read).
+fn floats(c: &Checkpoint, t: &TensorInfo, dry: bool) -> Result<Vec<f32>> {
     let file = c.file_of(t);
     let format = t
         .dtype
@@ -640,6 +676,9 @@ fn floats(c: &Checkpoint, t: &TensorInfo) -> Result<Vec<f32>> {
         .filter(|f| !f.is_quantized())
         .ok_or_else(|| LoadError::tensor(file, &t.name, format!("dtype {:?} is not a float vector type", t.dtype)))?;
     let mut out = vec![0.0; t.elements()];
+    if dry {
+        return Ok(out);
+    }
     scalar::dequantize_row(format, c.bytes(t), &mut out);
     if let Some(i) = out.iter().position(|v| !v.is_finite()) {
         return Err(LoadError::tensor(file, &t.name, format!("element {i} is {} (corrupt file?)", out[i])));

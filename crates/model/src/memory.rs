@@ -161,6 +161,21 @@ pub fn available_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// This process's resident memory (Linux `/proc/self/status`): all, anonymous, file-backed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resident {
+    pub bytes: u64,
+    pub anon_bytes: u64,
+    pub file_bytes: u64,
+}
+
+/// [`Resident`] now; `None` off Linux.
+pub fn resident() -> Option<Resident> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = |key: &str| -> Option<u64> { status.lines().find_map(|l| l.strip_prefix(key))?.trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|k| k * 1024) };
+    Some(Resident { bytes: kib("VmRSS:")?, anon_bytes: kib("RssAnon:")?, file_bytes: kib("RssFile:")? })
+}
+
 /// The page size [`LazyZeroed::populate_new_pages`] assumes (Linux x86-64 and most
 /// arm64; a larger page only makes some calls redundant).
 const PAGE_BYTES: usize = 4096;

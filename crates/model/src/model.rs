@@ -67,6 +67,10 @@ pub struct Model {
     /// The buffer every streamed matrix lives in (see `place_in_arena`); `None` when
     /// nothing moved (no repacking, no huge pages).
     weights_arena: Option<Arc<WeightBuffer>>,
+    /// Its length (also when only sized, see [`Self::footprint`]).
+    arena_bytes: usize,
+    /// Bytes of the f32 vectors read at load.
+    floats_bytes: usize,
 }
 
 impl Model {
@@ -82,22 +86,25 @@ impl Model {
     /// the vocabulary, its experts. A sharded load reads exactly those bytes (see
     /// [`Self::bytes_loaded`]) with positioned reads.
     pub fn load_shard(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<Model> {
-        Self::load_with(ckpt, cfg, spec, false, false).map(|(m, _)| m)
+        Self::load_with(ckpt, cfg, spec, false, false, false).map(|(m, _)| m)
     }
 
     /// Loads this rank's shard and also returns every tensor part it read, to be
     /// written as a standalone checkpoint (`tessera shard`).
     pub fn load_recording(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<(Model, Vec<RecordedTensor>)> {
-        Self::load_with(ckpt, cfg, spec, false, true)
+        Self::load_with(ckpt, cfg, spec, false, true, false)
     }
 
     /// Loads a checkpoint written by `tessera shard` for exactly this rank and placement:
     /// its tensors already have this rank's shapes.
     pub fn load_presliced(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec) -> Result<Model> {
-        Self::load_with(ckpt, cfg, spec, true, false).map(|(m, _)| m)
+        Self::load_with(ckpt, cfg, spec, true, false, false).map(|(m, _)| m)
     }
 
-    fn load_with(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec, presliced: bool, record: bool) -> Result<(Model, Vec<RecordedTensor>)> {
+    pub(crate) fn load_with(ckpt: Arc<Checkpoint>, cfg: ModelConfig, spec: ShardSpec, presliced: bool, record: bool, dry: bool) -> Result<(Model, Vec<RecordedTensor>)> {
+        if !dry && !ckpt.has_bytes() {
+            return Err(LoadError::format(&ckpt.path, "this checkpoint was computed from a config (headers only): it can be sized (`tessera plan`), not loaded"));
+        }
         let bad = |why: String| LoadError::format(&ckpt.path, format!("placement does not fit this model: {why}"));
         if spec.layers_total != cfg.layers || spec.layers.end > cfg.layers || spec.layers.is_empty() {
             return Err(bad(format!("stage layers {:?} of a {}-layer model", spec.layers, cfg.layers)));
@@ -122,6 +129,8 @@ impl Model {
             presliced,
             record: record.then(|| std::cell::RefCell::new(Vec::new())),
             prefix: &cfg.weight_prefix,
+            dry,
+            floats_held: std::cell::Cell::new(0),
         };
         let (h, v) = (cfg.hidden, cfg.vocab);
         let (tp, tpr) = (spec.tp_size, spec.tp_rank);
@@ -177,7 +186,7 @@ impl Model {
         let mut inv_freq = cfg.rope.inv_freq();
         // llama.cpp stores llama3 scaling as per-frequency divisors.
         if let Some(t) = ld.find("rope_freqs.weight") {
-            let div = vector(&ckpt, t, inv_freq.len())?;
+            let div = vector(&ckpt, t, inv_freq.len(), dry)?;
             for (f, d) in inv_freq.iter_mut().zip(div) {
                 *f /= d;
             }
@@ -213,10 +222,14 @@ impl Model {
                 (to.is_some() || (huge && l.bytes() > 0)).then_some((l, to))
             })
             .collect();
-        let weights_arena = place_in_arena(moves, &ckpt, huge);
+        let (weights_arena, arena_bytes) = place_in_arena(moves, &ckpt, huge, dry);
+        if !dry {
+            ckpt.release_pages();
+        }
         let bytes_loaded = ld.bytes_read.get();
+        let floats_bytes = ld.floats_held.get();
         let recorded = ld.record.map(|r| r.into_inner()).unwrap_or_default();
-        Ok((Model { norm, output_res, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa, bytes_loaded, weights_arena, ckpt }, recorded))
+        Ok((Model { norm, output_res, cfg, spec, embed, head, tied, vocab, layers, inv_freq, isa, bytes_loaded, weights_arena, arena_bytes, floats_bytes, ckpt }, recorded))
     }
 
     /// Bytes this shard read from the checkpoint files while loading (0 for a whole
@@ -228,6 +241,38 @@ impl Model {
     /// (bytes, bytes on huge pages) of the buffer the streamed matrices live in.
     pub fn weights_arena_bytes(&self) -> (usize, usize) {
         self.weights_arena.as_ref().map_or((0, 0), |a| (a.len(), a.huge_page_bytes()))
+    }
+
+    /// Bytes this shard holds once loaded: the weight arena, every matrix outside it
+    /// (buffers built at load, each once; views of the memory map, which the pages it
+    /// reads occupy, but for an embedding read by rows), and the f32 vectors. The same sum for a model sized from headers.
+    pub fn weights_held_bytes(&self) -> usize {
+        let mut buffers: Vec<*const WeightBuffer> = Vec::new();
+        let mut held = self.arena_bytes + self.floats_bytes;
+        // A head tied to the embedding is the embedding's matrix unless it was placed
+        // (then the arena holds it): `linears` lists it once.
+        for l in self.linears() {
+            // A whole model's embedding is read by rows from the page cache: resident only
+            // as rows are touched, and reclaimable.
+            if self.embed.as_ref().is_some_and(|e| std::ptr::eq(e, l) && matches!(e.storage, crate::linear::Storage::Mapped { .. })) {
+                continue;
+            }
+            held += match &l.storage {
+                crate::linear::Storage::Owned(buf, _) if self.weights_arena.as_ref().is_some_and(|a| Arc::ptr_eq(a, buf)) => 0,
+                crate::linear::Storage::Owned(buf, _) => {
+                    let p = Arc::as_ptr(buf);
+                    if buffers.contains(&p) {
+                        0
+                    } else {
+                        buffers.push(p);
+                        buf.len()
+                    }
+                }
+                crate::linear::Storage::Mapped { range, .. } => range.len(),
+                crate::linear::Storage::Dry { in_arena } => if *in_arena { 0 } else { l.bytes() },
+            };
+        }
+        held
     }
 
     pub fn checkpoint(&self) -> &Checkpoint {
@@ -264,7 +309,7 @@ impl Model {
     /// Every matrix one decoded token reads, with the fraction of it read: attention,
     /// dense MLPs, routers, `top_k` of the experts per MoE layer (on average; this rank
     /// holds `gate.len()` of them), shared experts, the head, and one embedding row.
-    fn each_per_token_linear(&self, mut f: impl FnMut(&Linear, f64)) {
+    pub(crate) fn each_per_token_linear(&self, mut f: impl FnMut(&Linear, f64)) {
         for l in &self.layers {
             for m in l.attn.linears() {
                 f(m, 1.0);
@@ -306,6 +351,15 @@ impl Model {
             f32 += (b as f64 * frac) as usize;
         });
         (int8, f32)
+    }
+
+    /// Bytes of every routed expert this shard holds, its MoE layers together.
+    pub(crate) fn routed_expert_bytes(&self) -> usize {
+        let routed = |l: &Layer| match &l.ffn {
+            Ffn::Moe(m) => m.gate.iter().chain(&m.up).chain(&m.down).map(|x| x.bytes()).sum(),
+            Ffn::Dense(_) => 0,
+        };
+        self.layers.iter().map(routed).sum()
     }
 
     /// Bytes of weights read to decode one token (see [`Self::per_token_reads`]).

@@ -221,6 +221,28 @@ impl Run<'_> {
 }
 
 impl Workspace {
+    /// Bytes its buffers take (what `tessera plan` counts as a rank's workspace).
+    pub fn bytes(&self) -> usize {
+        fn b<T>(v: &[T]) -> usize {
+            std::mem::size_of_val(v)
+        }
+        let f32s = [
+            &self.x, &self.xn, &self.q, &self.k, &self.v, &self.attn, &self.proj, &self.gate, &self.up, &self.cos, &self.sin, &self.scores, &self.head_in,
+            &self.head_out, &self.q_lat, &self.out_lat, &self.attn_gate, &self.router_logits, &self.route_weights, &self.moe_in, &self.moe_out,
+            &self.moe_latent, &self.attn_part, &self.attn_stats, &self.moe_gate, &self.moe_up, &self.moe_proj, &self.res_sums, &self.res_inv_rms,
+            &self.res_mix, &self.kda_low, &self.kda_decay, &self.kda_gate, &self.kda_beta, &self.kda_scratch, &self.logits_local, &self.logits_part,
+            &self.logits_gather,
+        ];
+        f32s.iter().map(|v| b(v)).sum::<usize>()
+            + self.mm.bytes()
+            + b(&self.route_ids)
+            + b(&self.expert_count)
+            + b(&self.expert_slots)
+            + b(&self.tok_chunk)
+            + b(&self.tok_pos)
+            + b(&self.chunk_start)
+    }
+
     /// Starts collecting a [`Profile`] of every following step (replacing any).
     pub fn start_profile(&mut self) {
         self.profile = Some(Profile::default());

@@ -64,8 +64,14 @@ impl Mla {
             (per_head("embed_q.weight", r, m.nope_dim)?, per_head("unembed_out.weight", m.v_dim, r)?)
         } else {
             let per = m.nope_dim + m.v_dim;
-            let kv_b = ld.dense_f32(&p("kv_b_proj.weight"), nh * per, r)?;
             let mine = heads.len();
+            if ld.dry {
+                ld.linear(&p("kv_b_proj.weight"), nh * per, r, false)?;
+                let name = ld.stored(&p("kv_b_proj.weight"));
+                let f32 = tessera_kernels::WeightFormat::F32;
+                (Linear::dry(format!("{name} (W_UKᵀ per head)"), f32, mine * r, m.nope_dim), Linear::dry(format!("{name} (W_UV per head)"), f32, mine * m.v_dim, r))
+            } else {
+            let kv_b = ld.dense_f32(&p("kv_b_proj.weight"), nh * per, r)?;
             let mut eq = vec![0.0; mine * r * m.nope_dim];
             let mut uo = vec![0.0; mine * m.v_dim * r];
             for (local, head) in heads.clone().enumerate() {
@@ -83,6 +89,7 @@ impl Mla {
                 Linear::owned_f32(format!("{name} (W_UKᵀ per head)"), mine * r, m.nope_dim, &eq),
                 Linear::owned_f32(format!("{name} (W_UV per head)"), mine * m.v_dim, r, &uo),
             )
+            }
         };
         let mut o = ld.part(&p("o_proj.weight"), None, h, nh * m.v_dim, &Sel::rows(o_rows.clone(), nh * m.v_dim))?;
         if cfg.o_bias {

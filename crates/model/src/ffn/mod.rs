@@ -24,6 +24,9 @@ impl Ffn {
             Ffn::Dense(m) => vec![&m.gate, &m.up, &m.down],
             Ffn::Moe(m) => {
                 let mut out = vec![&m.router];
+                if let Some(l) = &m.latent {
+                    out.extend([&l.down, &l.up]);
+                }
                 out.extend(m.gate.iter().chain(&m.up).chain(&m.down));
                 if let Some(s) = &m.shared {
                     out.extend([&s.gate, &s.up, &s.down]);
@@ -40,6 +43,9 @@ impl Ffn {
             Ffn::Dense(m) => [&m.gate, &m.up, &m.down].into_iter().for_each(|x| f(x, 1.0)),
             Ffn::Moe(m) => {
                 f(&m.router, 1.0);
+                if let Some(l) = &m.latent {
+                    [&l.down, &l.up].into_iter().for_each(|x| f(x, 1.0));
+                }
                 let k = cfg.moe.as_ref().map_or(0.0, |c| c.top_k as f64 / c.experts as f64);
                 m.gate.iter().chain(&m.up).chain(&m.down).for_each(|x| f(x, k));
                 if let Some(s) = &m.shared {
@@ -55,6 +61,9 @@ impl Ffn {
             Ffn::Dense(m) => vec![&mut m.gate, &mut m.up, &mut m.down],
             Ffn::Moe(m) => {
                 let mut out = vec![&mut m.router];
+                if let Some(l) = &mut m.latent {
+                    out.extend([&mut l.down, &mut l.up]);
+                }
                 if let Some(sh) = &mut m.shared {
                     out.extend([&mut sh.gate, &mut sh.up, &mut sh.down]);
                 }

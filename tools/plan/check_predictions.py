@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""`tessera plan`'s predictions against `tessera bench` measured in the same run.
+
+Measures this machine as a cluster (`doctor --local 2 --json`, each rank a node of one
+thread), plans each model on it, then benchmarks single, TP2, PP2 (and EP2 for MoE
+models) with one thread per rank, and prints predicted beside measured: batch-1 decode
+tok/s and each rank's resident memory (rank 0 from bench's JSON, less its bandwidth
+buffer; the other ranks print theirs at exit). The README's table is this output.
+
+    python3 tools/plan/check_predictions.py [--tessera target/release/tessera] MODEL...
+"""
+import argparse, json, os, re, subprocess, sys, tempfile
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--tessera", default="target/release/tessera")
+ap.add_argument("--repeat", type=int, default=3)
+ap.add_argument("--tg", type=int, default=64)
+ap.add_argument("models", nargs="+")
+a = ap.parse_args()
+t = a.tessera
+tmp = tempfile.mkdtemp(prefix="tessera-plan-check-")
+cluster = os.path.join(tmp, "cluster.json")
+with open(cluster, "w") as f:
+    subprocess.run([t, "doctor", "--local", "2", "--json"], stdout=f, check=True)
+
+PROMPT = 512
+DECODE_PROMPT = 16
+
+def bench(model, name):
+    out = os.path.join(tmp, f"{os.path.basename(model)}.{name}.json")
+    args = ["bench", "--model", model, "--threads", "1", "--pp", str(PROMPT), "--prefill-chunk", str(PROMPT), "--tg", str(a.tg),
+            "--batch", "1", "--repeat", str(a.repeat), "--decode-prompt", str(DECODE_PROMPT), "--json", out]
+    flags = {"single": [], "tp2": ["--tp", "2"], "pp2": ["--pipeline", "2"], "ep2": ["--ep", "2"]}[name]
+    cmd = [t] + args + flags if name == "single" else [t, "launch", "-n", "2", "--"] + args + flags
+    p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=True)
+    d = json.load(open(out))
+    rss = {0: d["resident"]["model_bytes"]}
+    for m in re.finditer(r"rank (\d+): resident (\d+) bytes", p.stderr):
+        rss[int(m.group(1))] = int(m.group(2))
+    return d["decode"]["tok_per_sec"]["median"], d["prompt"][0]["tok_per_sec"]["median"], rss
+
+rows = []
+for model in a.models:
+    ctx = PROMPT + 1  # what bench's caches hold
+    plan = json.loads(subprocess.run([t, "plan", "--model", model, "--cluster", cluster, "--ctx", str(ctx), "--decode-at", str(DECODE_PROMPT + a.tg // 2),
+                                      "--prompt-tokens", str(PROMPT), "--prefill-chunk", str(PROMPT), "--json"], capture_output=True, text=True, check=True).stdout)
+    by = {p["name"]: p for p in plan["placements"]}
+    names = ["single", "tp2", "pp2"] + (["ep2"] if "ep2" in by else [])
+    for name in names:
+        p = by[name]
+        dec, pre, rss = bench(model, name)
+        mem = [(n["memory_bytes"], rss.get(n["rank"])) for n in p["nodes"]]
+        rows.append((os.path.basename(model), name, p["decode_tok_s"], dec, p["prefill_tok_s"], pre, p["bottleneck"], mem))
+
+def ratio(pred, meas):
+    return f"{pred / meas:.2f}" if meas else "-"
+
+print("| model | placement | decode predicted | measured | ratio | prefill predicted | measured | bottleneck | memory per rank: predicted / measured MiB (ratio) |")
+print("|---|---|---|---|---|---|---|---|---|")
+worst_dec, worst_mem = 0.0, 0.0
+for m, name, pd, md, pp, mp, b, mem in rows:
+    worst_dec = max(worst_dec, abs(pd / md - 1))
+    cells = []
+    for pred, meas in mem:
+        if meas:
+            worst_mem = max(worst_mem, abs(pred / meas - 1))
+            cells.append(f"{pred / 2**20:.0f} / {meas / 2**20:.0f} ({pred / meas:.2f})")
+    print(f"| {m} | {name} | {pd:.1f} | {md:.1f} | {ratio(pd, md)} | {pp:.0f} | {mp:.0f} | {b} | {', '.join(cells)} |")
+print(f"\nlargest decode error {worst_dec * 100:.0f} % (target ±25 %), largest memory error {worst_mem * 100:.0f} % (target ±10 %)")
+print(f"cluster file: {cluster}")
