@@ -2,8 +2,9 @@
 """`tessera plan`'s predictions against `tessera bench` measured in the same run.
 
 Measures this machine as a cluster (`doctor --local 2 --json`, each rank a node of one
-thread), plans each model on it, then benchmarks single, TP2, PP2 (and EP2 for MoE
-models) with one thread per rank, and prints predicted beside measured: batch-1 decode
+thread) before and after the benchmarks (the cluster file is their mean: a shared host's
+rates drift), benchmarks single, TP2, PP2 (and EP2 for MoE models) with one thread per
+rank, plans each model on the cluster, and prints predicted beside measured: batch-1 decode
 tok/s and each rank's resident memory (rank 0 from bench's JSON, less its bandwidth
 buffer; the other ranks print theirs at exit). The README's table is this output.
 
@@ -20,8 +21,20 @@ a = ap.parse_args()
 t = a.tessera
 tmp = tempfile.mkdtemp(prefix="tessera-plan-check-")
 cluster = os.path.join(tmp, "cluster.json")
-with open(cluster, "w") as f:
-    subprocess.run([t, "doctor", "--local", "2", "--json"], stdout=f, check=True)
+
+def doctor():
+    return json.loads(subprocess.run([t, "doctor", "--local", "2", "--json"], capture_output=True, text=True, check=True).stdout)
+
+def mean(a, b):
+    if isinstance(a, dict):
+        return {k: mean(a[k], b[k]) for k in a}
+    if isinstance(a, list):
+        return [mean(x, y) for x, y in zip(a, b)]
+    if isinstance(a, float):
+        return (a + b) / 2
+    return a
+
+before = doctor()
 
 PROMPT = 512
 DECODE_PROMPT = 16
@@ -39,6 +52,17 @@ def bench(model, name):
         rss[int(m.group(1))] = int(m.group(2))
     return d["decode"]["tok_per_sec"]["median"], d["prompt"][0]["tok_per_sec"]["median"], rss
 
+measured = {}
+for model in a.models:
+    for name in ["single", "tp2", "pp2", "ep2"]:
+        try:
+            measured[(model, name)] = bench(model, name)
+        except subprocess.CalledProcessError as e:
+            if name != "ep2":
+                raise
+with open(cluster, "w") as f:
+    json.dump(mean(before, doctor()), f)
+
 rows = []
 for model in a.models:
     ctx = PROMPT + 1  # what bench's caches hold
@@ -48,7 +72,7 @@ for model in a.models:
     names = ["single", "tp2", "pp2"] + (["ep2"] if "ep2" in by else [])
     for name in names:
         p = by[name]
-        dec, pre, rss = bench(model, name)
+        dec, pre, rss = measured[(model, name)]
         mem = [(n["memory_bytes"], rss.get(n["rank"])) for n in p["nodes"]]
         rows.append((os.path.basename(model), name, p["decode_tok_s"], dec, p["prefill_tok_s"], pre, p["bottleneck"], mem))
 

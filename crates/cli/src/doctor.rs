@@ -96,7 +96,7 @@ const NODE_PROBE_PASSES: usize = 5;
 /// Bytes of the decode-kernel probes' matrices (past a 480 MiB last-level cache).
 const KERNEL_PROBE_BYTES: usize = 768 << 20;
 /// Facts per node in the exchange.
-const NODE_FACTS: usize = 7;
+const NODE_FACTS: usize = 8;
 
 /// One node's facts for the cluster file: free memory (MiB), read bandwidth past the caches
 /// (GB/s), int8 and f32 multiply-add ceilings (GMAC/s), cores, and the rates one-token
@@ -112,7 +112,7 @@ fn measure_node(threads: usize) -> [f32; NODE_FACTS] {
     let free_mib = tessera_model::memory::available_bytes().map_or(0.0, |b| (b >> 20) as f32);
     let kernel = |f| tessera_engine::bench::decode_kernel_gb_s(&pool, isa, f, KERNEL_PROBE_BYTES, NODE_PROBE_PASSES) as f32;
     let (q4_0, bf16) = (kernel(tessera_kernels::WeightFormat::Q4_0), kernel(tessera_kernels::WeightFormat::Bf16));
-    [free_mib, bw.best_gb_s as f32, int8 as f32, f32 as f32, threads as f32, q4_0, bf16]
+    [free_mib, bw.best_gb_s as f32, int8 as f32, f32 as f32, threads as f32, q4_0, bf16, 0.0]
 }
 
 /// Bytes of a host name in the nodes' exchange (longer ones are cut).
@@ -143,6 +143,12 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
         }
         everyone.barrier("doctor node probes")?;
     }
+    // Then all at once: what each gets while every rank streams (ranks sharing a host
+    // share its memory; tensor- and expert-parallel ranks stream together).
+    everyone.barrier("doctor shared probe")?;
+    let pool = tessera_kernels::ThreadPool::new(threads);
+    mine[NODE_FACTS - 1] = tessera_engine::bench::read_bandwidth_fresh(&pool, NODE_PROBE_FLOATS).best_gb_s as f32;
+    drop(pool);
     let mut all = vec![0.0f32; NODE_FACTS * n];
     everyone.all_gather(&mine, &mut all, "doctor nodes")?;
     let mut names = vec![0u8; HOSTNAME_BYTES * n];
@@ -169,6 +175,7 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
                         "cores": f[4] as u64,
                         "decode_int8_gb_s": f[5],
                         "decode_f32_gb_s": f[6],
+                        "read_gb_s_shared": f[7],
                     })
                 })
                 .collect();
@@ -183,10 +190,11 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
             println!("nodes (free memory, read bandwidth past the caches, int8 / f32 multiply-add ceilings, cores of each rank's share):");
             for (rank, f) in all.chunks_exact(NODE_FACTS).enumerate() {
                 println!(
-                    "  rank {rank} ({}): {:.1} GiB free, {:.1} GB/s, {:.0} / {:.0} GMAC/s, {} cores; decode kernels stream Q4_0 at {:.1} GB/s, BF16 at {:.1}",
+                    "  rank {rank} ({}): {:.1} GiB free, {:.1} GB/s ({:.1} while every rank reads), {:.0} / {:.0} GMAC/s, {} cores; decode kernels stream Q4_0 at {:.1} GB/s, BF16 at {:.1}",
                     name(rank),
                     f[0] / 1024.0,
                     f[1],
+                    f[7],
                     f[2],
                     f[3],
                     f[4] as u64,

@@ -10,6 +10,7 @@ mod npy;
 mod plan;
 mod serve;
 mod shard;
+mod share;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -86,6 +87,9 @@ enum Command {
         #[arg(last = true, required = true)]
         args: Vec<String>,
     },
+    /// Under `launch`: give every rank the bytes its placement reads (or `--full` the
+    /// whole model) from the rank that holds it, chunk by checked chunk, resumable.
+    Share(share::ShareArgs),
     /// Start or join a cluster; print link latency/bandwidth and all_reduce latency.
     Doctor(doctor::DoctorArgs),
     /// Which placements of a model fit a cluster: each node's memory, the largest context,
@@ -216,6 +220,7 @@ fn main() {
         Command::Doctor(a) => doctor::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Plan(a) => plan::run(a),
+        Command::Share(a) => share::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Tokenize { model, text, chat } => tokenize(&model, &text, chat),
     };

@@ -668,21 +668,24 @@ pub fn read_bandwidth(pool: &ThreadPool, buf: &[f32], passes: usize) -> Bandwidt
     Bandwidth { buffer_bytes: std::mem::size_of_val(buf), passes, best_gb_s: s.max, median_gb_s: s.median }
 }
 
-/// Columns of [`decode_kernel_gb_s`]'s matrix (a typical hidden width).
-const KERNEL_PROBE_COLS: usize = 4096;
+/// Shape of each of [`decode_kernel_gb_s`]'s matrices (a small model's projection: a
+/// decode step multiplies many such matrices one after another).
+const KERNEL_PROBE_ROWS: usize = 2048;
+const KERNEL_PROBE_COLS: usize = 2048;
 
-/// Bytes per second one-token products of `format` stream through the kernels, over a
-/// matrix of about `bytes` (past the caches) in the layout the loader gives that format
-/// on `isa`, on every thread of `pool`: best of `passes`. The decode rate a node's
-/// weights can reach (`doctor` measures it for `plan`), which the plain read probe
-/// overstates by the kernels' unpacking and arithmetic. Only GGUF Q4_0/Q8_0 and
-/// BF16/F16 (the int8- and f32-activation families) are probed.
+/// Bytes per second one-token products of `format` stream through the kernels, over
+/// matrices of [`KERNEL_PROBE_ROWS`] × [`KERNEL_PROBE_COLS`], about `bytes` of them
+/// (past the caches), multiplied one after another in the layout the loader gives that
+/// format on `isa`, on every thread of `pool`: best of `passes`. The decode rate a
+/// node's weights can reach (`doctor` measures it for `plan`), which the plain read
+/// probe overstates by the kernels' unpacking, arithmetic and start-up per matrix. Only
+/// GGUF Q4_0/Q8_0 and BF16/F16 (the int8- and f32-activation families) are probed.
 pub fn decode_kernel_gb_s(pool: &ThreadPool, isa: Isa, format: tessera_kernels::WeightFormat, bytes: usize, passes: usize) -> f64 {
     use tessera_kernels::{matmul, repack_interleaved_into, interleaved_bytes, MatmulScratch, WeightFormat as W, WeightRows};
     assert!(passes > 0 && matches!(format, W::Q4_0 | W::Q8_0 | W::Bf16 | W::F16), "probed formats only");
-    let cols = KERNEL_PROBE_COLS;
+    let (rows, cols) = (KERNEL_PROBE_ROWS, KERNEL_PROBE_COLS);
     let row_bytes = format.row_bytes(cols).expect("whole blocks");
-    let rows = (bytes / row_bytes).next_multiple_of(8).max(8);
+    let matrices = (bytes / (rows * row_bytes)).max(1);
     // Any finite weights: scales 0.01 (f16 0x211F), quants a fixed pattern; floats 0.01.
     let mut src = vec![0u8; rows * row_bytes];
     match format {
@@ -698,20 +701,24 @@ pub fn decode_kernel_gb_s(pool: &ThreadPool, isa: Isa, format: tessera_kernels::
         }
     }
     let layout = format.interleaved().filter(|&to| isa.runs_interleaved(to)).unwrap_or(format);
-    let mut mem = WeightBuffer::zeroed(if layout == format { src.len() } else { interleaved_bytes(format, rows, cols) }, huge_pages_wanted());
-    if layout == format {
-        mem.copy_from_slice(&src);
-    } else {
-        repack_interleaved_into(format, rows, cols, &src, &mut mem);
+    let one = if layout == format { src.len() } else { interleaved_bytes(format, rows, cols) };
+    let mut mem = WeightBuffer::zeroed(one * matrices, huge_pages_wanted());
+    for m in mem.chunks_exact_mut(one) {
+        if layout == format {
+            m.copy_from_slice(&src);
+        } else {
+            repack_interleaved_into(format, rows, cols, &src, m);
+        }
     }
     drop(src);
-    let w = WeightRows::new(layout, rows, cols, &mem).expect("a whole matrix");
     let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.1).collect();
     let mut y = vec![0.0f32; rows];
     let mut mm = MatmulScratch::new(1, cols);
     let mut pass = || {
         let start = Instant::now();
-        matmul(pool, isa, w, &x, 1, &mut y, &mut mm);
+        for m in mem.chunks_exact(one) {
+            matmul(pool, isa, WeightRows::new(layout, rows, cols, m).expect("a whole matrix"), &x, 1, &mut y, &mut mm);
+        }
         mem.len() as f64 / start.elapsed().as_secs_f64() / 1e9
     };
     pass();

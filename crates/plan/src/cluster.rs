@@ -28,11 +28,22 @@ pub struct Node {
     pub decode_int8_gb_s: Option<f64>,
     #[serde(default)]
     pub decode_f32_gb_s: Option<f64>,
+    /// The machine it runs on: nodes of one host share its memory bandwidth.
+    #[serde(default)]
+    pub host: Option<String>,
+    /// Its read rate while every node reads at once (GB/s). Absent: `read_gb_s`.
+    #[serde(default)]
+    pub read_gb_s_shared: Option<f64>,
 }
 
 impl Node {
     /// The rate weights of a format with (`int8`) or without 8-bit activations stream at,
     /// and where that number comes from.
+    /// What its rates keep while every node of its host streams at once.
+    pub fn shared_factor(&self) -> f64 {
+        self.read_gb_s_shared.filter(|v| v.is_finite() && *v > 0.0).map_or(1.0, |s| (s / self.read_gb_s).min(1.0))
+    }
+
     pub fn weights_gb_s(&self, int8: bool) -> (f64, &'static str) {
         let probe = if int8 { self.decode_int8_gb_s } else { self.decode_f32_gb_s };
         match probe.filter(|v| v.is_finite() && *v > 0.0) {

@@ -229,7 +229,7 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
     let m = speed::Model { cfg, cluster, placement: p, ranks: &ranks, kv: opts.kv };
     let link = |e: String| refusal("link", None, e);
     let at = opts.decode_at as f64;
-    let (step, _) = m.step(1, at, true).map_err(link)?;
+    let (step, _) = m.step(1, at, true, false).map_err(link)?;
     let (batch, bottleneck_batch) = m.decode_tok_s(opts.sequences, at).map_err(link)?;
     let prefill = m.prefill_tok_s(opts.prompt_tokens, opts.prefill_chunk).map_err(link)?;
     Ok(PlacementPlan {

@@ -64,6 +64,57 @@ fn attention_macs_per_position(cfg: &ModelConfig, tp: usize) -> f64 {
     }
 }
 
+/// Samples of [`busiest_share`]'s estimate (fixed seed: the same plan every run).
+const ROUTING_SAMPLES: usize = 4000;
+
+/// Under expert parallelism over `ranks` (whole experts, split evenly), the expected
+/// fraction of its experts the busiest rank runs in a step of `tokens` tokens, each
+/// choosing `top_k` of `experts` uniformly (the random-token benchmark; trained routers
+/// are more skewed): the rank every MoE layer waits for.
+pub fn busiest_share(experts: usize, top_k: usize, ranks: usize, tokens: usize) -> f64 {
+    if experts == 0 || ranks == 0 {
+        return 0.0;
+    }
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut owner = vec![0usize; experts];
+    for r in 0..ranks {
+        owner[tessera_model::shard::split(experts, r, ranks)].iter_mut().for_each(|o| *o = r);
+    }
+    let held = experts as f64 / ranks as f64;
+    let mut touched = vec![false; experts];
+    let mut total = 0.0;
+    let samples = if tokens > 256 { ROUTING_SAMPLES / 16 } else { ROUTING_SAMPLES };
+    for _ in 0..samples {
+        touched.iter_mut().for_each(|t| *t = false);
+        for _ in 0..tokens.min(4096) {
+            let mut chosen = 0;
+            let mut picks = [usize::MAX; 64];
+            while chosen < top_k.min(experts).min(64) {
+                let e = (next() % experts as u64) as usize;
+                if !picks[..chosen].contains(&e) {
+                    picks[chosen] = e;
+                    chosen += 1;
+                    touched[e] = true;
+                }
+            }
+        }
+        let mut per = vec![0usize; ranks];
+        for (e, &t) in touched.iter().enumerate() {
+            if t {
+                per[owner[e]] += 1;
+            }
+        }
+        total += *per.iter().max().unwrap_or(&0) as f64 / held;
+    }
+    (total / samples as f64).min(1.0)
+}
+
 impl Model<'_> {
     fn gb(x: f64) -> String {
         format!("{:.3} GB", x / 1e9)
@@ -85,12 +136,22 @@ impl Model<'_> {
     /// Rank `r`'s own work for a step of `tokens` tokens (`seqs` sequences at about `ctx`
     /// positions each): (memory seconds, compute seconds, bytes, MACs). Weights stream at
     /// the node's decode-kernel rate for their format family; caches at its read rate.
-    fn rank_work(&self, r: usize, tokens: usize, ctx: f64) -> (f64, f64, f64, f64) {
+    /// `together`: the ranks running at the same time as this one; where some share its
+    /// host, its memory rates are those measured while every node of the host streams.
+    fn rank_work(&self, r: usize, tokens: usize, ctx: f64, together: &[usize]) -> (f64, f64, f64, f64) {
         let f = &self.ranks[r];
         let node = &self.cluster.nodes[r];
+        let nodes = &self.cluster.nodes;
+        let shares = node.host.is_some() && together.iter().any(|&o| o != r && nodes[o].host == node.host);
+        let share = if shares { node.shared_factor() } else { 1.0 };
         let moe = self.cfg.moe.as_ref();
         let k = moe.map_or(0.0, |m| m.top_k as f64 / m.experts as f64);
-        let touched = 1.0 - (1.0 - k).powi(tokens.min(1 << 20) as i32);
+        // Width-split experts are touched alike on every rank; whole experts on some
+        // more than others, and every MoE layer waits for the busiest rank.
+        let touched = match moe {
+            Some(m) if self.placement.ep > 1 => busiest_share(m.experts, m.top_k, self.placement.stage_size(), tokens),
+            _ => 1.0 - (1.0 - k).powi(tokens.min(1 << 20) as i32),
+        };
         let weights = (f.bytes_per_token - f.routed_bytes_per_token) as f64 + f.routed_expert_bytes as f64 * touched;
         let layers = f.layers.len() as f64;
         let kv_layers = f.layers.clone().filter(|&l| !self.cfg.is_kda(l)).count() as f64;
@@ -99,7 +160,7 @@ impl Model<'_> {
         let int8 = if f.bytes_per_token > 0 { f.int8_bytes_per_token as f64 / f.bytes_per_token as f64 } else { 0.0 };
         let (q_rate, _) = node.weights_gb_s(true);
         let (f_rate, _) = node.weights_gb_s(false);
-        let memory = weights * int8 / (q_rate * 1e9) + weights * (1.0 - int8) / (f_rate * 1e9) + cache / (node.read_gb_s * 1e9);
+        let memory = (weights * int8 / (q_rate * 1e9) + weights * (1.0 - int8) / (f_rate * 1e9) + cache / (node.read_gb_s * 1e9)) / share;
         let tp = self.placement.tp;
         let attn_macs = tokens as f64 * ctx * kv_layers * attention_macs_per_position(self.cfg, tp);
         let kda_macs = self.cfg.kda.as_ref().map_or(0.0, |kd| {
@@ -113,7 +174,8 @@ impl Model<'_> {
 
     /// One step of `tokens` tokens over the whole placement, stages in turn (the latency
     /// of one step; pipelining is [`Self::throughput`]'s).
-    pub fn step(&self, tokens: usize, ctx: f64, with_terms: bool) -> Result<(Step, Vec<f64>), String> {
+    /// `pipelined`: every stage busy at once (micro-batches), not in turn.
+    pub fn step(&self, tokens: usize, ctx: f64, with_terms: bool, pipelined: bool) -> Result<(Step, Vec<f64>), String> {
         let p = self.placement;
         let g = p.stage_size();
         let cfg = self.cfg;
@@ -122,10 +184,12 @@ impl Model<'_> {
         let mut stage_s = Vec::with_capacity(p.pp);
         for stage in 0..p.pp {
             let nodes: Vec<usize> = (stage * g..(stage + 1) * g).collect();
+            let all: Vec<usize> = (0..p.world).collect();
+            let together = if pipelined { &all } else { &nodes };
             // The slowest rank of the stage sets its pace.
             let mut slowest = (0.0f64, 0.0f64, 0.0f64, 0.0f64, nodes[0]);
             for &r in &nodes {
-                let (m, c, bytes, macs) = self.rank_work(r, tokens, ctx);
+                let (m, c, bytes, macs) = self.rank_work(r, tokens, ctx, together);
                 if m.max(c) >= slowest.0.max(slowest.1) {
                     slowest = (m, c, bytes, macs, r);
                 }
@@ -140,7 +204,7 @@ impl Model<'_> {
                     term: if m >= c { "weights and cache read" } else { "multiply-adds" },
                     seconds: m.max(c),
                     source: format!(
-                        "stage {stage}, rank {r} ({}): {} read (weights at {:.1} GB/s {} / {:.1} GB/s {}, caches at {:.1} read_gb_s), {:.2} GMAC at {:.0} (int8) / {:.0} (f32) GMAC/s",
+                        "stage {stage}, rank {r} ({}): {} read (weights at {:.1} GB/s {} / {:.1} GB/s {}, caches at {:.1} read_gb_s{}), {:.2} GMAC at {:.0} (int8) / {:.0} (f32) GMAC/s",
                         node.name,
                         Self::gb(bytes),
                         node.weights_gb_s(true).0,
@@ -148,6 +212,11 @@ impl Model<'_> {
                         node.weights_gb_s(false).0,
                         node.weights_gb_s(false).1,
                         node.read_gb_s,
+                        if together.iter().any(|&o| o != r && node.host.is_some() && self.cluster.nodes[o].host == node.host) {
+                            format!("; × {:.2} while its host's other ranks stream, read_gb_s_shared", node.shared_factor())
+                        } else {
+                            String::new()
+                        },
                         macs / 1e9,
                         node.int8_gmac_s,
                         node.f32_gmac_s
@@ -227,12 +296,12 @@ impl Model<'_> {
     pub fn decode_tok_s(&self, seqs: usize, ctx: f64) -> Result<(f64, &'static str), String> {
         let p = self.placement;
         if p.pp == 1 {
-            let (s, _) = self.step(seqs, ctx, false)?;
+            let (s, _) = self.step(seqs, ctx, false, false)?;
             return Ok((seqs as f64 / s.seconds(), s.bottleneck()));
         }
         let micro = p.pp.min(seqs);
         let per = seqs.div_ceil(micro);
-        let (s, stages) = self.step(per, ctx, false)?;
+        let (s, stages) = self.step(per, ctx, false, micro > 1)?;
         let max = stages.iter().cloned().fold(0.0, f64::max);
         // A round: every micro-batch through every stage; the busiest stage serves all of
         // them, and no round is shorter than one micro-batch's trip.
@@ -250,11 +319,27 @@ impl Model<'_> {
         let mut first = true;
         while done < tokens {
             let c = chunk.min(tokens - done);
-            let (_, stages) = self.step(c, done as f64 + c as f64 / 2.0, false)?;
+            let (_, stages) = self.step(c, done as f64 + c as f64 / 2.0, false, !first && self.placement.pp > 1)?;
             total += if first { stages.iter().sum() } else { stages.iter().cloned().fold(0.0, f64::max) };
             first = false;
             done += c;
         }
         Ok(tokens as f64 / total)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::busiest_share;
+
+    #[test]
+    fn the_busiest_rank_runs_more_than_its_share() {
+        // One rank holds every expert: a token touches top_k of them.
+        assert!((busiest_share(64, 8, 1, 1) - 8.0 / 64.0).abs() < 1e-9);
+        // Two ranks: the busier gets at least half of the 8, 5.1 on average (hypergeometric).
+        let two = busiest_share(64, 8, 2, 1) * 32.0;
+        assert!((5.0..5.3).contains(&two), "{two}");
+        // Many tokens touch nearly every expert on every rank.
+        assert!(busiest_share(64, 8, 2, 512) > 0.99);
     }
 }
