@@ -96,7 +96,7 @@ const NODE_PROBE_PASSES: usize = 5;
 /// Bytes of the decode-kernel probes' matrices (past a 480 MiB last-level cache).
 const KERNEL_PROBE_BYTES: usize = 768 << 20;
 /// Facts per node in the exchange.
-const NODE_FACTS: usize = 8;
+const NODE_FACTS: usize = 10;
 
 /// One node's facts for the cluster file: free memory (MiB), read bandwidth past the caches
 /// (GB/s), int8 and f32 multiply-add ceilings (GMAC/s), cores, and the rates one-token
@@ -108,11 +108,12 @@ fn measure_node(threads: usize) -> [f32; NODE_FACTS] {
     let isa = tessera_kernels::Isa::detect();
     // The same probe as `bench`'s (and memory of the same kind as the weights').
     let bw = tessera_engine::bench::read_bandwidth_fresh(&pool, NODE_PROBE_FLOATS);
-    let [int8, f32] = [tessera_kernels::MacKind::Int8, tessera_kernels::MacKind::F32].map(|k| tessera_engine::bench::mac_peak(&pool, isa, k, NODE_PROBE_PASSES).best_gmac_s);
+    let [int8, f32] = [tessera_kernels::MacKind::Int8, tessera_kernels::MacKind::F32].map(|k| tessera_engine::bench::mac_peak(&pool, isa, k, NODE_PROBE_PASSES).median_gmac_s);
     let free_mib = tessera_model::memory::available_bytes().map_or(0.0, |b| (b >> 20) as f32);
-    let kernel = |f| tessera_engine::bench::decode_kernel_gb_s(&pool, isa, f, KERNEL_PROBE_BYTES, NODE_PROBE_PASSES) as f32;
+    let kernel = |f| tessera_engine::bench::decode_kernel(&pool, isa, f, KERNEL_PROBE_BYTES, NODE_PROBE_PASSES);
     let (q4_0, bf16) = (kernel(tessera_kernels::WeightFormat::Q4_0), kernel(tessera_kernels::WeightFormat::Bf16));
-    [free_mib, bw.best_gb_s as f32, int8 as f32, f32 as f32, threads as f32, q4_0, bf16, 0.0]
+    // Medians: a plan predicts what a typical run sees (bench reports medians).
+    [free_mib, bw.median_gb_s as f32, int8 as f32, f32 as f32, threads as f32, q4_0.gb_s as f32, bf16.gb_s as f32, 0.0, q4_0.matrix_us as f32, bf16.matrix_us as f32]
 }
 
 /// Bytes of a host name in the nodes' exchange (longer ones are cut).
@@ -147,7 +148,7 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
     // share its memory; tensor- and expert-parallel ranks stream together).
     everyone.barrier("doctor shared probe")?;
     let pool = tessera_kernels::ThreadPool::new(threads);
-    mine[NODE_FACTS - 1] = tessera_engine::bench::read_bandwidth_fresh(&pool, NODE_PROBE_FLOATS).best_gb_s as f32;
+    mine[7] = tessera_engine::bench::read_bandwidth_fresh(&pool, NODE_PROBE_FLOATS).median_gb_s as f32;
     drop(pool);
     let mut all = vec![0.0f32; NODE_FACTS * n];
     everyone.all_gather(&mine, &mut all, "doctor nodes")?;
@@ -176,6 +177,8 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
                         "decode_int8_gb_s": f[5],
                         "decode_f32_gb_s": f[6],
                         "read_gb_s_shared": f[7],
+                        "decode_int8_matrix_us": f[8],
+                        "decode_f32_matrix_us": f[9],
                     })
                 })
                 .collect();
@@ -190,7 +193,7 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
             println!("nodes (free memory, read bandwidth past the caches, int8 / f32 multiply-add ceilings, cores of each rank's share):");
             for (rank, f) in all.chunks_exact(NODE_FACTS).enumerate() {
                 println!(
-                    "  rank {rank} ({}): {:.1} GiB free, {:.1} GB/s ({:.1} while every rank reads), {:.0} / {:.0} GMAC/s, {} cores; decode kernels stream Q4_0 at {:.1} GB/s, BF16 at {:.1}",
+                    "  rank {rank} ({}): {:.1} GiB free, {:.1} GB/s ({:.1} while every rank reads), {:.0} / {:.0} GMAC/s, {} cores; decode kernels stream Q4_0 at {:.1} GB/s + {:.1} µs a matrix, BF16 at {:.1} + {:.1} µs",
                     name(rank),
                     f[0] / 1024.0,
                     f[1],
@@ -199,7 +202,9 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
                     f[3],
                     f[4] as u64,
                     f[5],
-                    f[6]
+                    f[8],
+                    f[6],
+                    f[9]
                 );
             }
         }

@@ -668,22 +668,44 @@ pub fn read_bandwidth(pool: &ThreadPool, buf: &[f32], passes: usize) -> Bandwidt
     Bandwidth { buffer_bytes: std::mem::size_of_val(buf), passes, best_gb_s: s.max, median_gb_s: s.median }
 }
 
-/// Shape of each of [`decode_kernel_gb_s`]'s matrices (a small model's projection: a
-/// decode step multiplies many such matrices one after another).
-const KERNEL_PROBE_ROWS: usize = 2048;
-const KERNEL_PROBE_COLS: usize = 2048;
+/// Shapes of [`decode_kernel`]'s two probes: matrices of a mid-sized model's projections,
+/// and small ones (an expert of a many-expert model); a decode step multiplies many such
+/// matrices one after another.
+const KERNEL_PROBE_LARGE: (usize, usize) = (2048, 2048);
+const KERNEL_PROBE_SMALL: (usize, usize) = (256, 1024);
 
-/// Bytes per second one-token products of `format` stream through the kernels, over
-/// matrices of [`KERNEL_PROBE_ROWS`] × [`KERNEL_PROBE_COLS`], about `bytes` of them
-/// (past the caches), multiplied one after another in the layout the loader gives that
-/// format on `isa`, on every thread of `pool`: best of `passes`. The decode rate a
-/// node's weights can reach (`doctor` measures it for `plan`), which the plain read
-/// probe overstates by the kernels' unpacking, arithmetic and start-up per matrix. Only
-/// GGUF Q4_0/Q8_0 and BF16/F16 (the int8- and f32-activation families) are probed.
-pub fn decode_kernel_gb_s(pool: &ThreadPool, isa: Isa, format: tessera_kernels::WeightFormat, bytes: usize, passes: usize) -> f64 {
+/// How fast one-token products of `format` stream through the kernels past the caches:
+/// a rate and a start-up cost per matrix.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeKernel {
+    pub gb_s: f64,
+    pub matrix_us: f64,
+}
+
+/// [`DecodeKernel`] of `format` on `isa`, every thread of `pool`: about `bytes` of large
+/// matrices and as many of small ones, each multiplied one after another in the layout
+/// the loader gives the format (median of `passes` each); the two times per matrix give
+/// the rate (their difference over their bytes' difference) and the start-up. What a
+/// node's weights can reach at decode (`doctor` measures it for `plan`), which the plain
+/// read probe overstates by the kernels' unpacking, arithmetic and start-up per matrix.
+/// Only GGUF Q4_0/Q8_0 and BF16/F16 (the int8- and f32-activation families) are probed.
+pub fn decode_kernel(pool: &ThreadPool, isa: Isa, format: tessera_kernels::WeightFormat, bytes: usize, passes: usize) -> DecodeKernel {
+    let per = |shape| matrix_seconds(pool, isa, format, shape, bytes, passes);
+    let ((large_s, large_b), (small_s, small_b)) = (per(KERNEL_PROBE_LARGE), per(KERNEL_PROBE_SMALL));
+    let (rate, start) = if large_s > small_s && large_b > small_b {
+        let rate = (large_b - small_b) as f64 / (large_s - small_s);
+        (rate, (small_s - small_b as f64 / rate).max(0.0))
+    } else {
+        (large_b as f64 / large_s, 0.0)
+    };
+    DecodeKernel { gb_s: rate / 1e9, matrix_us: start * 1e6 }
+}
+
+/// (median seconds, bytes) of one `shape` matrix in [`decode_kernel`]'s probe.
+fn matrix_seconds(pool: &ThreadPool, isa: Isa, format: tessera_kernels::WeightFormat, shape: (usize, usize), bytes: usize, passes: usize) -> (f64, usize) {
     use tessera_kernels::{matmul, repack_interleaved_into, interleaved_bytes, MatmulScratch, WeightFormat as W, WeightRows};
     assert!(passes > 0 && matches!(format, W::Q4_0 | W::Q8_0 | W::Bf16 | W::F16), "probed formats only");
-    let (rows, cols) = (KERNEL_PROBE_ROWS, KERNEL_PROBE_COLS);
+    let (rows, cols) = shape;
     let row_bytes = format.row_bytes(cols).expect("whole blocks");
     let matrices = (bytes / (rows * row_bytes)).max(1);
     // Any finite weights: scales 0.01 (f16 0x211F), quants a fixed pattern; floats 0.01.
@@ -719,12 +741,12 @@ pub fn decode_kernel_gb_s(pool: &ThreadPool, isa: Isa, format: tessera_kernels::
         for m in mem.chunks_exact(one) {
             matmul(pool, isa, WeightRows::new(layout, rows, cols, m).expect("a whole matrix"), &x, 1, &mut y, &mut mm);
         }
-        mem.len() as f64 / start.elapsed().as_secs_f64() / 1e9
+        start.elapsed().as_secs_f64() / matrices as f64
     };
     pass();
-    let best = (0..passes).map(|_| pass()).fold(0.0, f64::max);
+    let secs: Vec<f64> = (0..passes).map(|_| pass()).collect();
     std::hint::black_box(&y);
-    best
+    (Stat::of(&secs).median, one)
 }
 
 /// [`read_bandwidth`] over a buffer of its own of `floats` (whole chunks), held only while

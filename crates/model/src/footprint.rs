@@ -29,6 +29,10 @@ pub struct Footprint {
     /// blocks; the rest are f32-activation formats: floats, MLX, FP8), which stream
     /// through different kernels at different rates.
     pub int8_bytes_per_token: usize,
+    /// Matrices one decoded token multiplies on average, by family (int8, f32), and of
+    /// them the routed experts' (each kernel call has a start-up cost of its own).
+    pub matrices_per_token: (f64, f64),
+    pub routed_matrices_per_token: f64,
     /// Every routed expert this shard holds, its MoE layers together.
     pub routed_expert_bytes: usize,
     /// Multiply-adds per token: (8-bit activations, f32 activations).
@@ -67,12 +71,16 @@ impl Model {
         let (bytes_per_token, params_active_per_token) = self.per_token_reads();
         let routed_expert_bytes = self.routed_expert_bytes();
         let k = self.cfg.moe.as_ref().map_or(0.0, |m| m.top_k as f64 / m.experts as f64);
-        let mut int8 = 0.0;
+        let (mut int8, mut matrices) = (0.0, (0.0, 0.0));
         self.each_per_token_linear(|l, frac| {
             if l.format.int8_activations() {
                 int8 += l.bytes() as f64 * frac;
+                matrices.0 += frac;
+            } else {
+                matrices.1 += frac;
             }
         });
+        let routed_matrices_per_token = self.routed_expert_count() as f64 * 3.0 * k;
         Footprint {
             layers: self.spec.layers.clone(),
             weights_bytes: self.weights_held_bytes(),
@@ -81,6 +89,8 @@ impl Model {
             routed_bytes_per_token: (routed_expert_bytes as f64 * k) as usize,
             routed_expert_bytes,
             int8_bytes_per_token: int8 as usize,
+            matrices_per_token: matrices,
+            routed_matrices_per_token,
             macs_per_token: self.macs_per_token(),
             params_active_per_token,
             kv_bytes_per_token: [KvDtype::F16, KvDtype::Q8, KvDtype::F32].map(|d| self.kv_bytes_per_token(d)),

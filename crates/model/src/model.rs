@@ -353,6 +353,11 @@ impl Model {
         (int8, f32)
     }
 
+    /// Routed experts this shard holds, its MoE layers together.
+    pub(crate) fn routed_expert_count(&self) -> usize {
+        self.layers.iter().map(|l| if let Ffn::Moe(m) = &l.ffn { m.gate.len() } else { 0 }).sum()
+    }
+
     /// Bytes of every routed expert this shard holds, its MoE layers together.
     pub(crate) fn routed_expert_bytes(&self) -> usize {
         let routed = |l: &Layer| match &l.ffn {

@@ -34,6 +34,11 @@ pub struct Node {
     /// Its read rate while every node reads at once (GB/s). Absent: `read_gb_s`.
     #[serde(default)]
     pub read_gb_s_shared: Option<f64>,
+    /// The decode kernels' start-up per matrix (µs), beside their rates. Absent: 0.
+    #[serde(default)]
+    pub decode_int8_matrix_us: Option<f64>,
+    #[serde(default)]
+    pub decode_f32_matrix_us: Option<f64>,
 }
 
 impl Node {
@@ -42,6 +47,12 @@ impl Node {
     /// What its rates keep while every node of its host streams at once.
     pub fn shared_factor(&self) -> f64 {
         self.read_gb_s_shared.filter(|v| v.is_finite() && *v > 0.0).map_or(1.0, |s| (s / self.read_gb_s).min(1.0))
+    }
+
+    /// Start-up per matrix of the int8 or f32 family (seconds).
+    pub fn matrix_s(&self, int8: bool) -> f64 {
+        let us = if int8 { self.decode_int8_matrix_us } else { self.decode_f32_matrix_us };
+        us.filter(|v| v.is_finite() && *v >= 0.0).unwrap_or(0.0) * 1e-6
     }
 
     pub fn weights_gb_s(&self, int8: bool) -> (f64, &'static str) {

@@ -160,7 +160,14 @@ impl Model<'_> {
         let int8 = if f.bytes_per_token > 0 { f.int8_bytes_per_token as f64 / f.bytes_per_token as f64 } else { 0.0 };
         let (q_rate, _) = node.weights_gb_s(true);
         let (f_rate, _) = node.weights_gb_s(false);
-        let memory = (weights * int8 / (q_rate * 1e9) + weights * (1.0 - int8) / (f_rate * 1e9) + cache / (node.read_gb_s * 1e9)) / share;
+        // Each matrix's kernel call starts up once per step: the dense ones, and the routed
+        // experts the step's tokens touch.
+        let (mi, mf) = f.matrices_per_token;
+        let per_token = mi + mf;
+        let routed_now = if k > 0.0 { f.routed_matrices_per_token / k * touched } else { 0.0 };
+        let scale = if per_token > 0.0 { (per_token - f.routed_matrices_per_token + routed_now) / per_token } else { 0.0 };
+        let startup = scale * (mi * node.matrix_s(true) + mf * node.matrix_s(false));
+        let memory = (weights * int8 / (q_rate * 1e9) + weights * (1.0 - int8) / (f_rate * 1e9) + cache / (node.read_gb_s * 1e9)) / share + startup;
         let tp = self.placement.tp;
         let attn_macs = tokens as f64 * ctx * kv_layers * attention_macs_per_position(self.cfg, tp);
         let kda_macs = self.cfg.kda.as_ref().map_or(0.0, |kd| {
