@@ -129,3 +129,22 @@ fn a_rank_with_the_wrong_secret_is_refused() {
     assert!(!joiner.status.success() && (err.contains("secret") || err.contains("auth")), "{err}");
     assert!(!dir.join("r1").exists(), "nothing written");
 }
+
+#[test]
+fn the_whole_model_goes_down_a_chain() {
+    let model = repo().join("tests/fixtures/qwen3_moe");
+    let dir = scratch("chain");
+    let out = format!("{}/r{{rank}}", dir.display());
+    let args = ["share", "--model", model.to_str().unwrap(), "--out", &out, "--full", "--chunk-mib", "1"];
+    let log = ok(&tessera(3, &args, &[("TESSERA_SHARE_CORRUPT_CHUNK", "0")]), "share --full to 3 ranks");
+    assert!(log.contains("the chunks went down the chain 1 → 2") && log.contains("on to rank 2") && log.contains("1 sent again after a failed hash"), "{log}");
+    for r in 1..3 {
+        for f in ["model.safetensors", "config.json"] {
+            assert!(same_bytes(&dir.join(format!("r{r}")).join(f), &model.join(f)), "rank {r}'s {f}");
+        }
+    }
+    // Both already hold it all: nothing travels.
+    let log = ok(&tessera(3, &args, &[]), "share --full again");
+    assert!(log.contains("sent 0.0 MiB"), "{log}");
+    assert_eq!(ids(&format!("{}/r2", dir.display()), 1, &[]), ids(model.to_str().unwrap(), 1, &[]));
+}

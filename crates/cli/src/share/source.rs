@@ -1,0 +1,155 @@
+//! The source: each rank's files (its staged shard, or the model's own files), their
+//! manifest, and the chunks each rank asks for — to each rank directly, or with `--full`
+//! over more than two ranks down a chain in which every rank passes each chunk on.
+
+use super::manifest::{files_of, manifest_of, place_local, Manifest};
+use super::outbox::{Faults, Outbox};
+use super::{human, recv_blob, send_blob, ShareArgs};
+use anyhow::{bail, Context, Result};
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tessera_comm::Group;
+use tessera_engine::Placement;
+use tessera_model::{Checkpoint, ModelConfig};
+
+/// Ranks other than `source`, in order: the chain's links.
+pub(super) fn chain_order(source: usize, world: usize) -> Vec<usize> {
+    (0..world).filter(|&r| r != source).collect()
+}
+
+/// A rank's answer to a manifest: an error, or which chunks it wants.
+fn answer(g: &Group, r: usize, m: &Manifest) -> Result<std::result::Result<Vec<u8>, String>> {
+    let status = recv_blob(g, r, 4 << 10, "share: status")?;
+    let need = recv_blob(g, r, m.chunks().len(), "share: chunks wanted")?;
+    Ok(match String::from_utf8_lossy(&status).strip_prefix("error: ") {
+        Some(why) => Err(format!("rank {r}: {why}")),
+        None => Ok(need),
+    })
+}
+
+/// Sends the chunks `need` marks, from `files`, through `out`.
+fn send_chunks(m: &Manifest, files: &[PathBuf], need: &[u8], out: &mut Outbox) -> Result<()> {
+    let mut handles = files.iter().map(|p| std::fs::File::open(p).with_context(|| format!("opening {}", p.display()))).collect::<Result<Vec<_>>>()?;
+    for ((f, c), _) in m.chunks().into_iter().zip(need).filter(|(_, &n)| n == 1) {
+        let mut data = vec![0u8; m.chunk_len(f, c) as usize];
+        let h = &mut handles[f];
+        h.seek(SeekFrom::Start(c as u64 * m.chunk_bytes))?;
+        h.read_exact(&mut data).with_context(|| format!("reading {}", files[f].display()))?;
+        out.put(m, f, c, data)?;
+    }
+    out.close(m)
+}
+
+fn finished(g: &Group, r: usize) -> Result<std::result::Result<(), String>> {
+    let done = recv_blob(g, r, 4 << 10, "share: finished")?;
+    Ok(match String::from_utf8_lossy(&done).strip_prefix("error: ") {
+        Some(why) => Err(format!("rank {r}: {why}")),
+        None => Ok(()),
+    })
+}
+
+pub(super) fn send_all(g: &Group, a: &ShareArgs, me: usize, world: usize, out: &Path) -> Result<()> {
+    let chunk = (a.chunk_mib << 20) as u64;
+    let mut staging = out.as_os_str().to_owned();
+    staging.push(".staging");
+    let staging = PathBuf::from(staging);
+    if a.full {
+        let files = files_of(&a.model)?;
+        let m = manifest_of(&files, chunk)?;
+        let have = place_local(&m, &files, out)?;
+        eprintln!("rank {me}: {} in {} file(s) written locally ({have} chunk(s) were already there)", human(m.total_bytes()), m.files.len());
+        if world > 2 {
+            return send_chain(g, me, world, &m, &files);
+        }
+    }
+    let placement = if a.full {
+        None
+    } else {
+        let ckpt = Checkpoint::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
+        let cfg = ModelConfig::from_checkpoint(&ckpt)?;
+        let p = &a.placement;
+        Some(Placement::new(world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?)
+    };
+    let mut faults = Some(Faults::from_env());
+    for r in 0..world {
+        if r == me && a.full {
+            continue;
+        }
+        let dir = staging.join(format!("rank{r}"));
+        let files = match &placement {
+            None => files_of(&a.model)?,
+            Some(p) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                crate::shard::write(&a.model, p, r, &dir)?;
+                files_of(&dir)?
+            }
+        };
+        let m = manifest_of(&files, chunk)?;
+        if r == me {
+            // The source's own slice: from its staged files, through the same checks.
+            let have = place_local(&m, &files, out)?;
+            eprintln!("rank {me}: {} in {} file(s) written locally ({have} chunk(s) were already there)", human(m.total_bytes()), m.files.len());
+            let _ = std::fs::remove_dir_all(&dir);
+            continue;
+        }
+        send_blob(g, r, &serde_json::to_vec(&m)?, "share: manifest")?;
+        let need = answer(g, r, &m)?.map_err(anyhow::Error::msg)?;
+        let start = Instant::now();
+        let mut outbox = Outbox::new(g, r, faults.take().unwrap_or_default());
+        send_chunks(&m, &files, &need, &mut outbox)?;
+        finished(g, r)?.map_err(anyhow::Error::msg)?;
+        report(r, &m, &need, &outbox, start);
+        if placement.is_some() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+    let _ = std::fs::remove_dir(&staging);
+    Ok(())
+}
+
+fn report(r: usize, m: &Manifest, need: &[u8], outbox: &Outbox, start: Instant) {
+    let secs = start.elapsed().as_secs_f64();
+    let wanted = need.iter().filter(|&&n| n == 1).count();
+    eprintln!(
+        "rank {r}: sent {} of {} in {:.1} s ({:.0} MB/s), {} chunk(s) of {} it had already, {} sent again after a failed hash",
+        human(outbox.bytes),
+        human(m.total_bytes()),
+        secs,
+        outbox.bytes as f64 / secs.max(1e-9) / 1e6,
+        m.chunks().len() - wanted,
+        m.chunks().len(),
+        outbox.resent
+    );
+}
+
+/// The whole model down the chain: the manifest to the first rank (each passes it on),
+/// every rank's wishes to here, the union of them down the chain.
+fn send_chain(g: &Group, me: usize, world: usize, m: &Manifest, files: &[PathBuf]) -> Result<()> {
+    let order = chain_order(me, world);
+    let first = order[0];
+    send_blob(g, first, &serde_json::to_vec(m)?, "share: manifest")?;
+    let mut union = vec![0u8; m.chunks().len()];
+    let mut errors = Vec::new();
+    for &r in &order {
+        match answer(g, r, m)? {
+            Ok(need) => union.iter_mut().zip(&need).for_each(|(u, &n)| *u |= n),
+            Err(e) => errors.push(e),
+        }
+    }
+    send_blob(g, first, &union, "share: chunks wanted")?;
+    let start = Instant::now();
+    let mut outbox = Outbox::new(g, first, Faults::from_env());
+    send_chunks(m, files, &union, &mut outbox)?;
+    for &r in &order {
+        if let Err(e) = finished(g, r)? {
+            errors.push(e);
+        }
+    }
+    report(first, m, &union, &outbox, start);
+    eprintln!("rank {me}: the chunks went down the chain {}", order.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(" → "));
+    if let Some(e) = errors.first() {
+        bail!("{e}");
+    }
+    Ok(())
+}
