@@ -138,6 +138,9 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
     let n = comm.world_size();
     let everyone = comm.group(&(0..n).collect::<Vec<_>>())?;
     let mut mine = [0.0f32; NODE_FACTS];
+    // Each node's probes take seconds (tens on a busy host) while the others wait at the
+    // barrier: the loading deadline bounds them, as it bounds a load.
+    comm.set_loading(true);
     for r in 0..n {
         if r == comm.rank() {
             mine = measure_node(threads);
@@ -150,6 +153,7 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
     let pool = tessera_kernels::ThreadPool::new(threads);
     mine[7] = tessera_engine::bench::read_bandwidth_fresh(&pool, NODE_PROBE_FLOATS).median_gb_s as f32;
     drop(pool);
+    comm.set_loading(false);
     let mut all = vec![0.0f32; NODE_FACTS * n];
     everyone.all_gather(&mine, &mut all, "doctor nodes")?;
     let mut names = vec![0u8; HOSTNAME_BYTES * n];

@@ -724,15 +724,17 @@ fn matrix_seconds(pool: &ThreadPool, isa: Isa, format: tessera_kernels::WeightFo
     }
     let layout = format.interleaved().filter(|&to| isa.runs_interleaved(to)).unwrap_or(format);
     let one = if layout == format { src.len() } else { interleaved_bytes(format, rows, cols) };
-    let mut mem = WeightBuffer::zeroed(one * matrices, huge_pages_wanted());
-    for m in mem.chunks_exact_mut(one) {
-        if layout == format {
-            m.copy_from_slice(&src);
-        } else {
-            repack_interleaved_into(format, rows, cols, &src, m);
-        }
+    let mut first = vec![0u8; one];
+    if layout == format {
+        first.copy_from_slice(&src);
+    } else {
+        repack_interleaved_into(format, rows, cols, &src, &mut first);
     }
     drop(src);
+    let mut mem = WeightBuffer::zeroed(one * matrices, huge_pages_wanted());
+    for m in mem.chunks_exact_mut(one) {
+        m.copy_from_slice(&first);
+    }
     let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.1).collect();
     let mut y = vec![0.0f32; rows];
     let mut mm = MatmulScratch::new(1, cols);

@@ -24,8 +24,9 @@ pub enum Quant {
     /// mlx-lm's affine quantization of every linear layer and the embedding (U32-packed,
     /// BF16 scales and biases per group); routers 8-bit (DeepSeek-style ones BF16), norms BF16.
     Mlx { bits: usize, group: usize },
-    /// MXFP4 routed experts (E2M1 with E8M0 scales per 32), everything else BF16, as
-    /// the MXFP4 releases ship.
+    /// MXFP4 routed experts and K3's latent projections around them (E2M1 with E8M0
+    /// scales per 32), everything else BF16, as the MXFP4 releases ship (Kimi-K3's
+    /// compressed-tensors config ignores attention, shared experts, dense MLPs, the head).
     Mxfp4,
     /// DeepSeek's FP8: E4M3 linear layers with 128×128 block scales; embedding, head,
     /// router and norms BF16.
@@ -129,7 +130,7 @@ impl Writer<'_> {
                 self.push(format!("{base}.scales"), TensorDtype::Bf16, groups.clone());
                 self.push(format!("{base}.biases"), TensorDtype::Bf16, groups);
             }
-            (Quant::Mxfp4, Role::Matrix) if name.contains(".experts.") && cols.is_multiple_of(32) => {
+            (Quant::Mxfp4, Role::Matrix) if (name.contains(".experts.") || name.contains(".routed_expert_")) && cols.is_multiple_of(32) => {
                 let base = name.strip_suffix(".weight").unwrap_or(&name).to_string();
                 self.push(name, TensorDtype::U32, [lead, &[cols / 8]].concat());
                 self.push(format!("{base}.scales"), TensorDtype::U8, [lead, &[cols / 32]].concat());

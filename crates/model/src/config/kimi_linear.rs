@@ -30,7 +30,13 @@ pub(super) fn from_json(j: &Json, k3: bool) -> Result<ModelConfig> {
     let hidden = j.usize("hidden_size")?;
     let heads = j.usize("num_attention_heads")?;
     let layers = j.usize("num_hidden_layers")?;
-    let head_dim_cfg = j.usize("head_dim")?;
+    // Kimi Linear publishes `head_dim`; K3 only `qk_nope_head_dim` and `v_head_dim`.
+    let head_dim_cfg = j.get("head_dim").map(|_| j.usize("head_dim")).transpose()?;
+    let dim = |k: &str| match (j.get(k), head_dim_cfg) {
+        (Some(_), _) => j.usize(k),
+        (None, Some(d)) => Ok(d),
+        (None, None) => Err(key(k, "missing, and no `head_dim` to take it from".into())),
+    };
     let lin = j.get("linear_attn_config").ok_or_else(|| key("linear_attn_config", "missing (kimi_linear needs its KDA heads and layers)".into()))?;
     let lj = Json { path: j.path.clone(), v: lin };
     let kda_layers = one_based_layers(&lj, "kda_layers", layers)?;
@@ -56,9 +62,9 @@ pub(super) fn from_json(j: &Json, k3: bool) -> Result<ModelConfig> {
     let mla = MlaConfig {
         q_lora_rank: j.get("q_lora_rank").map(|_| j.usize("q_lora_rank")).transpose()?,
         kv_lora_rank: j.usize("kv_lora_rank")?,
-        nope_dim: j.usize_or("qk_nope_head_dim", head_dim_cfg)?,
+        nope_dim: dim("qk_nope_head_dim")?,
         rope_dim: j.usize_or("qk_rope_head_dim", 0)?,
-        v_dim: j.usize_or("v_head_dim", head_dim_cfg)?,
+        v_dim: dim("v_head_dim")?,
         rotary: false,
         norm_eps: if k3 { K3_MLA_NORM_EPS } else { j.f32_or("rms_norm_eps", None)? },
         output_gate: k3 && j.bool_or("mla_use_output_gate", false)?,
