@@ -122,3 +122,28 @@ fn plan_sizes_a_config_alone_and_names_bad_input() {
     let out = tessera(&["plan", "--model", "tests/fixtures/qwen3", "--cluster", bad.to_str().unwrap()]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("read_gb_s"), "{out:?}");
 }
+
+/// The seed's model from its published config alone, on the seed's cluster: what fits where,
+/// against the seed's measured 420.8 GB resident per rank under TP4 (MLX, MXFP4 experts).
+#[test]
+fn plan_sizes_kimi_k3_from_its_published_config() {
+    let config = repo().join("../shared/configs/moonshotai__Kimi-K3.json");
+    if !config.exists() {
+        panic!("{} is missing: the tests read the seed configs in ../shared", config.display());
+    }
+    let v = json(&["plan", "--model", config.to_str().unwrap(), "--quant", "mxfp4", "--cluster", "docs/clusters/m3-ultra-tb5.json", "--ctx", "32768", "--json"]);
+    let by: std::collections::HashMap<&str, &serde_json::Value> = v["placements"].as_array().unwrap().iter().map(|p| (p["name"].as_str().unwrap(), p)).collect();
+    let single = by["single"];
+    assert_eq!((single["valid"].as_bool(), single["error"]["code"].as_str()), (Some(false), Some("memory")), "2.78 T parameters do not fit one node");
+    for name in ["tp4", "pp4", "pp5"] {
+        let p = by[name];
+        assert_eq!(p["valid"], true, "{name}: {p}");
+        for n in p["nodes"].as_array().unwrap() {
+            let gb = n["memory_bytes"].as_f64().unwrap() / 1e9;
+            let bound = if name == "pp5" { 300.0..340.0 } else { 370.0..430.0 };
+            assert!(bound.contains(&gb), "{name}: {gb:.1} GB on node {}", n["node"]);
+        }
+    }
+    let tp4 = by["tp4"]["nodes"][0]["memory_bytes"].as_f64().unwrap() / 1e9;
+    assert!((tp4 / 420.8 - 1.0).abs() < 0.1, "TP4 {tp4:.1} GB a node against the seed's 420.8 GB resident");
+}

@@ -41,8 +41,10 @@ pub struct Footprint {
     /// KV cache per token of context: f16, q8, f32 (MLA's latent: f32 in all three).
     pub kv_bytes_per_token: [usize; 3],
     pub state_bytes_per_sequence: usize,
-    /// The step workspace for the limits and threads asked for.
+    /// The step workspace for the limits and threads asked for, and what each token of
+    /// context more adds to it (attention scores grow with the context).
     pub workspace_bytes: usize,
+    pub workspace_bytes_per_context_token: f64,
     /// The hidden state one stage passes on per token (f32 values).
     pub stage_output_floats: usize,
 }
@@ -96,6 +98,14 @@ impl Model {
             kv_bytes_per_token: [KvDtype::F16, KvDtype::Q8, KvDtype::F32].map(|d| self.kv_bytes_per_token(d)),
             state_bytes_per_sequence: self.state_bytes_per_sequence(),
             workspace_bytes: self.new_workspace(limits, threads).bytes(),
+            workspace_bytes_per_context_token: {
+                // Only the attention buffers grow with the context: measured on one-token
+                // workspaces, which are cheap to build.
+                const MORE: usize = 4096;
+                let one = StepLimits { tokens_per_step_max: 1, ..limits };
+                let wider = StepLimits { context_max: limits.context_max + MORE, ..one };
+                (self.new_workspace(wider, threads).bytes() - self.new_workspace(one, threads).bytes()) as f64 / MORE as f64
+            },
             stage_output_floats: self.stage_output_width(),
         }
     }

@@ -159,20 +159,12 @@ fn limits(opts: &PlanOptions, ctx: usize) -> StepLimits {
     StepLimits { tokens_per_step_max: opts.prefill_chunk.max(opts.sequences), context_max: ctx, sequences_per_step_max: opts.sequences }
 }
 
-/// A context length the workspace is sized at a second time, for its per-token slope.
-const CTX_PROBE: usize = 4096;
-
 fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &PlanOptions, name: String, p: &Placement) -> Result<PlacementPlan, Refusal> {
     let mut ranks: Vec<Footprint> = Vec::with_capacity(p.world);
-    let mut ws_slope = Vec::with_capacity(p.world);
     for rank in 0..p.world {
         let threads = cluster.nodes[rank].cores as usize;
         let spec = p.spec(rank, cfg);
-        let shard = |ctx: usize| Model::footprint(Arc::clone(&ckpt), cfg.clone(), spec.clone(), limits(opts, ctx), threads).map_err(|e| refusal("shard", Some(rank), e.to_string()));
-        let f = shard(opts.ctx)?;
-        let wider = shard(opts.ctx + CTX_PROBE)?;
-        ws_slope.push((wider.workspace_bytes - f.workspace_bytes) as f64 / CTX_PROBE as f64);
-        ranks.push(f);
+        ranks.push(Model::footprint(Arc::clone(&ckpt), cfg.clone(), spec, limits(opts, opts.ctx), threads).map_err(|e| refusal("shard", Some(rank), e.to_string()))?);
     }
     let mut nodes = Vec::with_capacity(p.world);
     let mut ctx_max = cfg.context_max;
@@ -205,8 +197,8 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
             });
         }
         // The longest context whose cache and workspace still fit beside the rest.
-        let fixed = f.weights_bytes as f64 + f.state_bytes_per_sequence as f64 * s as f64 + f.workspace_bytes as f64 - ws_slope[rank] * opts.ctx as f64 + (runtime + reserve) as f64;
-        let per_token = f.kv_bytes_per_token(opts.kv) as f64 * s as f64 + ws_slope[rank];
+        let fixed = f.weights_bytes as f64 + f.state_bytes_per_sequence as f64 * s as f64 + f.workspace_bytes as f64 - f.workspace_bytes_per_context_token * opts.ctx as f64 + (runtime + reserve) as f64;
+        let per_token = f.kv_bytes_per_token(opts.kv) as f64 * s as f64 + f.workspace_bytes_per_context_token;
         let room = node.memory_free_bytes as f64 - fixed;
         let fits = if room <= 0.0 { 0 } else if per_token > 0.0 { (room / per_token) as usize } else { usize::MAX };
         ctx_max = ctx_max.min(fits);
