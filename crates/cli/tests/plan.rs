@@ -127,10 +127,7 @@ fn plan_sizes_a_config_alone_and_names_bad_input() {
 /// against the seed's measured 420.8 GB resident per rank under TP4 (MLX, MXFP4 experts).
 #[test]
 fn plan_sizes_kimi_k3_from_its_published_config() {
-    let config = repo().join("../shared/configs/moonshotai__Kimi-K3.json");
-    if !config.exists() {
-        panic!("{} is missing: the tests read the seed configs in ../shared", config.display());
-    }
+    let config = repo().join("tests/fixtures/configs/moonshotai__Kimi-K3.json");
     let v = json(&["plan", "--model", config.to_str().unwrap(), "--quant", "mxfp4", "--cluster", "docs/clusters/m3-ultra-tb5.json", "--ctx", "32768", "--json"]);
     let by: std::collections::HashMap<&str, &serde_json::Value> = v["placements"].as_array().unwrap().iter().map(|p| (p["name"].as_str().unwrap(), p)).collect();
     let single = by["single"];

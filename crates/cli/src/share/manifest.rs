@@ -123,8 +123,7 @@ pub(super) fn present(m: &Manifest, dir: &Path) -> Vec<bool> {
 
 /// The source's own copy: the chunks it lacks copied from `files`.
 pub(super) fn place_local(m: &Manifest, files: &[PathBuf], out: &Path) -> Result<usize> {
-    let partial = prepare(m, out)?;
-    let have = present(m, &partial);
+    let (partial, have) = holdings(m, out)?;
     let mut buf = vec![0u8; m.chunk_bytes as usize];
     let mut k = 0;
     for (i, f) in m.files.iter().enumerate() {

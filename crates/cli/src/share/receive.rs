@@ -131,8 +131,8 @@ pub(super) fn relay(g: &Group, source: usize, prev: usize, next: Option<usize>, 
     if let Some(n) = next {
         send_blob(g, n, &union, "share: chunks wanted")?;
     }
-    let index: Vec<(usize, usize)> = m.chunks();
-    let position = |f: usize, c: usize| index.iter().position(|&x| x == (f, c));
+    // Chunk (f, c) is number `first[f] + c` of the share.
+    let first: Vec<usize> = m.files.iter().scan(0, |at, f| Some(std::mem::replace(at, *at + f.sha256.len()))).collect();
     let mut handles = match &prepared {
         Ok((partial, _)) => Some(open_outputs(&m, partial)?),
         Err(_) => None,
@@ -147,9 +147,10 @@ pub(super) fn relay(g: &Group, source: usize, prev: usize, next: Option<usize>, 
             break;
         }
         let (f, c, n) = (f as usize, c as usize, n as usize);
-        let Some(k) = (f < m.files.len() && c < m.files[f].sha256.len() && n as u64 == m.chunk_len(f, c)).then(|| position(f, c)).flatten() else {
+        if f >= m.files.len() || c >= m.files[f].sha256.len() || n as u64 != m.chunk_len(f, c) {
             bail!("rank {prev} sent chunk {c} of file {f} of {n} bytes, which the manifest does not have");
-        };
+        }
+        let k = first[f] + c;
         let mut data = vec![0u8; n];
         g.recv(&mut data, prev, "share: chunk")?;
         let ok = sha256(&data) == m.files[f].sha256[c];
