@@ -148,3 +148,15 @@ fn the_whole_model_goes_down_a_chain() {
     assert!(log.contains("sent 0.0 MiB"), "{log}");
     assert_eq!(ids(&format!("{}/r2", dir.display()), 1, &[]), ids(model.to_str().unwrap(), 1, &[]));
 }
+
+#[test]
+fn an_output_that_is_not_the_shares_is_refused_by_name() {
+    let dir = scratch("taken");
+    std::fs::create_dir_all(dir.join("r1")).unwrap();
+    std::fs::write(dir.join("r1/notes.txt"), "mine").unwrap();
+    let out = format!("{}/r{{rank}}", dir.display());
+    let o = tessera(2, &["share", "--model", "tests/fixtures/qwen3", "--out", &out, "--full"], &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("r1 exists and is not this share's output"), "{err}");
+    assert_eq!(std::fs::read_to_string(dir.join("r1/notes.txt")).unwrap(), "mine", "left alone");
+}

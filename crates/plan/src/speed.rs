@@ -189,9 +189,9 @@ impl Model<'_> {
         let h = cfg.hidden as f64;
         let mut s = Step::default();
         let mut stage_s = Vec::with_capacity(p.pp);
+        let all: Vec<usize> = (0..p.world).collect();
         for stage in 0..p.pp {
             let nodes: Vec<usize> = (stage * g..(stage + 1) * g).collect();
-            let all: Vec<usize> = (0..p.world).collect();
             let together = if pipelined { &all } else { &nodes };
             // The slowest rank of the stage sets its pace.
             let mut slowest = (0.0f64, 0.0f64, 0.0f64, 0.0f64, nodes[0]);

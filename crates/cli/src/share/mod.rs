@@ -79,6 +79,14 @@ fn send_blob(g: &Group, peer: usize, data: &[u8], tag: &str) -> Result<()> {
     Ok(())
 }
 
+/// What a rank tells the source of a step: `ok`, or `error: ` and why.
+fn verdict<T>(r: &Result<T>) -> String {
+    match r {
+        Ok(_) => "ok".to_string(),
+        Err(e) => format!("error: {e:#}"),
+    }
+}
+
 fn recv_blob(g: &Group, peer: usize, max: usize, tag: &str) -> Result<Vec<u8>> {
     let mut len = [0u8; 8];
     g.recv(&mut len, peer, tag)?;

@@ -5,7 +5,7 @@
 
 use super::manifest::{holdings, finish, open_outputs, sha256, write_chunk, Manifest};
 use super::outbox::{Faults, Outbox};
-use super::{human, read_u64s, recv_blob, send_blob, MANIFEST_BYTES_MAX, WINDOW};
+use super::{human, read_u64s, recv_blob, send_blob, verdict, MANIFEST_BYTES_MAX, WINDOW};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::time::Instant;
@@ -16,14 +16,15 @@ pub(super) fn receive(g: &Group, source: usize, me: usize, out: &Path) -> Result
     let text = recv_blob(g, source, MANIFEST_BYTES_MAX, "share: manifest")?;
     let m: Manifest = serde_json::from_slice(&text).context("the source's manifest")?;
     let prepared = holdings(&m, out);
+    // The source reads a verdict and a wish list from every rank, whatever the verdict.
+    send_blob(g, source, verdict(&prepared).as_bytes(), "share: status")?;
     let (partial, done) = match prepared {
         Ok(x) => x,
         Err(e) => {
-            send_blob(g, source, format!("error: {e:#}").as_bytes(), "share: status")?;
+            send_blob(g, source, &vec![0u8; m.chunks().len()], "share: chunks wanted")?;
             return Err(e);
         }
     };
-    send_blob(g, source, b"ok", "share: status")?;
     let need: Vec<u8> = done.iter().map(|&h| u8::from(!h)).collect();
     send_blob(g, source, &need, "share: chunks wanted")?;
     let total: u64 = m.chunks().iter().zip(&done).filter(|(_, &h)| !h).map(|(&(f, c), _)| m.chunk_len(f, c)).sum();
@@ -100,11 +101,7 @@ pub(super) fn receive(g: &Group, source: usize, me: usize, out: &Path) -> Result
     }
     drop(handles);
     let result = finish(&m, &partial, out);
-    let status = match &result {
-        Ok(()) => "ok".to_string(),
-        Err(e) => format!("error: {e:#}"),
-    };
-    send_blob(g, source, status.as_bytes(), "share: finished")?;
+    send_blob(g, source, verdict(&result).as_bytes(), "share: finished")?;
     result?;
     eprintln!("rank {me}: {} in {} file(s) at {} ({} received)", human(m.total_bytes()), m.files.len(), out.display(), human(got));
     Ok(())
@@ -121,11 +118,11 @@ pub(super) fn relay(g: &Group, source: usize, prev: usize, next: Option<usize>, 
     let m: Manifest = serde_json::from_slice(&text).context("the source's manifest")?;
     // A rank that cannot write still passes the chunks on, and says why at the end.
     let prepared = holdings(&m, out);
-    let (status, need) = match &prepared {
-        Ok((_, done)) => ("ok".to_string(), done.iter().map(|&h| u8::from(!h)).collect::<Vec<u8>>()),
-        Err(e) => (format!("error: {e:#}"), vec![0u8; m.chunks().len()]),
+    let need: Vec<u8> = match &prepared {
+        Ok((_, done)) => done.iter().map(|&h| u8::from(!h)).collect(),
+        Err(_) => vec![0u8; m.chunks().len()],
     };
-    send_blob(g, source, status.as_bytes(), "share: status")?;
+    send_blob(g, source, verdict(&prepared).as_bytes(), "share: status")?;
     send_blob(g, source, &need, "share: chunks wanted")?;
     let union = recv_blob(g, prev, m.chunks().len(), "share: chunks wanted")?;
     if let Some(n) = next {
@@ -183,11 +180,7 @@ pub(super) fn relay(g: &Group, source: usize, prev: usize, next: Option<usize>, 
         (Err(e), _) => Err(e),
         (Ok(_), None) => unreachable!("outputs opened for a prepared rank"),
     };
-    let status = match &result {
-        Ok(()) => "ok".to_string(),
-        Err(e) => format!("error: {e:#}"),
-    };
-    send_blob(g, source, status.as_bytes(), "share: finished")?;
+    send_blob(g, source, verdict(&result).as_bytes(), "share: finished")?;
     result?;
     let passed = outbox.map_or(String::new(), |o| format!(", passed {} on to rank {}", human(o.bytes), o.peer));
     eprintln!("rank {me}: {} in {} file(s) at {} ({} written in {:.1} s{passed})", human(m.total_bytes()), m.files.len(), out.display(), human(got), start.elapsed().as_secs_f64());
