@@ -59,6 +59,9 @@ pub struct BenchArgs {
     /// Layers per pipeline stage, e.g. 10,14 (default: even).
     #[arg(long, value_delimiter = ',')]
     pipeline_split: Option<Vec<usize>>,
+    /// With --ep: each rank runs attention for its own sequences; tokens go to their experts' ranks.
+    #[arg(long)]
+    dp_attention: bool,
     /// File holding the cluster secret (else TESSERA_CLUSTER_SECRET).
     #[arg(long)]
     secret_file: Option<PathBuf>,
@@ -96,7 +99,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     };
     // The same loading and engine as `generate`: alone, or this rank's shard.
     let rt = crate::RuntimeArgs {
-        placement: crate::PlacementArgs { tp: a.tp, pp: a.pipeline, pp_split: a.pipeline_split.clone(), ep: a.ep },
+        placement: crate::PlacementArgs { tp: a.tp, pp: a.pipeline, pp_split: a.pipeline_split.clone(), ep: a.ep, dp_attention: a.dp_attention },
         secret_file: a.secret_file.clone(),
         threads: Some(threads),
         // KV caches exactly as long as this run needs, unless asked otherwise.
@@ -158,7 +161,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(ps) = &profile {
         print_profile(&ps[0], lim, a.profile_batch, ranks);
         if ps.len() > 1 {
-            print_rank_summary(ps, lim);
+            print_rank_summary(ps, lim, a.profile_batch);
         }
     }
     if let (Some(b), Some(e)) = (&load_before, &load_after) {
@@ -175,10 +178,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     let r = RankSummary::of(p, lim);
                     json!({ "rank": rank, "steps": p.steps, "compute_ms_per_step": r.compute_ms, "collectives_ms_per_step": r.collectives_ms,
                             "pipeline_ms_per_step": r.pipeline_ms, "ms_per_step": r.total_ms, "mb_per_step": r.mb, "ideal_ms_per_step": r.ideal_ms,
-                            "modules": r.modules })
+                            "sent_bytes_per_step": p.sent_bytes as f64 / ps[0].steps.max(1) as f64, "modules": r.modules })
                 })
                 .collect::<Vec<_>>()
                 .into();
+            if ps.len() > 1 {
+                let (step, token) = wire_bytes(ps, a.profile_batch);
+                v["profile_wire"] = json!({ "sent_bytes_per_step": step, "sent_bytes_per_token": token });
+            }
         }
         let text = serde_json::to_string_pretty(&v).expect("serialising a JSON value");
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
@@ -570,15 +577,25 @@ impl RankSummary {
 
 /// Every rank's step in one line each: a slow rank shows as more compute than its
 /// peers, who show the difference as waiting in collectives or transfers.
-fn print_rank_summary(ps: &[tessera_model::Profile], lim: Limits) {
-    println!("\nper rank (ms per step; collectives and pipeline transfers include waiting for the other ranks)\n");
-    println!("| rank | compute | collectives | pipeline transfers | total | MB/step | compute ÷ ideal |");
-    println!("|---|---|---|---|---|---|---|");
+fn print_rank_summary(ps: &[tessera_model::Profile], lim: Limits, batch: usize) {
+    println!("\nper rank (ms per step; collectives and pipeline transfers include waiting for the other ranks; KB sent: every frame it wrote)\n");
+    println!("| rank | compute | collectives | pipeline transfers | total | MB/step | compute ÷ ideal | KB sent/step |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let steps = ps[0].steps.max(1) as f64;
     for (rank, p) in ps.iter().enumerate() {
         let r = RankSummary::of(p, lim);
         let over = if r.ideal_ms > 0.0 { format!("{:.1}", r.compute_ms / r.ideal_ms) } else { "–".into() };
-        println!("| {rank} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {over} |", r.compute_ms, r.collectives_ms, r.pipeline_ms, r.total_ms, r.mb);
+        let kb = p.sent_bytes as f64 / steps / 1e3;
+        println!("| {rank} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {over} | {kb:.1} |", r.compute_ms, r.collectives_ms, r.pipeline_ms, r.total_ms, r.mb);
     }
+    let (step, token) = wire_bytes(ps, batch);
+    println!("\non the wire (all ranks): {:.1} KB per step, {:.1} KB per token", step / 1e3, token / 1e3);
+}
+
+/// Bytes all ranks sent per step (the leader's steps) and per token of a batch-`batch` step.
+fn wire_bytes(ps: &[tessera_model::Profile], batch: usize) -> (f64, f64) {
+    let step = ps.iter().map(|p| p.sent_bytes).sum::<u64>() as f64 / ps[0].steps.max(1) as f64;
+    (step, step / batch.max(1) as f64)
 }
 
 fn profile_json(p: &tessera_model::Profile, lim: Limits, batch: usize, ranks: usize) -> Value {

@@ -30,7 +30,8 @@ pub fn print(n: usize, hosts: &[String], local_ranks: &dyn Fn(usize) -> usize, a
             let pp = if args.first().is_some_and(|a| a == "bench") { number(args, "--pipeline")? } else { number(args, "--pp")? };
             let (tp, pp, ep) = (number(args, "--tp")?.unwrap_or(1), pp.unwrap_or(1), number(args, "--ep")?.unwrap_or(1));
             let split = flag(args, "--pp-split").or(flag(args, "--pipeline-split")).map(|s| s.split(',').map(|x| x.trim().parse::<usize>()).collect::<std::result::Result<Vec<_>, _>>()).transpose().context("--pp-split: comma-separated layer counts")?;
-            let placement = Placement::new(n, tp, pp, ep, split, &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
+            let dp = args.iter().any(|a| a == "--dp-attention");
+            let placement = Placement::new(n, tp, pp, ep, split, &cfg).and_then(|p| p.with_dp_attention(dp)).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
             println!("placement {} of {} ({} layers)", placement.describe(), m, cfg.layers);
             Some((placement, cfg))
         }

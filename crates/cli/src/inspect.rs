@@ -6,7 +6,6 @@ use crate::PlacementArgs;
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::sync::Arc;
-use tessera_engine::Placement;
 use tessera_model::{ChatTemplate, Checkpoint, KvDtype, Model, ModelConfig, Tokenizer};
 
 fn human_bytes(b: usize) -> String {
@@ -146,7 +145,7 @@ fn inspect_placement(path: &Path, p: &PlacementArgs, json: bool) -> Result<()> {
     let ckpt = Arc::new(Checkpoint::open(path).with_context(|| format!("loading {}", path.display()))?);
     let cfg = ModelConfig::from_checkpoint(&ckpt)?;
     let world = p.tp.max(p.ep) * p.pp;
-    let placement = Placement::new(world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
+    let placement = p.placement(world, &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
     if !json {
         println!("placement       {}", placement.describe());
         println!("checkpoint      {} of tensor data", human_bytes(ckpt.data_bytes()));

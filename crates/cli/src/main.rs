@@ -115,11 +115,20 @@ struct PlacementArgs {
     /// Expert-parallel ranks per stage (whole experts per rank).
     #[arg(long, default_value_t = 1)]
     pub(crate) ep: usize,
+    /// With --ep: each rank runs attention and holds KV caches for its own sequences
+    /// only; at each MoE layer tokens go to the ranks of their experts (all-to-all).
+    #[arg(long)]
+    pub(crate) dp_attention: bool,
 }
 
 impl PlacementArgs {
     fn is_single(&self) -> bool {
-        self.tp == 1 && self.pp == 1 && self.ep == 1 && self.pp_split.is_none()
+        self.tp == 1 && self.pp == 1 && self.ep == 1 && self.pp_split.is_none() && !self.dp_attention
+    }
+
+    /// These flags as a placement of `cfg` over `world` ranks, checked.
+    pub(crate) fn placement(&self, world: usize, cfg: &ModelConfig) -> std::result::Result<Placement, String> {
+        Placement::new(world, self.tp, self.pp, self.ep, self.pp_split.clone(), cfg)?.with_dp_attention(self.dp_attention)
     }
 }
 
@@ -287,7 +296,7 @@ pub(crate) struct Loaded {
 fn shard_cmd(model: &Path, world: usize, p: &PlacementArgs, rank: usize, out: &Path) -> Result<()> {
     let ckpt = Checkpoint::open(model).with_context(|| format!("loading {}", model.display()))?;
     let cfg = ModelConfig::from_checkpoint(&ckpt)?;
-    let placement = Placement::new(world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
+    let placement = p.placement(world, &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
     shard::write(model, &placement, rank, out)
 }
 
@@ -301,6 +310,9 @@ pub(crate) fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
         if let Some(m) = &manifest {
             bail!("{} holds rank {}'s slice of [{}]: run it under `tessera launch -n {}` with the same placement", path.display(), m.rank, m.placement.describe(), m.placement.world);
         }
+        if p.dp_attention && p.ep < 2 {
+            bail!("--dp-attention spreads sequences over the expert-parallel ranks of a stage: add --ep N and run it under `tessera launch -n N -- ...`");
+        }
         if !p.is_single() {
             let world = p.tp.max(p.ep) * p.pp;
             bail!("this placement needs {world} ranks: run it under `tessera launch -n {world} -- ...` (or another launcher)");
@@ -310,7 +322,8 @@ pub(crate) fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
     let open = manifest.as_ref().map_or(path, |m| m.checkpoint.as_path());
     let ckpt = Arc::new(Checkpoint::open(open).with_context(|| format!("loading {}", open.display()))?);
     let cfg = ModelConfig::from_checkpoint(&ckpt)?;
-    let placement = Placement::new(env.world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg)
+    let placement = p
+        .placement(env.world, &cfg)
         .map_err(|e| anyhow::anyhow!("placement refused before loading {}: {e}", path.display()))?;
     if let Some(m) = &manifest {
         if m.rank != env.rank || m.placement != placement {

@@ -20,7 +20,7 @@ pub struct Manifest {
 }
 
 fn placement_json(p: &Placement) -> serde_json::Value {
-    serde_json::json!({"world": p.world, "tp": p.tp, "pp": p.pp, "ep": p.ep, "pp_split": p.pp_split})
+    serde_json::json!({"world": p.world, "tp": p.tp, "pp": p.pp, "ep": p.ep, "pp_split": p.pp_split, "dp_attention": p.dp_attention})
 }
 
 /// The manifest of a shard directory, if `dir` is one.
@@ -41,7 +41,7 @@ pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
         Some(GGUF_FILE) => dir.join(GGUF_FILE),
         Some(other) => bail!("{}: unknown checkpoint {other:?} (written by a newer tessera?)", path.display()),
     };
-    Ok(Some(Manifest { rank, placement: Placement { world: num("world")?, tp: num("tp")?, pp: num("pp")?, ep: num("ep")?, pp_split }, checkpoint }))
+    Ok(Some(Manifest { rank, placement: Placement { world: num("world")?, tp: num("tp")?, pp: num("pp")?, ep: num("ep")?, pp_split, dp_attention: v["placement"]["dp_attention"].as_bool().unwrap_or(false) }, checkpoint }))
 }
 
 fn dtype_name(d: TensorDtype) -> Option<&'static str> {

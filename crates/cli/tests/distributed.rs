@@ -138,6 +138,8 @@ fn several_sequences_in_flight_under_pp() {
         (2, &["--pp", "2"][..], 2),
         (3, &["--pp", "3", "--pp-split", "1,1,1"][..], 3),
         (4, &["--pp", "2", "--tp", "2"][..], 2),
+        (2, &["--ep", "2", "--dp-attention"][..], 1),
+        (4, &["--pp", "2", "--ep", "2", "--dp-attention"][..], 2),
     ] {
         let mut args: Vec<String> = vec!["generate".into(), "--model".into(), model.to_string_lossy().into()];
         for p in &prompts {
@@ -155,7 +157,7 @@ fn several_sequences_in_flight_under_pp() {
 }
 
 /// The placements: label, ranks, flags.
-const PLACEMENTS: [(&str, usize, &[&str]); 10] = [
+const PLACEMENTS: [(&str, usize, &[&str]); 13] = [
     ("TP2", 2, &["--tp", "2"]),
     ("TP3", 3, &["--tp", "3"]),
     ("TP4", 4, &["--tp", "4"]),
@@ -166,7 +168,13 @@ const PLACEMENTS: [(&str, usize, &[&str]); 10] = [
     ("PP2xTP2", 4, &["--pp", "2", "--tp", "2"]),
     ("TP2+EP2", 2, &["--tp", "2", "--ep", "2"]),
     ("PP2xEP2", 4, &["--pp", "2", "--ep", "2"]),
+    ("EP2-dp", 2, &["--ep", "2", "--dp-attention"]),
+    ("EP4-dp", 4, &["--ep", "4", "--dp-attention"]),
+    ("PP2xEP2-dp", 4, &["--pp", "2", "--ep", "2", "--dp-attention"]),
 ];
+
+/// Data-parallel attention's placements (a subset of [`PLACEMENTS`]).
+const DP_PLACEMENTS: [(usize, &[&str]); 3] = [(2, &["--ep", "2", "--dp-attention"]), (4, &["--ep", "4", "--dp-attention"]), (4, &["--pp", "2", "--ep", "2", "--dp-attention"])];
 
 /// Every placement of fixture `name`: the ones the model admits give mlx-lm's ids and
 /// the single-node logits (`check`); the ones it cannot take are refused before loading
@@ -185,14 +193,43 @@ fn every_placement(name: &str, refused: &[(&str, &str)]) {
         }
     }
     check(name, &admitted);
+    if admitted.iter().any(|(_, f)| f.contains(&"--dp-attention")) {
+        several_sequences_each_alone(name, &DP_PLACEMENTS);
+    }
 }
 
-const DENSE_REFUSALS: [(&str, &str); 5] = [
+/// Several sequences at once (prompts of different lengths, prefilled in small chunks
+/// beside decodes) on `placements`: each gets the greedy ids it gets alone on one node.
+/// Under data-parallel attention they spread over the ranks, so every rank runs
+/// attention and serves the others' tokens.
+fn several_sequences_each_alone(name: &str, placements: &[(usize, &[&str])]) {
+    let model = fixture(name);
+    let prompt = ids_of("prompt_ids", name);
+    let longer: Vec<u32> = prompt.iter().chain(&prompt).map(|&t| (t * 3 + 1) % 200).collect();
+    let prompts = [prompt.clone(), prompt[..3].to_vec(), longer, vec![7], prompt[2..].to_vec()];
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(&model, 1, &[], p, 10, &[])).collect();
+    for (n, placement) in placements {
+        let mut args: Vec<String> = vec!["generate".into(), "--model".into(), model.to_string_lossy().into()];
+        for p in &prompts {
+            args.extend(["--prompt-ids".into(), csv(p)]);
+        }
+        args.extend(["--max-tokens", "10", "--threads", "1", "--prefill-chunk", "5"].iter().chain(&KV_F32).map(|s| s.to_string()));
+        args.extend(placement.iter().map(|s| s.to_string()));
+        let got = ids_lines(&ok(&tessera(*n, &args), &format!("{name} {placement:?} with {} sequences", prompts.len())));
+        assert_eq!(got, alone, "{name} {placement:?}: ids of several sequences at once differ from each alone");
+        eprintln!("{name} {placement:?}: {} sequences at once, each its own ids", prompts.len());
+    }
+}
+
+const DENSE_REFUSALS: [(&str, &str); 8] = [
     ("PP3", "3 pipeline stages for 2 layers"),
     ("EP2", "has no MoE layers"),
     ("EP4", "has no MoE layers"),
     ("TP2+EP2", "has no MoE layers"),
     ("PP2xEP2", "has no MoE layers"),
+    ("EP2-dp", "has no MoE layers"),
+    ("EP4-dp", "has no MoE layers"),
+    ("PP2xEP2-dp", "has no MoE layers"),
 ];
 
 #[test]
@@ -373,6 +410,10 @@ fn bad_placements_are_refused_before_loading() {
     fails(2, &["generate", "--model", m, "--prompt-ids", "1,2", "--ep", "2"], &["has no MoE layers"]);
     fails(2, &["generate", "--model", m, "--prompt-ids", "1,2", "--pp", "2", "--pp-split", "2,0"], &["every layer owned by exactly one stage"]);
     fails(1, &["launch", "-n", "2"], &["tessera launch"]);
+    let moe = fixture("qwen3_moe");
+    let moe = moe.to_str().unwrap();
+    fails(2, &["generate", "--model", moe, "--prompt-ids", "1,2", "--tp", "2", "--ep", "2", "--dp-attention"], &["--dp-attention spreads sequences", "no --tp"]);
+    fails(1, &["generate", "--model", moe, "--prompt-ids", "1,2", "--dp-attention"], &["--dp-attention", "add --ep N"]);
 }
 
 /// A rank killed mid-generation: the launcher stops every rank within a bound and
@@ -651,7 +692,7 @@ fn gguf_batched_sequences_equal_each_alone() {
         let base: Vec<u32> = (0..300u32).map(|i| (i.wrapping_mul(2654435761) >> 9) % 200 + 3).collect();
         let prompts = [base.clone(), base[..7].to_vec(), base[100..].to_vec(), vec![9]];
         let alone: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(&model, 1, &[], p, 24, &[])).collect();
-        for (n, placement) in [(1, &[][..]), (2, &["--tp", "2"][..]), (2, &["--ep", "2"][..]), (2, &["--pp", "2"][..])] {
+        for (n, placement) in [(1, &[][..]), (2, &["--tp", "2"][..]), (2, &["--ep", "2"][..]), (2, &["--ep", "2", "--dp-attention"][..]), (2, &["--pp", "2"][..])] {
             let mut args: Vec<String> = vec!["generate".into(), "--model".into(), model.to_string_lossy().into()];
             for p in &prompts {
                 args.extend(["--prompt-ids".into(), csv(p)]);

@@ -56,6 +56,11 @@ impl Communicator {
     pub fn rank(&self) -> usize {
         self.world.inner.rank
     }
+    /// Bytes this rank has written to its sockets so far: every frame to every peer,
+    /// headers, control frames and heartbeats included (what the wire carries).
+    pub fn bytes_sent(&self) -> u64 {
+        self.world.inner.links.iter().flatten().map(|l| l.tx_bytes.load(std::sync::atomic::Ordering::Relaxed)).sum()
+    }
     pub fn world_size(&self) -> usize {
         self.world.inner.cfg.world_size
     }

@@ -59,17 +59,23 @@ pub(crate) struct Link {
     pub rx_paused: AtomicBool,
     pub last_rx_ms: AtomicU64,
     pub lost_why: Mutex<String>,
+    /// Bytes written to the stream (frame headers included).
+    pub tx_bytes: AtomicU64,
 }
 
 impl Link {
     /// Writes what is left of a frame (`header` then `payload`) after `written` bytes,
     /// without blocking: the one place a frame's bytes meet the socket.
     fn write_frame_rest(&self, header: &[u8; HEADER_BYTES], payload: &[u8], written: usize) -> std::io::Result<usize> {
-        if written < HEADER_BYTES {
+        let wrote = if written < HEADER_BYTES {
             (&self.stream).write_vectored(&[IoSlice::new(&header[written..]), IoSlice::new(payload)])
         } else {
             (&self.stream).write(&payload[written - HEADER_BYTES..])
+        };
+        if let Ok(n) = wrote {
+            self.tx_bytes.fetch_add(n as u64, Relaxed);
         }
+        wrote
     }
 }
 
@@ -267,6 +273,7 @@ impl Inner {
                         rx_paused: AtomicBool::new(false),
                         last_rx_ms: AtomicU64::new(0),
                         lost_why: Mutex::new(String::new()),
+                        tx_bytes: AtomicU64::new(0),
                     })
                 }
             });

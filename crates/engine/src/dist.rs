@@ -32,6 +32,10 @@ pub struct Placement {
     pub ep: usize,
     /// Layers per stage.
     pub pp_split: Vec<usize>,
+    /// With `ep` = the stage's size: each rank of a stage runs attention (and its KV
+    /// caches) for its own sequences only, and tokens visit the ranks of their experts
+    /// (`--dp-attention`; see [`Placement::slot_owner`]).
+    pub dp_attention: bool,
 }
 
 impl Placement {
@@ -78,11 +82,34 @@ impl Placement {
                 _ => {}
             }
         }
-        Ok(Placement { world, tp, pp, ep, pp_split })
+        Ok(Placement { world, tp, pp, ep, pp_split, dp_attention: false })
+    }
+
+    /// The same placement with data-parallel attention on or off: on needs expert
+    /// parallelism over the whole stage and no TP.
+    pub fn with_dp_attention(mut self, on: bool) -> Result<Placement, String> {
+        if on && (self.ep < 2 || self.tp != 1) {
+            return Err(format!(
+                "--dp-attention spreads sequences over the expert-parallel ranks of a stage: it needs --ep {} (the stage's ranks) and no --tp (got --tp {} --ep {})",
+                self.stage_size().max(2),
+                self.tp,
+                self.ep
+            ));
+        }
+        self.dp_attention = on;
+        Ok(self)
     }
 
     pub fn single(cfg: &ModelConfig) -> Placement {
-        Placement { world: 1, tp: 1, pp: 1, ep: 1, pp_split: vec![cfg.layers] }
+        Placement { world: 1, tp: 1, pp: 1, ep: 1, pp_split: vec![cfg.layers], dp_attention: false }
+    }
+
+    /// The position in its stage of the rank that holds sequence slot `slot` (its KV cache,
+    /// its attention): under data-parallel attention slots are dealt round the stage's
+    /// ranks in runs of `pp` (the scheduler deals slot `i` into micro-batch `i % pp`,
+    /// so every micro-batch spans every rank); otherwise every rank holds every slot (0).
+    pub fn slot_owner(&self, slot: usize) -> usize {
+        if self.dp_attention { (slot / self.pp) % self.stage_size() } else { 0 }
     }
 
     /// Ranks per pipeline stage.
@@ -108,12 +135,13 @@ impl Placement {
             _ => ExpertSplit::Width,
         };
         let (tp_rank, tp_size) = if self.tp > 1 { (i, g) } else { (0, 1) };
-        ShardSpec { tp_rank, tp_size, moe_rank: i, moe_size: g, experts, layers: self.stage_layers(stage), layers_total: cfg.layers }
+        ShardSpec { tp_rank, tp_size, moe_rank: i, moe_size: g, experts, dp_attention: self.dp_attention, layers: self.stage_layers(stage), layers_total: cfg.layers }
     }
 
     /// A stable text form every rank can compare.
     pub fn describe(&self) -> String {
-        format!("world {} = pp {} x {} (tp {}, ep {}), layers per stage {:?}", self.world, self.pp, self.stage_size(), self.tp, self.ep, self.pp_split)
+        let dp = if self.dp_attention { ", data-parallel attention" } else { "" };
+        format!("world {} = pp {} x {} (tp {}, ep {}{dp}), layers per stage {:?}", self.world, self.pp, self.stage_size(), self.tp, self.ep, self.pp_split)
     }
 }
 
@@ -168,6 +196,10 @@ impl Collectives for CommCollectives {
         let g = self.stage.as_ref().ok_or("broadcast without a stage group")?;
         g.broadcast(buf, root, &self.tag(layer, what)).map_err(|e| e.to_string())
     }
+    fn all_to_all_v(&self, _: CollGroup, send: &[f32], send_counts: &[usize], recv: &mut [f32], recv_counts: &[usize], layer: usize, what: &'static str) -> Result<(), String> {
+        let g = self.stage.as_ref().ok_or("all_to_all_v without a stage group")?;
+        g.all_to_all_v(send, send_counts, recv, recv_counts, &self.tag(layer, what)).map_err(|e| e.to_string())
+    }
 }
 
 /// Plan layout (u32 words): a fixed head, then (slot, tokens, logits-all) per chunk,
@@ -209,10 +241,12 @@ fn plan_digest(words: &[u32]) -> u32 {
 }
 
 /// A step the leader submitted and has not collected: its number and logits rows.
-#[derive(Clone, Copy)]
 struct InFlight {
     step: u32,
     rows: usize,
+    /// Data-parallel attention: each chunk's owner (position in the last stage) and
+    /// logits rows, in plan order (empty otherwise).
+    owners: Vec<[u32; 2]>,
 }
 
 /// One rank's runtime: its shard, its caches, its place in the pipeline.
@@ -226,8 +260,18 @@ pub struct Rank<'m> {
     stage: usize,
     pool: ThreadPool,
     ws: Workspace,
-    /// One KV cache per sequence slot.
+    /// One KV cache per sequence slot this rank holds (all of them, except under
+    /// data-parallel attention: those whose owner is this rank's position).
     caches: Vec<KvCache>,
+    /// Per slot: the index of its cache here (`usize::MAX`: another rank holds it).
+    local_slot: Vec<usize>,
+    /// Per slot: tokens its cache holds, as the plans say (the leader answers `cached`
+    /// for slots other ranks hold).
+    slot_len: Vec<usize>,
+    /// Leader under data-parallel attention: one other rank's logits rows.
+    logits_peer: LazyZeroed<f32>,
+    /// Leader: chunk tables of collected steps, kept for their allocation.
+    spare_owners: Vec<Vec<[u32; 2]>>,
     /// Pair groups by global ranks (pipeline links, last stage → leader).
     pairs: BTreeMap<(usize, usize), Group>,
     hidden_in: Vec<f32>,
@@ -247,6 +291,8 @@ pub struct Rank<'m> {
     in_flight: VecDeque<InFlight>,
     /// Leader only: every rank's profile, by rank, after `OP_PROFILE_GATHER`.
     profiles: Vec<Profile>,
+    /// `Communicator::bytes_sent` when profiling started.
+    sent_at_profile: u64,
     cfg: EngineConfig,
 }
 
@@ -296,6 +342,24 @@ impl<'m> Rank<'m> {
         if placement.pp > 1 && (rank == 0 || rank == last_lead) {
             pair(0, last_lead, &comm)?;
         }
+        // Data-parallel attention: every rank of the last stage returns its own rows.
+        if placement.dp_attention {
+            for r in (last_lead..placement.world).filter(|&r| r != 0) {
+                if rank == 0 || rank == r {
+                    pair(0, r, &comm)?;
+                }
+            }
+        }
+        let position = rank % g;
+        let slots = cfg.sequences_max;
+        let mut local_slot = vec![usize::MAX; slots];
+        let mut held = 0;
+        for (s, l) in local_slot.iter_mut().enumerate() {
+            if !placement.dp_attention || placement.slot_owner(s) == position {
+                *l = held;
+                held += 1;
+            }
+        }
         let limits = cfg.step_limits();
         let pool = ThreadPool::new(cfg.threads);
         let t = limits.tokens_per_step_max;
@@ -303,7 +367,11 @@ impl<'m> Rank<'m> {
         Ok(Rank {
             ws: model.new_workspace(limits, pool.n_threads()),
             // Untouched cache pages cost nothing until a sequence fills them.
-            caches: (0..cfg.sequences_max).map(|_| model.new_cache(limits, cfg.kv_cache)).collect(),
+            caches: (0..held).map(|_| model.new_cache(limits, cfg.kv_cache)).collect(),
+            local_slot,
+            slot_len: vec![0; slots],
+            logits_peer: LazyZeroed::new(if rank == 0 && placement.dp_attention { t * model.cfg.vocab } else { 0 }),
+            spare_owners: Vec::with_capacity(placement.pp),
             coll: CommCollectives { stage: stage_group, step: std::cell::Cell::new(0), tag: std::cell::RefCell::new(String::with_capacity(64)) },
             pairs,
             hidden_in: vec![0.0; t * model.stage_input_width()],
@@ -320,6 +388,7 @@ impl<'m> Rank<'m> {
             rank,
             stage,
             profiles: Vec::new(),
+            sent_at_profile: 0,
             comm,
             model,
             cfg,
@@ -448,30 +517,51 @@ impl<'m> Rank<'m> {
         Ok(())
     }
 
-    /// Runs this rank's stage of the current plan. The last stage's leading rank sends
-    /// the logits to the leader; on a single stage they stay in `self.logits`. Returns
-    /// the logits rows.
+    /// Runs this rank's stage of the current plan: every chunk, or under data-parallel
+    /// attention the chunks of the slots it holds (none: it serves its experts). The
+    /// last stage's leading rank sends the logits to the leader (under data-parallel
+    /// attention every rank of it sends its own rows); on a single stage the leader's
+    /// stay in `self.logits`. Returns the step's logits rows (all ranks' together).
     fn run_step(&mut self) -> Result<usize, EngineError> {
         let p = &self.plan;
         let step = p[PLAN_STEP];
-        let (nc, n) = (p[PLAN_CHUNKS] as usize, p[PLAN_TOKENS] as usize);
+        let nc = p[PLAN_CHUNKS] as usize;
         // Floats per token into and out of this stage (the hidden state; with attention
         // residuals also the block sums).
         let (w_in, w_out) = (self.model.stage_input_width(), self.model.stage_output_width());
         let v = self.model.cfg.vocab;
         let g = self.placement.stage_size();
         let last = self.stage + 1 == self.placement.pp;
+        let dp = self.placement.dp_attention;
         let mut chunks = recycle(std::mem::take(&mut self.chunk_buf));
         let mut at = PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * nc;
-        let mut rows = 0;
+        let (mut rows, mut local_rows, mut n) = (0, 0, 0);
+        let mut bad_slot = None;
         for c in p[PLAN_HEAD_WORDS..PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * nc].chunks(PLAN_CHUNK_WORDS) {
-            let (len, all) = (c[1] as usize, c[2] == 1);
-            rows += if all { len } else { 1 };
-            chunks.push(SeqChunk { cache: c[0] as usize, tokens: &p[at..at + len], logits: if all { LogitsFor::All } else { LogitsFor::Last } });
+            let (slot, len, all) = (c[0] as usize, c[1] as usize, c[2] == 1);
+            let r = if all { len } else { 1 };
+            rows += r;
+            match self.local_slot.get(slot) {
+                None => bad_slot = Some(slot),
+                Some(&l) if l != usize::MAX => {
+                    chunks.push(SeqChunk { cache: l, tokens: &p[at..at + len], logits: if all { LogitsFor::All } else { LogitsFor::Last } });
+                    local_rows += r;
+                    n += len;
+                }
+                Some(_) => {}
+            }
             at += len;
         }
         let mut tag = [0u8; TAG_BYTES_MAX];
         let result = (|| {
+            if let Some(slot) = bad_slot {
+                return Err(tessera_model::StepError::NoSuchCache { index: slot, caches: self.local_slot.len() }.into());
+            }
+            self.coll.step.set(step);
+            if chunks.is_empty() {
+                // Data-parallel attention, none of this rank's sequences in the step.
+                return self.model.serve_experts(&self.pool, &mut self.ws, &self.coll).map_err(EngineError::from);
+            }
             if self.stage > 0 {
                 let t0 = self.ws.clock();
                 let link = &self.pairs[&(self.rank - g, self.rank)];
@@ -481,25 +571,25 @@ impl<'m> Rank<'m> {
             let input = (self.stage > 0).then_some(&self.hidden_in[..n * w_in]);
             let last_lead = (self.placement.pp - 1) * g;
             // Only the last stage's lead passes logits on (to the leader, or it is the
-            // leader); the others compute them only where the head is split over them.
+            // leader); the others compute them only where the head is split over them,
+            // or for their own sequences.
             let output = if !last {
                 StageOutput::Hidden(&mut self.hidden_out[..n * w_out])
-            } else if self.rank == last_lead || self.placement.tp > 1 {
-                StageOutput::Logits(&mut self.logits[..rows * v])
+            } else if self.rank == last_lead || self.placement.tp > 1 || dp {
+                StageOutput::Logits(&mut self.logits[..local_rows * v])
             } else {
                 StageOutput::Discard
             };
-            self.coll.step.set(step);
             self.model.forward_stage(&self.pool, &mut self.ws, &mut self.caches, &chunks, StageIo { input, output }, &self.coll)?;
             let t0 = self.ws.clock();
             if !last {
                 let link = &self.pairs[&(self.rank, self.rank + g)];
                 link.send(&self.hidden_out[..n * w_out], 1, step_tag(&mut tag, "hidden", step)).map_err(dist_err)?;
             }
-            if self.placement.pp > 1 && self.rank == last_lead {
-                self.pairs[&(0, last_lead)].send(&self.logits[..rows * v], 0, step_tag(&mut tag, "logits", step)).map_err(dist_err)?;
+            if last && self.rank != 0 && (self.rank == last_lead || dp) {
+                self.pairs[&(0, self.rank)].send(&self.logits[..local_rows * v], 0, step_tag(&mut tag, "logits", step)).map_err(dist_err)?;
             }
-            if self.placement.pp > 1 {
+            if self.placement.pp > 1 || dp {
                 self.ws.charge(ProfileKind::Pipeline, t0, 0);
             }
             Ok::<_, EngineError>(())
@@ -508,25 +598,59 @@ impl<'m> Rank<'m> {
         result.map(|()| rows)
     }
 
+    /// Every rank's record of each slot's length, after the current plan ran.
+    fn note_lengths(&mut self) {
+        let p = &self.plan;
+        let nc = p[PLAN_CHUNKS] as usize;
+        let table = &p[PLAN_HEAD_WORDS..PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS * nc];
+        match p[PLAN_OP] {
+            OP_STEP => {
+                for c in table.chunks(PLAN_CHUNK_WORDS) {
+                    self.slot_len[c[0] as usize] += c[1] as usize;
+                }
+            }
+            OP_PREFIX => self.slot_len[p[PLAN_HEAD_WORDS] as usize] = p[PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS + 1] as usize,
+            _ => {}
+        }
+    }
+
     /// Runs the current plan's op on this rank (after passing it on).
     fn run_plan(&mut self) -> Result<Option<usize>, EngineError> {
         self.pass_plan_on()?;
+        let done = self.run_op();
+        if done.is_ok() {
+            self.note_lengths();
+        }
+        done
+    }
+
+    fn run_op(&mut self) -> Result<Option<usize>, EngineError> {
         match self.plan[PLAN_OP] {
             OP_STEP => self.run_step().map(Some),
             OP_PREFIX => {
                 let p = &self.plan;
                 let (to, from, len) = (p[PLAN_HEAD_WORDS] as usize, p[PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS] as usize, p[PLAN_HEAD_WORDS + PLAN_CHUNK_WORDS + 1] as usize);
-                crate::generate::keep_prefix(&mut self.caches, to, from, len, self.model.keeps_recurrent_state()).map_err(|e| dist_err(format!("rank {}: {e}", self.rank)))?;
+                let local = |s: usize| self.local_slot.get(s).copied().ok_or_else(|| dist_err(format!("rank {}: prefix plan names slot {s} of {}", self.rank, self.local_slot.len())));
+                let (to_here, from_here) = (local(to)?, local(from)?);
+                // Under data-parallel attention only the slots' rank holds their caches
+                // (the leader checked both are on one rank).
+                if to_here != usize::MAX && from_here != usize::MAX {
+                    crate::generate::keep_prefix(&mut self.caches, to_here, from_here, len, self.model.keeps_recurrent_state()).map_err(|e| dist_err(format!("rank {}: {e}", self.rank)))?;
+                } else if (to_here == usize::MAX) != (from_here == usize::MAX) {
+                    return Err(dist_err(format!("rank {}: a prefix from slot {from} to slot {to}, held by different ranks", self.rank)));
+                }
                 Ok(None)
             }
             OP_STOP => Ok(None),
             OP_PROFILE_START => {
                 self.ws.start_profile();
+                self.sent_at_profile = self.comm.bytes_sent();
                 Ok(None)
             }
             OP_PROFILE_GATHER => {
                 let mut mine = self.ws.take_profile().unwrap_or_default();
                 mine.resident_bytes = tessera_model::memory::resident_bytes().unwrap_or(0);
+                mine.sent_bytes = self.comm.bytes_sent() - self.sent_at_profile;
                 let mine = mine.to_bytes();
                 let mut all = vec![0u8; Profile::WIRE_BYTES * self.placement.world];
                 self.comm.all_gather(&mine, &mut all, "profiles").map_err(dist_err)?;
@@ -553,6 +677,38 @@ impl<'m> Rank<'m> {
     pub fn leader(self) -> DistLeader<'m> {
         assert_eq!(self.rank, 0, "only rank 0 leads");
         DistLeader { rank: Some(self) }
+    }
+
+    /// Leader under data-parallel attention: step `f`'s logits, each rank of the last
+    /// stage's rows (this rank's own in `self.logits`), in plan order into `out`.
+    fn gather_logits(&mut self, f: &InFlight, out: &mut [f32]) -> Result<(), EngineError> {
+        let v = self.model.cfg.vocab;
+        let g = self.placement.stage_size();
+        let base = (self.placement.pp - 1) * g;
+        let mut tag = [0u8; TAG_BYTES_MAX];
+        for o in 0..g {
+            let rows: usize = f.owners.iter().filter(|c| c[0] as usize == o).map(|c| c[1] as usize).sum();
+            if rows == 0 {
+                continue;
+            }
+            let from = base + o;
+            let src: &[f32] = if from == 0 {
+                &self.logits[..rows * v]
+            } else {
+                self.pairs[&(0, from)].recv(&mut self.logits_peer[..rows * v], 1, step_tag(&mut tag, "logits", f.step)).map_err(dist_err)?;
+                &self.logits_peer[..rows * v]
+            };
+            let (mut at, mut mine) = (0, 0);
+            for c in &f.owners {
+                let r = c[1] as usize;
+                if c[0] as usize == o {
+                    out[at * v..(at + r) * v].copy_from_slice(&src[mine * v..(mine + r) * v]);
+                    mine += r;
+                }
+                at += r;
+            }
+        }
+        Ok(())
     }
 
     /// Leader: decides a plan and starts it down the pipeline.
@@ -598,13 +754,16 @@ impl Stepper for DistLeader<'_> {
         self.r_ref().model.cfg.vocab
     }
     fn sequences_max(&self) -> usize {
-        self.r_ref().caches.len()
+        self.r_ref().slot_len.len()
     }
     fn tokens_per_step_max(&self) -> usize {
         self.r_ref().cfg.step_limits().tokens_per_step_max
     }
     fn cached(&self, seq: usize) -> usize {
-        self.r_ref().caches[seq].len()
+        self.r_ref().slot_len[seq]
+    }
+    fn slot_owner(&self, slot: usize) -> usize {
+        self.r_ref().placement.slot_owner(slot)
     }
     fn capacity(&self) -> usize {
         self.r_ref().cfg.context_max
@@ -618,7 +777,12 @@ impl Stepper for DistLeader<'_> {
     fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), EngineError> {
         let r = self.r();
         // Checked here first, so a bad call never reaches the followers.
-        crate::generate::check_prefix(&r.caches, to, from, len, r.model.keeps_recurrent_state())?;
+        crate::generate::check_prefix(r.slot_len.len(), |s| r.slot_len[s], to, from, len, r.model.keeps_recurrent_state())?;
+        if r.placement.slot_owner(to) != r.placement.slot_owner(from) {
+            return Err(EngineError::Config(format!(
+                "slot {to}: a prefix from slot {from}, which another rank holds (data-parallel attention keeps each slot's cache on one rank)"
+            )));
+        }
         let words = [from as u32, len as u32];
         r.lead(OP_PREFIX, &[SeqChunk { cache: to, tokens: &words, logits: LogitsFor::Last }])?;
         Ok(())
@@ -635,8 +799,14 @@ impl Stepper for DistLeader<'_> {
         }
         let step = r.step_no;
         let rows = crate::generate::logit_rows(chunks);
+        let mut owners = r.spare_owners.pop().unwrap_or_default();
+        owners.clear();
+        if r.placement.dp_attention {
+            let rows_of = |c: &SeqChunk| if c.logits == LogitsFor::All { c.tokens.len() } else { 1 };
+            owners.extend(chunks.iter().map(|c| [r.placement.slot_owner(c.cache) as u32, rows_of(c) as u32]));
+        }
         r.lead(OP_STEP, chunks)?;
-        r.in_flight.push_back(InFlight { step, rows });
+        r.in_flight.push_back(InFlight { step, rows, owners });
         Ok(())
     }
     fn start_profile(&mut self) -> Result<(), EngineError> {
@@ -658,7 +828,13 @@ impl Stepper for DistLeader<'_> {
         if logits.len() < n {
             return Err(tessera_model::StepError::LogitsBuffer { got: logits.len(), need: n }.into());
         }
-        if r.placement.pp > 1 {
+        if r.placement.dp_attention {
+            let t0 = r.ws.clock();
+            let done = r.gather_logits(&f, &mut logits[..n]);
+            r.ws.charge(ProfileKind::Pipeline, t0, 0);
+            r.spare_owners.push(f.owners);
+            done?;
+        } else if r.placement.pp > 1 {
             // The leader waits here for the later stages: charged as pipeline time.
             let t0 = r.ws.clock();
             let mut tag = [0u8; TAG_BYTES_MAX];

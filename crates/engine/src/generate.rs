@@ -131,6 +131,12 @@ pub trait Stepper {
     /// of it (a model with recurrent state: Kimi Linear's KDA layers). Then
     /// [`Self::keep_prefix`] takes `len` = 0 or all `from` holds.
     fn prefix_whole_only(&self) -> bool;
+    /// The rank (position in its pipeline stage) that holds slot `slot`'s cache: 0 but
+    /// under data-parallel attention, where the scheduler puts a new sequence on the
+    /// least-loaded rank and copies a prefix only between slots of one rank.
+    fn slot_owner(&self, _slot: usize) -> usize {
+        0
+    }
     /// Forget slot `seq`'s sequence (a new one starts there).
     fn reset(&mut self, seq: usize) -> Result<(), EngineError> {
         self.keep_prefix(seq, seq, 0)
@@ -378,7 +384,7 @@ impl<'m> Generator<'m> {
 
 /// [`Stepper::keep_prefix`] on one process's caches (every rank runs it on its own).
 pub(crate) fn keep_prefix(caches: &mut [KvCache], to: usize, from: usize, len: usize, whole_only: bool) -> Result<(), EngineError> {
-    check_prefix(caches, to, from, len, whole_only)?;
+    check_prefix(caches.len(), |s| caches[s].len(), to, from, len, whole_only)?;
     if to == from {
         return caches[to].truncate(len).map_err(|why| EngineError::Config(format!("slot {to}: {why}")));
     }
@@ -392,18 +398,18 @@ pub(crate) fn keep_prefix(caches: &mut [KvCache], to: usize, from: usize, len: u
     dst.copy_prefix(src, len).map_err(|why| EngineError::Config(format!("slot {to} from slot {from}: {why}")))
 }
 
-/// Whether [`Stepper::keep_prefix`]`(to, from, len)` can run on `caches`: both slots exist
-/// and `from` holds `len` tokens (all of them or none when `whole_only`: the model's, so
-/// that every rank answers alike whichever layers it holds).
-pub(crate) fn check_prefix(caches: &[KvCache], to: usize, from: usize, len: usize, whole_only: bool) -> Result<(), EngineError> {
-    let n = caches.len();
+/// Whether [`Stepper::keep_prefix`]`(to, from, len)` can run on `n` slots whose caches
+/// hold `held(slot)` tokens: both slots exist and `from` holds `len` tokens (all of them
+/// or none when `whole_only`: the model's, so that every rank answers alike whichever
+/// layers it holds).
+pub(crate) fn check_prefix(n: usize, held: impl Fn(usize) -> usize, to: usize, from: usize, len: usize, whole_only: bool) -> Result<(), EngineError> {
     if let Some(&slot) = [to, from].iter().find(|&&s| s >= n) {
         return Err(StepError::NoSuchCache { index: slot, caches: n }.into());
     }
-    if len > caches[from].len() {
-        return Err(EngineError::Config(format!("slot {to}: a prefix of {len} tokens from slot {from}, which holds {}", caches[from].len())));
+    let held = held(from);
+    if len > held {
+        return Err(EngineError::Config(format!("slot {to}: a prefix of {len} tokens from slot {from}, which holds {held}")));
     }
-    let held = caches[from].len();
     if whole_only && len != 0 && len != held {
         return Err(EngineError::Config(format!(
             "slot {to}: a prefix of {len} of the {held} tokens slot {from} holds, but this model's KDA layers keep a recurrent state that stands only for all of them"

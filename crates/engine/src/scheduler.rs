@@ -173,6 +173,8 @@ struct Planned {
 /// Requests in slots and in the queue, and the steps in flight.
 pub struct Scheduler {
     slots: Vec<Slot>,
+    /// Per slot, the rank holding its cache ([`Stepper::slot_owner`]).
+    owner: Vec<usize>,
     waiting: VecDeque<Waiting>,
     waiting_prompt_tokens: usize,
     /// Choices that finished without a slot (cancelled while waiting, or nothing to
@@ -225,6 +227,7 @@ impl Scheduler {
         let cache = CacheConfig { kv_tokens_max: cache.kv_tokens_max.min(n * stepper.capacity()), ..cache };
         Scheduler {
             slots: (0..n).map(|_| Slot::default()).collect(),
+            owner: (0..n).map(|i| stepper.slot_owner(i)).collect(),
             waiting: VecDeque::with_capacity(limits.requests_max.min(1 << 16)),
             waiting_prompt_tokens: 0,
             finished_waiting: Vec::new(),
@@ -509,18 +512,37 @@ impl Scheduler {
             }
             // The slot sharing the longest prefix, and where this choice runs.
             let (prompt, hashes) = (&w.request.prompt, &w.hashes);
-            let (src, hit) = (0..self.slots.len()).map(|i| (i, self.shared_prefix(i, prompt, hashes))).max_by_key(|&(i, m)| (m, self.slots[i].seq.is_none())).unwrap_or((0, 0));
+            let (src, mut hit) = (0..self.slots.len()).map(|i| (i, self.shared_prefix(i, prompt, hashes))).max_by_key(|&(i, m)| (m, self.slots[i].seq.is_none())).unwrap_or((0, 0));
             let usable = |s: &Scheduler, i: usize| s.slots[i].seq.is_none() && !s.group_in_flight(i);
-            // A free slot: an empty one, else the least recently used kept one.
-            let free = (0..self.slots.len()).filter(|&i| usable(self, i)).min_by_key(|&i| (!self.slots[i].shared.is_empty(), self.slots[i].used));
+            // Sequences running on rank `o` (data-parallel attention: the least loaded
+            // rank takes the next one; elsewhere every slot is rank 0's).
+            let load = |s: &Scheduler, o: usize| (0..s.slots.len()).filter(|&i| s.owner[i] == o && s.slots[i].seq.is_some()).count();
+            // A free slot: on the least loaded rank, an empty one, else the least recently
+            // used kept one.
+            let pick = |s: &Scheduler, ok: &dyn Fn(usize) -> bool| {
+                (0..s.slots.len()).filter(|&i| usable(s, i) && ok(i)).min_by_key(|&i| (load(s, s.owner[i]), !s.slots[i].shared.is_empty(), s.slots[i].used))
+            };
+            let free = pick(self, &|_| true);
             // In place when the source is free and loses nothing, or is the slot to give up
             // anyway; else a copy, so the source's longer sequence (a conversation's
-            // earlier turn) stays for its own next turn.
+            // earlier turn) stays for its own next turn. A copy stays on the source's rank;
+            // with no slot free there, the prompt runs in full on another.
             let in_place = hit > 0 && usable(self, src) && (hit == self.slots[src].shared.len() || free == Some(src));
             let dest = if in_place {
                 Some(src)
+            } else if hit > 0 {
+                match pick(self, &|i| i != src && self.owner[i] == self.owner[src]) {
+                    Some(d) => Some(d),
+                    None => {
+                        let elsewhere = pick(self, &|i| i != src);
+                        if elsewhere.is_some() {
+                            hit = 0;
+                        }
+                        elsewhere
+                    }
+                }
             } else {
-                (0..self.slots.len()).filter(|&i| usable(self, i) && (hit == 0 || i != src)).min_by_key(|&i| (!self.slots[i].shared.is_empty(), self.slots[i].used))
+                free
             };
             let Some(dest) = dest else { break };
             // Memory: evict kept slots (least recently used first) until it fits.

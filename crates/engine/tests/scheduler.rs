@@ -433,3 +433,97 @@ fn a_recurrent_state_is_reused_only_whole() {
     stepper.keep_prefix(1, 0, a.len()).unwrap();
     stepper.keep_prefix(0, 0, 0).unwrap();
 }
+
+/// A stepper whose slots live on two ranks (slots 0–2 on rank 0, 3–5 on rank 1), as under
+/// data-parallel attention: a prefix copy between ranks is refused, and every step's
+/// slots are recorded.
+struct TwoRanks<'m> {
+    inner: Box<dyn Stepper + 'm>,
+    steps: Vec<Vec<usize>>,
+}
+
+impl Stepper for TwoRanks<'_> {
+    fn vocab(&self) -> usize {
+        self.inner.vocab()
+    }
+    fn sequences_max(&self) -> usize {
+        self.inner.sequences_max()
+    }
+    fn tokens_per_step_max(&self) -> usize {
+        self.inner.tokens_per_step_max()
+    }
+    fn cached(&self, seq: usize) -> usize {
+        self.inner.cached(seq)
+    }
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+    fn in_flight_max(&self) -> usize {
+        self.inner.in_flight_max()
+    }
+    fn slot_owner(&self, slot: usize) -> usize {
+        slot / 3
+    }
+    fn keep_prefix(&mut self, to: usize, from: usize, len: usize) -> Result<(), tessera_engine::EngineError> {
+        assert!(to / 3 == from / 3 || len == 0, "a prefix copied from slot {from} to slot {to}: another rank's");
+        self.inner.keep_prefix(to, from, len)
+    }
+    fn prefix_whole_only(&self) -> bool {
+        self.inner.prefix_whole_only()
+    }
+    fn submit(&mut self, chunks: &[tessera_model::SeqChunk<'_>]) -> Result<(), tessera_engine::EngineError> {
+        self.steps.push(chunks.iter().map(|c| c.cache).collect());
+        self.inner.submit(chunks)
+    }
+    fn collect(&mut self, logits: &mut [f32]) -> Result<usize, tessera_engine::EngineError> {
+        self.inner.collect(logits)
+    }
+    fn start_profile(&mut self) -> Result<(), tessera_engine::EngineError> {
+        self.inner.start_profile()
+    }
+    fn take_profiles(&mut self) -> Result<Vec<tessera_model::Profile>, tessera_engine::EngineError> {
+        self.inner.take_profiles()
+    }
+}
+
+/// Data-parallel attention's scheduling: new sequences go to the least-loaded rank (four
+/// requests at once on 6 slots of 2 ranks: two on each, not slots 0–3, three of them on
+/// rank 0), and a prefix is copied only between slots of one rank (a stepper that holds
+/// each slot on one rank refuses anything else); every output is its run alone.
+#[test]
+fn sequences_spread_over_ranks_and_prefixes_stay_on_theirs() {
+    let m = model();
+    let ps = prompts();
+    let cfg = EngineConfig { threads: 1, prefill_chunk: 5, context_max: 128, sequences_max: 6, kv_cache: KvDtype::F32 };
+    let queue = QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 };
+    let cache = CacheConfig { kv_tokens_max: usize::MAX, prefix_block_tokens: 4 };
+
+    let mut two = TwoRanks { inner: Box::new(tessera_engine::LocalStepper::new(&m, &cfg)), steps: Vec::new() };
+    let mut sched = Scheduler::new(&two, queue, cache, &[]);
+    let later: Vec<(usize, u64, Request)> = (0..4).map(|i| (0, i as u64, request(&ps[i], 6))).collect();
+    let (done, _) = run_all(&mut two, &mut sched, later);
+    let mut used: Vec<usize> = two.steps.iter().flatten().copied().collect();
+    used.sort_unstable();
+    used.dedup();
+    assert_eq!(used.len(), 4, "four requests, four slots: {used:?}");
+    assert_eq!(used.iter().filter(|&&s| s < 3).count(), 2, "two sequences on each rank: {used:?}");
+    for i in 0..4 {
+        assert_eq!(done[&(i as u64, 0)].ids, alone(&m, &ps[i], 6), "request {i} differs from its run alone");
+    }
+
+    // A prompt sharing only the first tokens of a finished one, which ran on rank 1 (its
+    // slot keeps all of it): copied into another slot of rank 1, though rank 0 is the
+    // less loaded then. Admitted in order m1 (rank 0), f (rank 1), m2 (0), m3 (1); m1
+    // and m2 are done and m3 still runs when `part` comes.
+    let f = ps[4].clone();
+    let part = [&f[..12], &[60, 61, 62]].concat();
+    let (m1, m2, m3) = (request(&ps[0], 4), request(&ps[1], 4), request(&ps[3], 60));
+    let mut two = TwoRanks { inner: Box::new(tessera_engine::LocalStepper::new(&m, &cfg)), steps: Vec::new() };
+    let mut sched = Scheduler::new(&two, queue, cache, &[]);
+    let later = vec![(40, 1, request(&part, 6)), (0, 5, m3), (0, 4, m2), (0, 0, request(&f, 6)), (0, 3, m1)];
+    let (done, _) = run_all(&mut two, &mut sched, later);
+    for (id, p, k) in [(0u64, &f, 6), (1, &part, 6), (3, &ps[0], 4), (4, &ps[1], 4), (5, &ps[3], 60)] {
+        assert_eq!(done[&(id, 0)].ids, alone(&m, p, k), "request {id} differs from its run alone");
+    }
+    assert_eq!(done[&(1, 0)].stats.cached_tokens, 12, "the shared blocks are reused");
+}

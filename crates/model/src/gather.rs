@@ -126,6 +126,9 @@ mod tests {
         fn broadcast(&self, _: CollGroup, _: usize, _: &mut [f32], _: usize, _: &'static str) -> Result<(), String> {
             unreachable!()
         }
+        fn all_to_all_v(&self, _: CollGroup, _: &[f32], _: &[usize], _: &mut [f32], _: &[usize], _: usize, _: &'static str) -> Result<(), String> {
+            unreachable!()
+        }
     }
 
     #[test]

@@ -24,7 +24,7 @@ use crate::load::{place_in_arena, vector, Loader, RecordedTensor, Sel};
 use crate::memory::{huge_pages_wanted, WeightBuffer};
 use crate::profile::ProfileKind;
 use crate::shard::{output_rows, split, CollGroup, Collectives, ExpertSplit, ShardSpec};
-use crate::step::{LogitsFor, Run, SeqChunk, StageIo, StageOutput, StepError, StepLimits, Workspace, PER_TOKEN_PARALLEL_MIN};
+use crate::step::{DispatchBuffers, LogitsFor, Run, SeqChunk, StageIo, StageOutput, StepError, StepLimits, Workspace, PER_TOKEN_PARALLEL_MIN};
 use std::ops::Range;
 use std::sync::Arc;
 use tessera_kernels::{matmul_streaming, ops, scalar, Isa, KvElem, KvQ8, MatmulScratch, ThreadPool, WeightFormat, ATTEND_GROUP_MAX, KV_Q8_HEAD_DIM_MAX};
@@ -120,6 +120,12 @@ impl Model {
             if owned.end > e || (owned.is_empty() && e > 0) {
                 return Err(bad(format!("experts {owned:?} of {e}")));
             }
+            // Data-parallel attention's members find each expert's holder by this split.
+            if spec.dp_attention && (*owned != split(e, spec.moe_rank, spec.moe_size) || spec.tp_size != 1) {
+                return Err(bad(format!("data-parallel attention needs experts split evenly and no TP: member {} of {} holds {owned:?} (TP {})", spec.moe_rank, spec.moe_size, spec.tp_size)));
+            }
+        } else if spec.dp_attention {
+            return Err(bad("data-parallel attention needs whole experts on each member (EP)".into()));
         }
         let ld = Loader {
             c: &ckpt,
@@ -563,6 +569,14 @@ impl Model {
             logits_part: vec![0.0; head_rows * vmax],
             logits_gather: vec![0.0; head_rows * vmax * tp_gather],
             gather: Default::default(),
+            dispatch: match (&self.spec.experts, moe) {
+                (ExpertSplit::Experts { .. }, Some(m)) if self.spec.dp_attention => {
+                    let g = self.spec.moe_size;
+                    let owner = (0..m.experts).map(|e| (0..g).find(|&j| split(m.experts, j, g).contains(&e)).expect("every expert has a member") as u32).collect();
+                    Some(DispatchBuffers::new(t, m.top_k, moe_width, owner, g))
+                }
+                _ => None,
+            },
             profile: None,
             dump: crate::dump::Dump::from_env(&self.spec),
             bytes_read: 0,
@@ -581,6 +595,22 @@ impl Model {
     ) -> std::result::Result<(), StepError> {
         let chunk = [SeqChunk { cache: 0, tokens, logits: want }];
         self.forward_batch(pool, ws, std::slice::from_mut(cache), &chunk, logits)
+    }
+
+    /// Data-parallel attention, a step with none of this member's tokens: takes part in
+    /// every MoE layer's exchange of its stage, in layer order, running its experts for
+    /// the other members' tokens (`ffn/dispatch`). No other block communicates there.
+    pub fn serve_experts(&self, pool: &ThreadPool, ws: &mut Workspace, coll: &dyn Collectives) -> std::result::Result<(), StepError> {
+        if !self.spec.dp_attention {
+            return Err(StepError::Empty);
+        }
+        let run = Run { pool, isa: self.isa, ckpt: &self.ckpt, cfg: &self.cfg, n: 0, chunks: &[], coll, spec: &self.spec };
+        for (layer, li) in self.layers.iter().zip(self.spec.layers.clone()) {
+            if let Ffn::Moe(m) = &layer.ffn {
+                m.forward_dispatched(&run, ws, li)?;
+            }
+        }
+        Ok(())
     }
 
     /// One step over several sequences at once (batched decode, or a prefill chunk

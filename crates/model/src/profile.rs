@@ -62,12 +62,15 @@ pub struct Profile {
     pub steps: u64,
     /// The rank's resident memory when the profile was taken (0: unknown).
     pub resident_bytes: u64,
+    /// Bytes the rank wrote to its sockets while profiling: every frame (data, plans,
+    /// heartbeats) with its header. 0 in one process.
+    pub sent_bytes: u64,
 }
 
 impl Profile {
-    /// Size of [`Profile::to_bytes`]: five counters per kind, then the step count and the
-    /// resident bytes.
-    pub const WIRE_BYTES: usize = (5 * ProfileKind::ALL.len() + 2) * 8;
+    /// Size of [`Profile::to_bytes`]: five counters per kind, then the step count, the
+    /// resident bytes and the bytes sent.
+    pub const WIRE_BYTES: usize = (5 * ProfileKind::ALL.len() + 3) * 8;
 
     #[inline]
     pub(crate) fn add(&mut self, kind: ProfileKind, since: std::time::Instant, bytes: usize, macs: [u64; 2]) {
@@ -80,11 +83,11 @@ impl Profile {
     }
 
     /// Little-endian u64s: nanos, bytes, calls, int8 and f32 multiply-adds per kind,
-    /// then steps and resident bytes (to gather the ranks' profiles on rank 0).
+    /// then steps, resident bytes and bytes sent (to gather the ranks' profiles on rank 0).
     pub fn to_bytes(&self) -> [u8; Profile::WIRE_BYTES] {
         let mut out = [0u8; Profile::WIRE_BYTES];
         let (int8, f32) = (self.macs.map(|m| m[0]), self.macs.map(|m| m[1]));
-        let words = self.nanos.iter().chain(&self.bytes).chain(&self.calls).chain(&int8).chain(&f32).chain([&self.steps, &self.resident_bytes]);
+        let words = self.nanos.iter().chain(&self.bytes).chain(&self.calls).chain(&int8).chain(&f32).chain([&self.steps, &self.resident_bytes, &self.sent_bytes]);
         for (chunk, w) in out.chunks_exact_mut(8).zip(words) {
             chunk.copy_from_slice(&w.to_le_bytes());
         }
@@ -106,6 +109,7 @@ impl Profile {
         }
         p.steps = words.next().expect("sized above");
         p.resident_bytes = words.next().expect("sized above");
+        p.sent_bytes = words.next().expect("sized above");
         Some(p)
     }
 }

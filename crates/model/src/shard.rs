@@ -31,6 +31,10 @@ pub trait Collectives {
     fn recv(&self, group: CollGroup, peer: usize, buf: &mut [f32], layer: usize, what: &'static str) -> Result<(), String>;
     /// Member `root`'s `buf` into every member's.
     fn broadcast(&self, group: CollGroup, root: usize, buf: &mut [f32], layer: usize, what: &'static str) -> Result<(), String>;
+    /// Member i sends `send_counts[j]` values (consecutive in `send`, members in order)
+    /// to member j and receives `recv_counts[j]` from it into `recv`; counts may be 0.
+    #[allow(clippy::too_many_arguments)] // MPI's all-to-all-v: buffers, counts, and where in the step
+    fn all_to_all_v(&self, group: CollGroup, send: &[f32], send_counts: &[usize], recv: &mut [f32], recv_counts: &[usize], layer: usize, what: &'static str) -> Result<(), String>;
 }
 
 /// A single rank: nothing to communicate.
@@ -56,6 +60,13 @@ impl Collectives for Alone {
     fn broadcast(&self, _: CollGroup, _: usize, _: &mut [f32], _: usize, _: &'static str) -> Result<(), String> {
         Ok(())
     }
+    fn all_to_all_v(&self, _: CollGroup, send: &[f32], send_counts: &[usize], recv: &mut [f32], recv_counts: &[usize], _: usize, what: &'static str) -> Result<(), String> {
+        if send_counts != [send.len()] || recv_counts != [recv.len()] || send.len() != recv.len() {
+            return Err(format!("{what}: all-to-all of a group of one with counts {send_counts:?} / {recv_counts:?}"));
+        }
+        recv.copy_from_slice(send);
+        Ok(())
+    }
 }
 
 /// How MoE layers are split across the MoE group.
@@ -78,6 +89,10 @@ pub struct ShardSpec {
     pub moe_rank: usize,
     pub moe_size: usize,
     pub experts: ExpertSplit,
+    /// Data-parallel attention (with `Experts`): each member of the MoE group runs
+    /// embedding, attention, dense layers and shared experts whole for its own sequences,
+    /// and its tokens visit the members holding their experts (`ffn/dispatch`).
+    pub dp_attention: bool,
     /// The pipeline stage's layers.
     pub layers: Range<usize>,
     /// Total layers of the model (to know whether this stage is first / last).
@@ -87,7 +102,7 @@ pub struct ShardSpec {
 impl ShardSpec {
     /// The whole model on one rank.
     pub fn whole(layers: usize) -> ShardSpec {
-        ShardSpec { tp_rank: 0, tp_size: 1, moe_rank: 0, moe_size: 1, experts: ExpertSplit::Width, layers: 0..layers, layers_total: layers }
+        ShardSpec { tp_rank: 0, tp_size: 1, moe_rank: 0, moe_size: 1, experts: ExpertSplit::Width, dp_attention: false, layers: 0..layers, layers_total: layers }
     }
     pub fn is_whole(&self) -> bool {
         self.tp_size == 1 && self.moe_size == 1 && self.layers == (0..self.layers_total)

@@ -144,6 +144,8 @@ pub struct Workspace {
     pub(crate) logits_gather: Vec<f32>,
     /// Buffers of the gathers of split layers (`crate::gather`).
     pub(crate) gather: Gather,
+    /// Data-parallel attention's expert exchange (`crate::ffn::dispatch`).
+    pub(crate) dispatch: Option<DispatchBuffers>,
     pub(crate) profile: Option<Profile>,
     /// `TESSERA_DUMP_DIR`: where each layer's block outputs are appended (debugging).
     pub(crate) dump: Option<crate::dump::Dump>,
@@ -152,6 +154,65 @@ pub struct Workspace {
     pub(crate) bytes_read: u64,
 }
 
+
+/// What a member of the MoE group needs to send its tokens to the experts' members and
+/// take the outputs back (`crate::ffn::dispatch`), sized at load: the step's tokens
+/// `T`, `top_k` slots each, rows `d` wide (the experts' width), `g` members.
+pub(crate) struct DispatchBuffers {
+    /// Which member holds expert `e`.
+    pub(crate) owner: Vec<u32>,
+    /// Per member: rows and slots this member sends it; a scratch mark per member.
+    pub(crate) rows_to: Vec<usize>,
+    pub(crate) slots_to: Vec<usize>,
+    pub(crate) mark: Vec<usize>,
+    /// This member's counts (rows then slots, per member) and every member's (`g × 2g`).
+    pub(crate) counts: Vec<f32>,
+    pub(crate) counts_all: Vec<f32>,
+    pub(crate) send_counts: Vec<usize>,
+    pub(crate) recv_counts: Vec<usize>,
+    /// Outgoing and incoming messages: slot tables and rows, then the slots' outputs.
+    pub(crate) send: Vec<f32>,
+    pub(crate) recv: Vec<f32>,
+    /// The rows this member's experts run on: its own tokens', then those that came.
+    pub(crate) rows: Vec<f32>,
+    /// Per slot of this member's experts: its output (when not fused) and where it goes.
+    pub(crate) out: Vec<f32>,
+    pub(crate) back: Vec<u32>,
+    /// Per slot of this member's tokens (`t · top_k + j`): where its output is.
+    pub(crate) home: Vec<u32>,
+    pub(crate) order: Vec<u32>,
+}
+
+impl DispatchBuffers {
+    pub(crate) fn new(tokens: usize, top_k: usize, width: usize, owner: Vec<u32>, members: usize) -> DispatchBuffers {
+        let slots = tokens * top_k;
+        // Dispatch: slot tables (2 values a slot) and at most one row per token and
+        // other member; combine: one row per slot.
+        let message = (2 * slots + tokens * top_k.min(members.saturating_sub(1)) * width).max(slots * width);
+        DispatchBuffers {
+            owner,
+            rows_to: vec![0; members],
+            slots_to: vec![0; members],
+            mark: vec![0; members],
+            counts: vec![0.0; 2 * members],
+            counts_all: vec![0.0; 2 * members * members],
+            send_counts: vec![0; members],
+            recv_counts: vec![0; members],
+            send: vec![0.0; message],
+            recv: vec![0.0; message],
+            rows: vec![0.0; tokens * width],
+            out: vec![0.0; slots * width],
+            back: vec![0; slots],
+            home: vec![0; slots],
+            order: vec![0; slots],
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        4 * (self.owner.len() + self.counts.len() + self.counts_all.len() + self.send.len() + self.recv.len() + self.rows.len() + self.out.len() + self.back.len() + self.home.len() + self.order.len())
+            + 8 * (self.rows_to.len() + self.slots_to.len() + self.mark.len() + self.send_counts.len() + self.recv_counts.len())
+    }
+}
 
 /// A pipeline stage's input and output for one step.
 pub struct StageIo<'a> {
@@ -241,6 +302,7 @@ impl Workspace {
             + b(&self.tok_chunk)
             + b(&self.tok_pos)
             + b(&self.chunk_start)
+            + self.dispatch.as_ref().map_or(0, DispatchBuffers::bytes)
     }
 
     /// Starts collecting a [`Profile`] of every following step (replacing any).

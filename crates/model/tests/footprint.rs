@@ -27,12 +27,12 @@ fn specs(cfg: &ModelConfig) -> Vec<ShardSpec> {
     let mut out = vec![ShardSpec::whole(l)];
     for n in [2, 3] {
         for r in 0..n {
-            out.push(ShardSpec { tp_rank: r, tp_size: n, moe_rank: r, moe_size: n, experts: ExpertSplit::Width, layers: 0..l, layers_total: l });
+            out.push(ShardSpec { tp_rank: r, tp_size: n, moe_rank: r, moe_size: n, experts: ExpertSplit::Width, dp_attention: false, layers: 0..l, layers_total: l });
         }
     }
     if let Some(m) = &cfg.moe {
         for r in 0..2 {
-            out.push(ShardSpec { tp_rank: 0, tp_size: 1, moe_rank: r, moe_size: 2, experts: ExpertSplit::Experts { owned: split(m.experts, r, 2) }, layers: 0..l, layers_total: l });
+            out.push(ShardSpec { tp_rank: 0, tp_size: 1, moe_rank: r, moe_size: 2, experts: ExpertSplit::Experts { owned: split(m.experts, r, 2) }, dp_attention: false, layers: 0..l, layers_total: l });
         }
     }
     if l >= 2 {

@@ -55,7 +55,7 @@ fn check_with(name: &str, n: usize, ep: bool, even: bool) {
             _ => ExpertSplit::Width,
         };
         let (tp_rank, tp_size) = if ep { (0, 1) } else { (r, n) };
-        let spec = ShardSpec { tp_rank, tp_size, moe_rank: r, moe_size: n, experts, layers: 0..cfg.layers, layers_total: cfg.layers };
+        let spec = ShardSpec { tp_rank, tp_size, moe_rank: r, moe_size: n, experts, dp_attention: false, layers: 0..cfg.layers, layers_total: cfg.layers };
         let shard = Model::load_shard(Arc::clone(&ckpt), cfg.clone(), spec).unwrap();
         let read = shard.bytes_loaded();
         eprintln!("{name} rank {r}/{n} (ep {ep}): read {read} of {total} bytes (bound {bound})");

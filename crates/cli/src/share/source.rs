@@ -10,7 +10,6 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera_comm::Group;
-use tessera_engine::Placement;
 use tessera_model::{Checkpoint, ModelConfig};
 
 /// Ranks other than `source`, in order: the chain's links.
@@ -69,7 +68,7 @@ pub(super) fn send_all(g: &Group, a: &ShareArgs, me: usize, world: usize, out: &
         let ckpt = Checkpoint::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
         let cfg = ModelConfig::from_checkpoint(&ckpt)?;
         let p = &a.placement;
-        Some(Placement::new(world, p.tp, p.pp, p.ep, p.pp_split.clone(), &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?)
+        Some(p.placement(world, &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?)
     };
     let mut faults = Some(Faults::from_env());
     for r in 0..world {

@@ -1,6 +1,7 @@
 //! Feed-forward blocks, one file each: the dense SwiGLU MLP (`mlp`) and the sparse MoE
-//! (`moe`, with its routing in `routing`). A new kind is a new file and one arm of [`Ffn`].
+//! (`moe`, with its routing in `routing`, and `dispatch`: its experts' exchange under data-parallel attention). A new kind is a new file and one arm of [`Ffn`].
 
+pub(crate) mod dispatch;
 pub(crate) mod mlp;
 pub(crate) mod moe;
 pub mod routing;

@@ -177,7 +177,9 @@ impl Moe {
             down,
             shared: (m.shared_width > 0)
                 .then(|| {
-                    let parts = MlpParts { group: CollGroup::Moe, rank: spec.moe_rank, ranks: spec.moe_size, width: m.shared_width, hidden: h };
+                    // Where the tokens are: whole on each member under data-parallel attention.
+                    let (rank, ranks) = if spec.dp_attention { (0, 1) } else { (spec.moe_rank, spec.moe_size) };
+                    let parts = MlpParts { group: CollGroup::Moe, rank, ranks, width: m.shared_width, hidden: h };
                     Mlp::load(ld, &format!("{prefix}.shared_experts"), false, parts)
                 })
                 .transpose()?,
@@ -188,7 +190,9 @@ impl Moe {
     /// active expert's gate and up, then every down) instead of two per expert; each
     /// slot's output (this member's `hidden` columns of it) lands in `ws.moe_proj`, in
     /// slot order from slot `s0`. Returns the expert bytes read and `s0..s1`.
-    fn experts_fused(&self, run: &Run, ws: &mut Workspace, layer: usize, width_split: bool) -> std::result::Result<(usize, Range<usize>), StepError> {
+    /// `rows`: the rows the slots index (those that came to this member, see
+    /// `ffn/dispatch`); `None`: the step's own tokens.
+    pub(crate) fn experts_fused(&self, run: &Run, ws: &mut Workspace, layer: usize, width_split: bool, rows: Option<&[f32]>) -> std::result::Result<(usize, Range<usize>), StepError> {
         let h = self.expert_dim(run);
         let width = self.gate.first().map_or(0, |l| l.rows);
         let hw = self.down.first().map_or(0, |l| l.rows);
@@ -199,7 +203,11 @@ impl Moe {
         let Some(&last) = active.last() else { return Ok((0, 0..0)) };
         // Slots of this rank's experts are contiguous in expert order.
         let (s0, s1) = (starts[active[0] as usize], starts[last as usize + 1]);
-        let src = if self.latent.is_some() { &ws.moe_latent } else { &ws.xn };
+        let src = match rows {
+            Some(r) => r,
+            None if self.latent.is_some() => &ws.moe_latent,
+            None => &ws.xn,
+        };
         for (j, &(t, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
             let t = t as usize;
             ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&src[t * h..(t + 1) * h]);
@@ -241,17 +249,16 @@ impl Moe {
     /// slots to the running sums of members before it, the last broadcasts them), since
     /// one node adds the slots in expert order and members hold ascending expert ranges.
     /// Width of the routed experts' input and output: the latent space's, or the model's.
-    fn expert_dim(&self, run: &Run) -> usize {
+    pub(crate) fn expert_dim(&self, run: &Run) -> usize {
         self.latent.as_ref().map_or(run.cfg.hidden, |l| l.down.rows)
     }
 
-    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, layer: usize) -> std::result::Result<(), StepError> {
+    /// The router over the step's `ws.xn` rows: each token's `top_k` experts and weights
+    /// in `ws.route_ids` / `ws.route_weights` (and K3's latent rows in `ws.moe_latent`).
+    pub(crate) fn route_tokens(&self, run: &Run, ws: &mut Workspace) {
         let cfg = run.cfg.moe.as_ref().expect("MoE config");
         let (n, hidden) = (run.n, run.cfg.hidden);
-        // From the router on, `h` is the experts' width (routing reads the model's rows).
-        let h = self.expert_dim(run);
-        let (e, k) = (cfg.experts, cfg.top_k);
-        let t0 = ws.clock();
+        let (e, k, h) = (cfg.experts, cfg.top_k, self.expert_dim(run));
         run.linear(&self.router, &ws.xn[..n * hidden], n, &mut ws.router_logits[..n * e], &mut ws.mm);
         if let Some(l) = &self.latent {
             run.linear(&l.down, &ws.xn[..n * hidden], n, &mut ws.moe_latent[..n * h], &mut ws.mm);
@@ -267,6 +274,19 @@ impl Moe {
                 &mut ws.route_weights[t * k..(t + 1) * k],
             );
         }
+    }
+
+    pub(crate) fn forward(&self, run: &Run, ws: &mut Workspace, layer: usize) -> std::result::Result<(), StepError> {
+        if run.spec.dp_attention {
+            return self.forward_dispatched(run, ws, layer);
+        }
+        let cfg = run.cfg.moe.as_ref().expect("MoE config");
+        let n = run.n;
+        // From the router on, `h` is the experts' width (routing reads the model's rows).
+        let h = self.expert_dim(run);
+        let (e, k) = (cfg.experts, cfg.top_k);
+        let t0 = ws.clock();
+        self.route_tokens(run, ws);
         // Counting sort of (token, weight) slots by expert: starts[e]..starts[e+1].
         let starts = &mut ws.expert_count[..e + 1];
         starts.fill(0);
@@ -300,7 +320,7 @@ impl Moe {
         let fused = n * k <= EXPERT_SLOTS_FUSED_MAX && self.gate.iter().chain(&self.up).chain(&self.down).all(|l| l.bias.is_none());
         let mut local_slots = 0..0;
         if fused {
-            (expert_bytes, local_slots) = self.experts_fused(run, ws, layer, width_split)?;
+            (expert_bytes, local_slots) = self.experts_fused(run, ws, layer, width_split, None)?;
         }
         // Unfused, under the chain: each expert's slot outputs kept (in slot order) to
         // add once the running sums arrive.
@@ -382,7 +402,16 @@ impl Moe {
             _ => [0, 0],
         };
         ws.charge_work(ProfileKind::Experts, t0, expert_bytes, expert_macs);
-        let h = hidden;
+        self.finish(run, ws, layer)
+    }
+
+    /// After the routed experts' combined rows are in `ws.moe_out`: K3's latent norm and
+    /// up projection, then the shared experts; the block's output into `ws.proj`.
+    pub(crate) fn finish(&self, run: &Run, ws: &mut Workspace, layer: usize) -> std::result::Result<(), StepError> {
+        let (n, h) = (run.n, run.cfg.hidden);
+        if n == 0 {
+            return Ok(());
+        }
         if let Some(l) = &self.latent {
             // The routed sum, normed in the latent space, back to the model's width.
             let (t0, d) = (ws.clock(), l.down.rows);
