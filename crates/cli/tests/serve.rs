@@ -279,6 +279,20 @@ fn serving_under_launch_gives_one_nodes_output() {
         assert!(rank_metric("rank_busy_seconds_total", rank).unwrap() >= rank_metric("rank_collective_seconds_total", rank).unwrap());
         assert!(rank_metric("rank_resident_bytes", rank).unwrap() > 1e6, "rank {rank}");
     }
+    drop(server);
+    // Data-parallel attention: the three requests spread over both ranks (each attends
+    // for its own), the same ids; the repeat reuses its prefix on the rank that holds it.
+    let server = serve_model(2, &moe, &["--ep", "2", "--dp-attention", "--parallel", "3"]);
+    let together: Vec<serde_json::Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3).map(|_| s.spawn(|| post(&server.addr, "/v1/completions", &body).1)).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for v in &together {
+        assert_eq!(ids(v), ids(&want), "EP2 --dp-attention: {v}");
+    }
+    let again = post(&server.addr, "/v1/completions", &body).1;
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 6, "{again}");
+    assert_eq!(ids(&again), ids(&want));
 }
 
 /// 32 concurrent greedy requests (four times the slots) each get their output alone; a
