@@ -180,15 +180,17 @@ pub(crate) struct DispatchBuffers {
     pub(crate) back: Vec<u32>,
     /// Per slot of this member's tokens (`t · top_k + j`): where its output is.
     pub(crate) home: Vec<u32>,
+    /// Per member: the combine's rows coming back from it and every member before it.
+    pub(crate) rows_back: Vec<usize>,
     pub(crate) order: Vec<u32>,
 }
 
 impl DispatchBuffers {
     pub(crate) fn new(tokens: usize, top_k: usize, width: usize, owner: Vec<u32>, members: usize) -> DispatchBuffers {
         let slots = tokens * top_k;
-        // Dispatch: slot tables (2 values a slot) and at most one row per token and
-        // other member; combine: one row per slot.
-        let message = (2 * slots + tokens * top_k.min(members.saturating_sub(1)) * width).max(slots * width);
+        // Dispatch: slot tables (4 values a slot) and at most one row per token and
+        // other member; combine: at most one row per slot.
+        let message = (4 * slots + tokens * top_k.min(members.saturating_sub(1)) * width).max(slots * width);
         DispatchBuffers {
             owner,
             rows_to: vec![0; members],
@@ -204,13 +206,14 @@ impl DispatchBuffers {
             out: vec![0.0; slots * width],
             back: vec![0; slots],
             home: vec![0; slots],
+            rows_back: vec![0; members],
             order: vec![0; slots],
         }
     }
 
     fn bytes(&self) -> usize {
         4 * (self.owner.len() + self.counts.len() + self.counts_all.len() + self.send.len() + self.recv.len() + self.rows.len() + self.out.len() + self.back.len() + self.home.len() + self.order.len())
-            + 8 * (self.rows_to.len() + self.slots_to.len() + self.mark.len() + self.send_counts.len() + self.recv_counts.len())
+            + 8 * (self.rows_to.len() + self.slots_to.len() + self.mark.len() + self.send_counts.len() + self.recv_counts.len() + self.rows_back.len())
     }
 }
 
