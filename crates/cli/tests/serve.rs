@@ -252,11 +252,13 @@ fn serving_under_launch_gives_one_nodes_output() {
     assert_eq!(status, 200, "{want}");
     assert_eq!(ids(&want).as_array().map(Vec::len), Some(12), "{want}");
     let server = serve_model(2, &moe, &["--ep", "2", "--parallel", "3"]);
-    let together: Vec<serde_json::Value> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..3).map(|_| s.spawn(|| post(&server.addr, "/v1/completions", &body).1)).collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for v in &together {
+    let three_at_once = |server: &Server| -> Vec<serde_json::Value> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3).map(|_| s.spawn(|| post(&server.addr, "/v1/completions", &body).1)).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    for v in &three_at_once(&server) {
         assert_eq!(ids(v), ids(&want), "EP2: {v}");
     }
     let again = post(&server.addr, "/v1/completions", &body).1;
@@ -283,11 +285,7 @@ fn serving_under_launch_gives_one_nodes_output() {
     // Data-parallel attention: the three requests spread over both ranks (each attends
     // for its own), the same ids; the repeat reuses its prefix on the rank that holds it.
     let server = serve_model(2, &moe, &["--ep", "2", "--dp-attention", "--parallel", "3"]);
-    let together: Vec<serde_json::Value> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..3).map(|_| s.spawn(|| post(&server.addr, "/v1/completions", &body).1)).collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for v in &together {
+    for v in &three_at_once(&server) {
         assert_eq!(ids(v), ids(&want), "EP2 --dp-attention: {v}");
     }
     let again = post(&server.addr, "/v1/completions", &body).1;
