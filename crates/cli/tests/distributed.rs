@@ -416,6 +416,21 @@ fn bad_placements_are_refused_before_loading() {
     fails(1, &["generate", "--model", moe, "--prompt-ids", "1,2", "--dp-attention"], &["--dp-attention", "add --ep N"]);
 }
 
+/// Far more threads than cores are refused with the limit and the cores named (they
+/// would only take turns), on one node and on every rank.
+#[test]
+fn far_too_many_threads_are_refused() {
+    let m = fixture("qwen3_moe");
+    let m = m.to_str().unwrap();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let too_many = (4 * cores + 1).to_string();
+    fails(1, &["generate", "--model", m, "--prompt-ids", "1,2", "--threads", &too_many], &[&format!("--threads {too_many} on a machine with {cores} cores"), "at most"]);
+    fails(2, &["generate", "--model", m, "--prompt-ids", "1,2", "--ep", "2", "--threads", "1000"], &["--threads 1000", "at most"]);
+    let ok_threads = (4 * cores).min(256).to_string();
+    let out = tessera(1, &["generate".into(), "--model".into(), m.into(), "--prompt-ids".into(), "1,2".into(), "--max-tokens".into(), "2".into(), "--threads".into(), ok_threads]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 /// A rank killed mid-generation: the launcher stops every rank within a bound and
 /// exits non-zero, and the survivor names the lost rank and the operation.
 #[test]
