@@ -578,15 +578,22 @@ fn rank_pid(launcher: u32, rank: usize) -> u32 {
 fn a_killed_rank_fails_the_requests_in_flight_and_stops_the_server() {
     let mut server = serve_on(2, &["--tp", "2", "--parallel", "2"]);
     let rank1 = rank_pid(server.child.id(), 1);
-    let mut long = chat("Tell me a very long story about a dragon.", 900);
+    // Both still running at the kill: the end-of-text tokens are barred (a greedy answer
+    // that stops after 128 tokens can finish before it on an idle host).
+    let endless = |content: &str| {
+        let mut c = chat(content, 900);
+        c["logit_bias"] = serde_json::json!({"0": -100, "2": -100});
+        c
+    };
+    let mut long = endless("Tell me a very long story about a dragon.");
     long["stream"] = true.into();
     let streamed = std::thread::spawn({
         let (addr, body) = (server.addr.clone(), long.to_string());
         move || http(&addr, "POST", "/v1/chat/completions", &[], &body)
     });
     let plain = std::thread::spawn({
-        let addr = server.addr.clone();
-        move || http(&addr, "POST", "/v1/chat/completions", &[], &chat("Tell me another long story.", 900).to_string())
+        let (addr, body) = (server.addr.clone(), endless("Tell me another long story.").to_string());
+        move || http(&addr, "POST", "/v1/chat/completions", &[], &body)
     });
     std::thread::sleep(Duration::from_millis(1500));
     let killed = Instant::now();
