@@ -81,6 +81,14 @@ pub enum ActivationBlocks {
     Per256,
 }
 
+/// Bytes of one 8-row group's weights and one token's activations (8-bit blocks of 44
+/// bytes per 32 columns, or f32) that a column panel may hold: three quarters of a
+/// 32 KiB L1, leaving room for the kernel's other lines ([`WeightFormat::panels`]).
+pub const PANEL_BYTES_MAX: usize = 24 << 10;
+
+/// Bytes of one 8-bit activation block ([`crate::q8::BlockQ8`], asserted there).
+pub(crate) const Q8_BLOCK_BYTES: usize = 44;
+
 /// How a row of weights is stored. All formats store little-endian.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
@@ -326,6 +334,39 @@ impl WeightFormat {
     /// one 512-bit pass (`Isa::dot_q8_rows16_x4`); the others take two 256-bit passes.
     pub fn pairs_in_512_bits(self) -> bool {
         matches!(self, WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q8_0x8)
+    }
+
+    /// Column panels of a row `cols` wide: 1, or P equal panels of a multiple of 256
+    /// columns each. A product of a wider row is the sum of its panels' dot products,
+    /// added in panel order (each panel's dot in the format's one arithmetic), in every
+    /// layout and on every kernel flavour; interleaved layouts store such a matrix
+    /// panel by panel (each panel an interleaved matrix of its own). Why: a one-token
+    /// pass streams an 8-row group's weights through L1 while it rereads the token's
+    /// activations for every group; where the two together outgrow L1 (Q4_0 rows of
+    /// 6,144 columns and more), the activations were evicted between groups and the
+    /// stream slowed (Zen 4, one thread, 3072 × 8192 Q4_0 from 1 GB: 0.73 of the read
+    /// rate whole, 0.97 in two panels). The width counts the source format's bytes
+    /// (a row and its interleaved twin split alike) and the activations' (8-bit blocks
+    /// or f32) against [`PANEL_BYTES_MAX`]; a width of no suitable divisor stays whole.
+    pub fn panels(self, cols: usize) -> usize {
+        const UNIT: usize = 256;
+        let source = self.source();
+        let Ok(row_bytes) = source.row_bytes(cols) else { return 1 };
+        let activation_bytes = if source.activation_blocks().is_some() { cols / 32 * Q8_BLOCK_BYTES } else { cols * 4 };
+        let need = 8 * row_bytes + activation_bytes;
+        let least = need.div_ceil(PANEL_BYTES_MAX);
+        if least <= 1 || !cols.is_multiple_of(UNIT) {
+            return 1;
+        }
+        let units = cols / UNIT;
+        (least..=units.min(2 * least)).find(|p| units.is_multiple_of(*p)).unwrap_or(1)
+    }
+
+    /// The format this one is a layout of (an interleaved layout's row format), whose
+    /// bytes decide [`WeightFormat::panels`]; itself for the others.
+    pub fn source(self) -> WeightFormat {
+        use WeightFormat::*;
+        [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K, Iq4Nl, Q2K, Q3K, Iq4Xs, F16, Bf16].into_iter().find(|f| f.interleaved() == Some(self)).unwrap_or(self)
     }
 
     /// The interleaved layout this format is repacked into at load, if it has one.

@@ -19,19 +19,42 @@ pub struct WeightRows<'a> {
     pub data: &'a [u8],
     /// Bytes from one row to the next (≥ the row's own bytes).
     pub row_stride: usize,
+    /// Column panels ([`WeightFormat::panels`]); an interleaved layout holds them one
+    /// after another, each an interleaved matrix of `rows × cols / panels`.
+    pub panels: usize,
 }
 
 impl<'a> WeightRows<'a> {
     /// A dense matrix; `None` when `data` is not exactly `rows` rows of `cols` elements.
     pub fn new(format: WeightFormat, rows: usize, cols: usize, data: &'a [u8]) -> Option<Self> {
         let row_bytes = format.row_bytes(cols).ok()?;
-        (data.len() == rows * row_bytes).then_some(WeightRows { format, rows, cols, data, row_stride: row_bytes })
+        (data.len() == rows * row_bytes).then_some(WeightRows { format, rows, cols, data, row_stride: row_bytes, panels: format.panels(cols) })
     }
 
+    /// Row `r`'s bytes (of this view's columns).
     #[inline]
     pub fn row(&self, r: usize) -> &'a [u8] {
         let start = r * self.row_stride;
-        &self.data[start..start + self.row_stride]
+        &self.data[start..start + self.format.row_bytes(self.cols).expect("checked by new")]
+    }
+
+    /// Panel `p` as a matrix of its own (one panel): the columns
+    /// `p·cols/panels ..` of every row. Rows as stored are viewed in place (each row's
+    /// bytes for those columns); an interleaved layout's panel is its own run of bytes.
+    pub fn panel(&self, p: usize) -> WeightRows<'a> {
+        assert!(p < self.panels, "panel {p} of {}", self.panels);
+        if self.panels == 1 {
+            return *self;
+        }
+        let cols = self.cols / self.panels;
+        let bytes = self.format.row_bytes(cols).expect("panels are whole blocks");
+        let data = if self.format.rows_per_group() > 1 {
+            &self.data[p * self.rows * bytes..(p + 1) * self.rows * bytes]
+        } else {
+            &self.data[p * bytes..(self.rows - 1) * self.row_stride + (p + 1) * bytes]
+        };
+        let row_stride = if self.format.rows_per_group() > 1 { bytes } else { self.row_stride };
+        WeightRows { cols, data, row_stride, panels: 1, ..*self }
     }
 
     /// The bytes of rows `8·g .. 8·g + 8` of an interleaved format, stored together.
@@ -45,6 +68,7 @@ impl<'a> WeightRows<'a> {
     /// formats slice on whole groups only.
     pub fn slice_rows(&self, range: std::ops::Range<usize>) -> WeightRows<'a> {
         let rpg = self.format.rows_per_group();
+        assert!(self.panels == 1 || rpg == 1, "slice_rows: a {} matrix of {} columns is stored in {} panels, whose rows are not one run", self.format, self.cols, self.panels);
         assert!(range.end <= self.rows && range.start.is_multiple_of(rpg) && range.len().is_multiple_of(rpg), "slice_rows: {range:?} of {} rows in groups of {rpg}", self.rows);
         WeightRows {
             rows: range.len(),
@@ -145,29 +169,47 @@ fn matmul_group_to(
         assert_eq!(y.len(), n_tokens * w.rows, "matmul_group: output {i} is not n_tokens × rows");
         outs[i] = SharedMut(y.as_mut_ptr());
     }
-    // Work units: see `unit_rows`.
-    let mut unit_starts = [0usize; GROUP_MAX + 1];
-    for (i, w) in ws.iter().enumerate() {
+    for w in ws {
         let rpg = w.format.rows_per_group();
         assert_eq!(w.rows % rpg, 0, "matmul_group: {} rows of {} are not whole groups of {rpg}", w.rows, w.format);
-        unit_starts[i + 1] = unit_starts[i] + w.rows / unit_rows(isa, w, n_tokens);
     }
-    let total = unit_starts[ws.len()];
     let xq = quantize_rows(pool, isa, x, n_tokens, cols, ws.iter().find_map(|w| w.format.activation_blocks()), scratch);
     // ~8 chunks per thread; an 8-row group is already 8 rows of work, so its chunks
     // may be as small as 2 groups (a 576-row projection is 72 groups: 9 chunks of 8
     // would leave one thread a chunk behind the other).
     let min_units = if ws.iter().all(|w| w.format.rows_per_group() > 1) { 2 } else { 8 };
-    let grain = pool.grain(total, 8, min_units);
-    pool.parallel_for(total, grain, &|_, chunk| {
-        for g in chunk {
-            let i = (0..ws.len()).rfind(|&i| unit_starts[i] <= g).expect("unit in range");
-            run_unit(isa, &ws[i], g - unit_starts[i], x, xq, n_tokens, Out { y: outs[i], isa, stream });
+    // Panel by panel (`WeightFormat::panels`), one region each: panel p adds to what
+    // panels 0..p left, so the sums go in panel order whichever thread runs a unit.
+    let panels = ws.iter().map(|w| w.panels).max().expect("one matrix at least");
+    for p in 0..panels {
+        // Work units: see `unit_rows`. A matrix of fewer panels has none left.
+        let mut views = [None; GROUP_MAX];
+        let mut unit_starts = [0usize; GROUP_MAX + 1];
+        for (i, w) in ws.iter().enumerate() {
+            views[i] = (p < w.panels).then(|| w.panel(p));
+            unit_starts[i + 1] = unit_starts[i] + views[i].map_or(0, |v| v.rows / unit_rows(isa, &v, n_tokens));
         }
-        if stream {
-            isa.streaming_fence();
-        }
-    });
+        let total = unit_starts[ws.len()];
+        let stream = stream && panels == 1;
+        pool.parallel_for(total, pool.grain(total, 8, min_units), &|_, chunk| {
+            for g in chunk {
+                let i = (0..ws.len()).rfind(|&i| unit_starts[i] <= g).expect("unit in range");
+                let v = views[i].expect("a matrix with units has this panel");
+                let (x, xq) = panel_inputs(x, xq, p * v.cols);
+                run_unit(isa, &v, g - unit_starts[i], x, cols, xq, cols / QK, n_tokens, Out { y: outs[i], isa, stream, add: p > 0 });
+            }
+            if stream {
+                isa.streaming_fence();
+            }
+        });
+    }
+}
+
+/// The inputs of the panel whose columns start at `col0`: `x` and its q8 blocks
+/// (empty when the formats take f32) from that column of the first row.
+#[inline]
+fn panel_inputs<'x>(x: &'x [f32], xq: &'x [BlockQ8], col0: usize) -> (&'x [f32], &'x [BlockQ8]) {
+    (&x[col0..], if xq.is_empty() { xq } else { &xq[col0 / QK..] })
 }
 
 /// `x` (`n_rows × cols`) as q8 blocks in `scratch` in `scheme` (none: empty): one region
@@ -239,9 +281,8 @@ pub fn matmul_jobs<'w>(
         *o = SharedMut(y.as_mut_ptr());
     }
     let mut scheme = None;
-    let mut total = 0;
     let mut all_grouped = true;
-    scratch.unit_starts.clear();
+    let mut panels = 1;
     for i in 0..jobs {
         let j = job(i);
         let rpg = j.w.format.rows_per_group();
@@ -249,41 +290,58 @@ pub fn matmul_jobs<'w>(
         assert!(j.rows.end <= n_rows && j.out < ys.len() && ys[j.out].len() >= j.rows.end * j.w.rows, "matmul_jobs: job {i} rows {:?} or output {} out of bounds", j.rows, j.out);
         scheme = scheme.or(j.w.format.activation_blocks());
         all_grouped &= rpg > 1;
-        scratch.unit_starts.push(total);
-        total += j.w.rows / unit_rows(isa, &j.w, j.rows.len());
+        panels = panels.max(j.w.panels);
     }
-    scratch.unit_starts.push(total);
-    let starts = std::mem::take(&mut scratch.unit_starts);
+    let mut starts = std::mem::take(&mut scratch.unit_starts);
     let xq = quantize_rows(pool, isa, x, n_rows, cols, scheme, scratch);
-    let grain = pool.grain(total, 8, if all_grouped { 2 } else { 8 });
     let blocks = cols / QK;
-    pool.parallel_for(total, grain, &|_, chunk| {
-        let mut i = starts.partition_point(|&s| s <= chunk.start) - 1;
-        let mut j = job(i);
-        // Each job is its own stream (a MoE expert's matrix, somewhere in the arena): a
-        // thread asks for the next job's first bytes when it starts one, so that stream
-        // does not start cold (bench MoE batch-1 decode, routed experts 0.96× the time,
-        // 7 of 8 alternating profiles; batch 32 unchanged).
-        let head_of_next = |i: usize| {
-            if i + 1 < jobs {
-                let w = job(i + 1).w;
-                isa.prefetch(&w.data[..w.data.len().min(JOB_HEAD_PREFETCH_BYTES)]);
+    // Panel by panel, one region each, as in `matmul_group`.
+    for p in 0..panels {
+        starts.clear();
+        let mut total = 0;
+        for i in 0..jobs {
+            let j = job(i);
+            starts.push(total);
+            if p < j.w.panels {
+                let v = j.w.panel(p);
+                total += v.rows / unit_rows(isa, &v, j.rows.len());
             }
-        };
-        head_of_next(i);
-        for g in chunk {
-            while g >= starts[i + 1] {
-                i += 1;
-                j = job(i);
-                head_of_next(i);
-            }
-            let r = j.rows.clone();
-            let xq_j = if xq.is_empty() { xq } else { &xq[r.start * blocks..r.end * blocks] };
-            // SAFETY: the output pointer is offset inside ys[j.out] (bounds asserted above).
-            let y = SharedMut(unsafe { outs[j.out].ptr().add(r.start * j.w.rows) });
-            run_unit(isa, &j.w, g - starts[i], &x[r.start * cols..r.end * cols], xq_j, r.len(), Out { y, isa, stream: false });
         }
-    });
+        starts.push(total);
+        let starts = &starts[..];
+        let grain = pool.grain(total, 8, if all_grouped { 2 } else { 8 });
+        pool.parallel_for(total, grain, &|_, chunk| {
+            let mut i = starts.partition_point(|&s| s <= chunk.start) - 1;
+            let mut j = job(i);
+            // Each job is its own stream (a MoE expert's matrix, somewhere in the arena):
+            // a thread asks for the next job's first bytes when it starts one, so that
+            // stream does not start cold (bench MoE batch-1 decode, routed experts 0.96×
+            // the time, 7 of 8 alternating profiles; batch 32 unchanged).
+            let head_of_next = |i: usize| {
+                if i + 1 < jobs {
+                    let w = job(i + 1).w;
+                    if p < w.panels {
+                        let data = w.panel(p).data;
+                        isa.prefetch(&data[..data.len().min(JOB_HEAD_PREFETCH_BYTES)]);
+                    }
+                }
+            };
+            head_of_next(i);
+            for g in chunk {
+                while g >= starts[i + 1] {
+                    i += 1;
+                    j = job(i);
+                    head_of_next(i);
+                }
+                let (v, r) = (j.w.panel(p), j.rows.clone());
+                let col0 = r.start * cols + p * v.cols;
+                let (x, xq) = panel_inputs(x, xq, col0);
+                // SAFETY: the output pointer is offset inside ys[j.out] (bounds asserted above).
+                let y = SharedMut(unsafe { outs[j.out].ptr().add(r.start * j.w.rows) });
+                run_unit(isa, &v, g - starts[i], x, cols, xq, blocks, r.len(), Out { y, isa, stream: false, add: p > 0 });
+            }
+        });
+    }
     scratch.unit_starts = starts;
 }
 
@@ -294,6 +352,8 @@ struct Out {
     y: SharedMut<f32>,
     isa: Isa,
     stream: bool,
+    /// Add to what is there (a panel after the first) instead of storing.
+    add: bool,
 }
 
 /// Tokens from which two 8-row groups go through one 512-bit pass ([`Isa::pairs_groups`]).
@@ -316,12 +376,53 @@ fn unit_rows(isa: Isa, w: &WeightRows<'_>, n_tokens: usize) -> usize {
 
 /// One work unit of `w` (see [`unit_rows`]) for `n_tokens` tokens: `y[t·rows + r]`
 /// from `x` (f32) or `xq` (its q8 blocks).
+/// Token t's inputs are `x[t·x_stride ..]` and `xq[t·xq_stride ..]` (a panel's columns
+/// of a wider input), `w.cols` of each.
+#[allow(clippy::too_many_arguments)]
 #[inline]
-fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], n_tokens: usize, y: Out) {
+fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], x_stride: usize, xq: &[BlockQ8], xq_stride: usize, n_tokens: usize, y: Out) {
+    if n_tokens == 1 {
+        run_unit_one(isa, w, u, x, xq, y);
+    } else {
+        run_unit_many(isa, w, u, x, x_stride, xq, xq_stride, n_tokens, y);
+    }
+}
+
+/// [`run_unit`] for one token (decode): a small frame of its own. The many-token
+/// passes' frame is 2 KiB of stack, and whatever the unit touches beside its weights
+/// and activations crowds L1 between one group and the next: where a group's
+/// weights and the activations they reuse together exceed L1 (rows of 6,144 columns
+/// and up: an MLP's down projection), the activations were evicted between groups
+/// (Zen 4, one thread, 3072 × 8192 Q4_0 streamed from 1 GB: 0.68 of the read rate
+/// through the shared path, 0.80 through this one; 8192 × 3072: 0.95 both).
+#[inline(never)]
+fn run_unit_one(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], y: Out) {
+    let f = w.format;
+    let (x, xq) = (&x[..w.cols], if xq.is_empty() { xq } else { &xq[..w.cols / QK] });
+    let put = |r0: usize, v: &[f32]| {
+        // SAFETY: a unit's rows belong to the thread running it alone; `y` holds
+        // `rows` outputs of this token.
+        let out = unsafe { std::slice::from_raw_parts_mut(y.y.ptr().add(r0), v.len()) };
+        if y.add {
+            out.iter_mut().zip(v).for_each(|(o, v)| *o += v);
+        } else {
+            out.copy_from_slice(v);
+        }
+    };
+    match f.rows_per_group() {
+        8 => put(8 * u, &isa.dot_q8_rows8(f, w.group8(u), xq)),
+        4 => put(4 * u, &isa.dot_f32_rows4(f, &w.data[4 * u * w.row_stride..4 * (u + 1) * w.row_stride], x)),
+        _ if f.int8_activations() => put(u, &[isa.dot_q8(f, w.row(u), xq)]),
+        _ => put(u, &[isa.dot_f32(f, w.row(u), x)]),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_unit_many(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], x_stride: usize, xq: &[BlockQ8], xq_stride: usize, n_tokens: usize, y: Out) {
     let (rows, cols, f) = (w.rows, w.cols, w.format);
     let blocks = cols / QK;
-    let xq_of = |t: usize| &xq[t * blocks..(t + 1) * blocks];
-    let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
+    let xq_of = |t: usize| &xq[t * xq_stride..t * xq_stride + blocks];
+    let x_of = |t: usize| &x[t * x_stride..t * x_stride + cols];
     let q4 = |t: usize| [xq_of(t), xq_of(t + 1), xq_of(t + 2), xq_of(t + 3)];
     let f4 = |t: usize| [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)];
     let unit = |r: usize| &w.data[r * u * w.row_stride..r * (u + 1) * w.row_stride];
@@ -411,7 +512,13 @@ fn each_token<const P: usize, const R: usize>(
         }
         for (k, vk) in v.into_iter().enumerate() {
             // SAFETY: as above.
-            unsafe { *p.add(k) = vk };
+            unsafe {
+                if y.add {
+                    *p.add(k) += vk;
+                } else {
+                    *p.add(k) = vk;
+                }
+            }
         }
     };
     let mut t = tokens.start;

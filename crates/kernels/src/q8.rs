@@ -24,6 +24,8 @@ pub struct BlockQ8 {
     pub half_sums: [i16; 2],
 }
 
+const _: () = assert!(std::mem::size_of::<BlockQ8>() == crate::format::Q8_BLOCK_BYTES);
+
 impl BlockQ8 {
     /// Stores scale `d` and `d·Σq` as llama.cpp's q8_0/q8_1 blocks hold them: rounded to
     /// f16 (the values were quantized with the unrounded `d`).

@@ -25,9 +25,50 @@ pub fn interleaved_bytes(format: WeightFormat, rows: usize, cols: usize) -> usiz
 }
 
 /// [`repack_interleaved`] into `out` ([`interleaved_bytes`] long), so a loader can
-/// place matrices in memory of its choosing.
+/// place matrices in memory of its choosing. A matrix of several column panels
+/// ([`WeightFormat::panels`]) is stored panel by panel.
 pub fn repack_interleaved_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     assert_eq!(out.len(), interleaved_bytes(format, rows, cols), "repack_interleaved: {format} {rows}×{cols}: output size");
+    let to = format.interleaved().expect("checked by interleaved_bytes");
+    if to.panels(cols) > 1 {
+        let mut whole = vec![0; out.len()];
+        repack_whole_into(format, rows, cols, data, &mut whole);
+        into_panels(to, rows, cols, &whole, out);
+    } else {
+        repack_whole_into(format, rows, cols, data, out);
+    }
+}
+
+/// `whole`, an interleaved matrix of `format` with each group's bytes in one run,
+/// into `out` panel by panel ([`WeightFormat::panels`]): panel p holds every group's
+/// bytes for its columns, group after group. Every interleaved layout runs a group's
+/// column blocks (or super-blocks, or 16-column pieces) in order, each the same size,
+/// so a panel's columns of a group are one run of its bytes.
+fn into_panels(format: WeightFormat, rows: usize, cols: usize, whole: &[u8], out: &mut [u8]) {
+    let panels = format.panels(cols);
+    let group_bytes = format.rows_per_group() * format.row_bytes(cols).expect("whole blocks");
+    assert!(group_bytes.is_multiple_of(panels) && whole.len() == out.len() && whole.len() == rows / format.rows_per_group() * group_bytes, "into_panels: {format} {rows}×{cols}");
+    let part = group_bytes / panels;
+    let mut parts = out.chunks_exact_mut(part);
+    for p in 0..panels {
+        for group in whole.chunks_exact(group_bytes) {
+            parts.next().expect("sized above").copy_from_slice(&group[p * part..(p + 1) * part]);
+        }
+    }
+}
+
+/// [`into_panels`] of a whole interleaved matrix made here; itself when one panel.
+fn panelled(format: WeightFormat, rows: usize, cols: usize, whole: Vec<u8>) -> Vec<u8> {
+    if format.panels(cols) == 1 {
+        return whole;
+    }
+    let mut out = vec![0; whole.len()];
+    into_panels(format, rows, cols, &whole, &mut out);
+    out
+}
+
+/// [`repack_interleaved_into`] with every group's bytes in one run (one panel).
+fn repack_whole_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
     match format {
         WeightFormat::Q4K => repack_k4_rows8_into::<false>(rows, cols, data, out),
         WeightFormat::Q5K => repack_k4_rows8_into::<true>(rows, cols, data, out),
@@ -258,7 +299,7 @@ pub fn put_q8_0x8_row(group: &mut [u8], r: usize, x: &[f32]) {
 pub fn repack_rows8(format: WeightFormat, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
     let mut out = vec![0; data.len()];
     repack_rows8_into(format, rows, cols, data, &mut out);
-    out
+    panelled(format.interleaved().expect("checked by repack_rows8_into"), rows, cols, out)
 }
 
 fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
@@ -430,7 +471,7 @@ pub fn a8_as_rows8(group: usize, rows: usize, cols: usize, data: &[u8]) -> Optio
             }
         }
     }
-    Some(out)
+    Some(panelled(WeightFormat::A8x8, rows, cols, out))
 }
 
 /// Whether [`a4_as_q4_1`] or [`a8_as_rows8`] can convert these rows of MLX affine
@@ -503,7 +544,7 @@ pub fn mxfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>>
     }
     let mut out = vec![0u8; rows_bytes.len()];
     repack_rows8_into(WeightFormat::Iq4Nl, rows, cols, &rows_bytes, &mut out);
-    Some(out)
+    Some(panelled(WeightFormat::Mxfp4x8, rows, cols, out))
 }
 
 /// NVFP4 rows ([`WeightFormat::Nvfp4`]: per 32, two E4M3 scale bytes and 16 bytes of
@@ -514,7 +555,11 @@ pub fn mxfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>>
 /// they are.
 pub fn nvfp4_as_levels(rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
     assert!(rows.is_multiple_of(8) && cols.is_multiple_of(32) && data.len() == rows * cols / 32 * 18, "nvfp4_as_levels: {rows}×{cols} in {} bytes", data.len());
-    nvfp4_fits_levels(data).then(|| repack_rows8(WeightFormat::Q4_0, rows, cols, data))
+    nvfp4_fits_levels(data).then(|| {
+        let mut out = vec![0; data.len()];
+        repack_rows8_into(WeightFormat::Q4_0, rows, cols, data, &mut out);
+        panelled(WeightFormat::Nvfp4x8, rows, cols, out)
+    })
 }
 
 /// Whether [`nvfp4_as_levels`] can convert these NVFP4 rows: every scale positive (or

@@ -1489,3 +1489,93 @@ fn simd_flavours() -> Vec<Isa> {
     }
     isas
 }
+
+/// A row wider than one column panel (`WeightFormat::panels`: where an 8-row group's
+/// weights and a token's activations outgrow L1) is the sum of its panels' dot
+/// products, each the format's one arithmetic, added in panel order: written out here
+/// from the scalar row dots of each panel's bytes, it is what matmul gives bit for bit
+/// on every flavour, layout (rows as stored, and the interleaved layout that stores the
+/// matrix panel by panel), token count (one token, passes of eight and four, the tails,
+/// 512-bit pairs from 8 tokens), thread count and in `matmul_jobs`; and it is within
+/// rounding of the f64 dot, so a panel read from the wrong bytes cannot pass.
+#[test]
+fn wide_rows_are_the_sum_of_their_panels() {
+    let mut rng = Rng(27);
+    let mut isas = vec![Isa::Scalar];
+    isas.extend(simd_flavours());
+    let cols = 8192;
+    let rows = 16;
+    for format in [WeightFormat::Q4_0, WeightFormat::Q8_0, WeightFormat::Q5_1, WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::Q2K, WeightFormat::Iq4Xs, WeightFormat::F16, WeightFormat::Bf16, WeightFormat::F32] {
+        let panels = format.panels(cols);
+        assert!(panels > 1, "{format}: {cols} columns in one panel");
+        if let Some(to) = format.interleaved() {
+            assert_eq!(to.panels(cols), panels, "{format} and its layout {to} split alike");
+        }
+        let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+        let stored = WeightRows::new(format, rows, cols, &data).unwrap();
+        let packed = format.interleaved().map(|to| (to, tessera_kernels::repack_interleaved(format, rows, cols, &data)));
+        const TOKENS: usize = 9;
+        let x = random_vec(&mut rng, TOKENS * cols);
+        // The definition: per token, each panel's scalar row dot, summed in order.
+        let (pc, row_bytes) = (cols / panels, format.row_bytes(cols).unwrap());
+        let pb = format.row_bytes(pc).unwrap();
+        let want: Vec<u32> = (0..TOKENS)
+            .flat_map(|t| {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let mut xq = vec![BlockQ8::default(); cols / 32];
+                if let Some(scheme) = format.activation_blocks() {
+                    Isa::Scalar.quantize_activations(scheme, xt, &mut xq);
+                }
+                (0..rows)
+                    .map(|r| {
+                        let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                        let mut sum = 0.0f32;
+                        for p in 0..panels {
+                            let bytes = &row[p * pb..(p + 1) * pb];
+                            sum += match format.activation_blocks() {
+                                Some(_) => scalar::dot_q8(format, bytes, &xq[p * pc / 32..(p + 1) * pc / 32]),
+                                None => scalar::dot_f32(format, bytes, &xt[p * pc..(p + 1) * pc]),
+                            };
+                        }
+                        // Within rounding of the exact dot (the 8-bit activations' own error aside).
+                        let mut w = vec![0.0; cols];
+                        scalar::dequantize_row(format, row, &mut w);
+                        let xs = if format.activation_blocks().is_some() { q8_values(&xq) } else { xt.to_vec() };
+                        let (exact, mag) = exact_dot(&w, &xs);
+                        assert!((sum as f64 - exact).abs() <= 1e-5 * (mag + 1.0), "{format} token {t} row {r}: panels sum {sum}, exact {exact}");
+                        sum.to_bits()
+                    })
+                    .collect::<Vec<u32>>()
+            })
+            .collect();
+        for &isa in &isas {
+            for threads in [1, 2] {
+                let pool = ThreadPool::new(threads);
+                let mut layouts = vec![stored];
+                if let Some((to, bytes)) = &packed {
+                    layouts.push(WeightRows::new(*to, rows, cols, bytes).unwrap());
+                }
+                for w in layouts {
+                    for tokens in [1, 2, 3, 4, 8, 9] {
+                        let mut y = vec![f32::NAN; tokens * rows];
+                        matmul(&pool, isa, w, &x[..tokens * cols], tokens, &mut y, &mut MatmulScratch::new(TOKENS, cols));
+                        for (i, v) in y.iter().enumerate() {
+                            assert_eq!(v.to_bits(), want[i], "{} on {}, {threads} threads, {tokens} tokens: token {} row {}: {v} against the panels' sum {}", w.format, isa.name(), i / rows, i % rows, f32::from_bits(want[i]));
+                        }
+                    }
+                    // Two experts on their own tokens in one region.
+                    let runs = [0..4, 4..9];
+                    let (mut y0, mut y1) = (vec![f32::NAN; TOKENS * rows], vec![f32::NAN; TOKENS * rows]);
+                    let job = |i: usize| RowsJob { w, rows: runs[i].clone(), out: i };
+                    matmul_jobs(&pool, isa, &x, cols, 2, &job, &mut [&mut y0, &mut y1], &mut MatmulScratch::new(TOKENS, cols));
+                    for (i, r) in runs.iter().enumerate() {
+                        let got = if i == 0 { &y0 } else { &y1 };
+                        for k in r.start * rows..r.end * rows {
+                            assert_eq!(got[k].to_bits(), want[k], "{} jobs on {}, {threads} threads: token {} row {}", w.format, isa.name(), k / rows, k % rows);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
