@@ -81,7 +81,7 @@ pub enum ActivationBlocks {
     Per256,
 }
 
-/// Bytes of one 8-row group's weights and one token's activations (8-bit blocks of 44
+/// Bytes of one group's weights and one token's activations (8-bit blocks of 44
 /// bytes per 32 columns, or f32) that a column panel may hold: three quarters of a
 /// 32 KiB L1, leaving room for the kernel's other lines ([`WeightFormat::panels`]).
 pub const PANEL_BYTES_MAX: usize = 24 << 10;
@@ -341,7 +341,8 @@ impl WeightFormat {
     /// added in panel order (each panel's dot in the format's one arithmetic), in every
     /// layout and on every kernel flavour; interleaved layouts store such a matrix
     /// panel by panel (each panel an interleaved matrix of its own). Why: a one-token
-    /// pass streams an 8-row group's weights through L1 while it rereads the token's
+    /// pass streams a group's weights (8 interleaved rows; 4 of F16/BF16; one row of a
+    /// format without such a layout) through L1 while it rereads the token's
     /// activations for every group; where the two together outgrow L1 (Q4_0 rows of
     /// 6,144 columns and more), the activations were evicted between groups and the
     /// stream slowed (Zen 4, one thread, 3072 × 8192 Q4_0 from 1 GB: 0.73 of the read
@@ -353,7 +354,9 @@ impl WeightFormat {
         let source = self.source();
         let Ok(row_bytes) = source.row_bytes(cols) else { return 1 };
         let activation_bytes = if source.activation_blocks().is_some() { cols / 32 * Q8_BLOCK_BYTES } else { cols * 4 };
-        let need = 8 * row_bytes + activation_bytes;
+        // A work unit's rows: a group of the interleaved layout (one row where none).
+        let rows = source.interleaved().unwrap_or(source).rows_per_group();
+        let need = rows * row_bytes + activation_bytes;
         let least = need.div_ceil(PANEL_BYTES_MAX);
         if least <= 1 || !cols.is_multiple_of(UNIT) {
             return 1;

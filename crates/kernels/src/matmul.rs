@@ -370,8 +370,15 @@ const PAIRS_TOKENS_MIN: usize = 8;
 fn unit_rows(isa: Isa, w: &WeightRows<'_>, n_tokens: usize) -> usize {
     match w.format.rows_per_group() {
         8 if isa.pairs_groups() && n_tokens >= PAIRS_TOKENS_MIN && w.rows.is_multiple_of(16) && w.format.pairs_in_512_bits() => 16,
+        1 if n_tokens == 1 && stored_float_rows4(w) => 4,
         rpg => rpg,
     }
+}
+
+/// Plain float rows as stored (an F32 MoE router, F16/BF16 rows not interleaved), whose
+/// one-token units are four rows ([`Isa::dot_f32_rows4_stored`]).
+fn stored_float_rows4(w: &WeightRows<'_>) -> bool {
+    matches!(w.format, WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16) && w.rows.is_multiple_of(4)
 }
 
 /// One work unit of `w` (see [`unit_rows`]) for `n_tokens` tokens: `y[t·rows + r]`
@@ -413,6 +420,7 @@ fn run_unit_one(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8
         8 => put(8 * u, &isa.dot_q8_rows8(f, w.group8(u), xq)),
         4 => put(4 * u, &isa.dot_f32_rows4(f, &w.data[4 * u * w.row_stride..4 * (u + 1) * w.row_stride], x)),
         _ if f.int8_activations() => put(u, &[isa.dot_q8(f, w.row(u), xq)]),
+        _ if stored_float_rows4(w) => put(4 * u, &isa.dot_f32_rows4_stored(f, std::array::from_fn(|k| w.row(4 * u + k)), x)),
         _ => put(u, &[isa.dot_f32(f, w.row(u), x)]),
     }
 }

@@ -1579,3 +1579,29 @@ fn wide_rows_are_the_sum_of_their_panels() {
         }
     }
 }
+
+/// Plain float rows as stored run four at a time for one token (four FMA chains at once):
+/// each row's bits are its scalar dot's, with and without a tail of fewer than 8
+/// columns, against the scalar kernel one row at a time.
+#[test]
+fn four_float_rows_at_once_give_each_rows_bits() {
+    let mut rng = Rng(28);
+    let mut isas = vec![Isa::Scalar];
+    isas.extend(simd_flavours());
+    let pool = ThreadPool::new(2);
+    for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Bf16] {
+        for (rows, cols) in [(12, 576), (16, 583), (64, 2048)] {
+            let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+            let x = random_vec(&mut rng, cols);
+            let w = WeightRows::new(format, rows, cols, &data).unwrap();
+            let want: Vec<u32> = (0..rows).map(|r| scalar::dot_f32(format, w.row(r), &x).to_bits()).collect();
+            for &isa in &isas {
+                let mut y = vec![f32::NAN; rows];
+                matmul(&pool, isa, w, &x, 1, &mut y, &mut MatmulScratch::new(1, cols));
+                for r in 0..rows {
+                    assert_eq!(y[r].to_bits(), want[r], "{format} {rows}×{cols} on {}: row {r} is {} where its scalar dot is {}", isa.name(), y[r], f32::from_bits(want[r]));
+                }
+            }
+        }
+    }
+}

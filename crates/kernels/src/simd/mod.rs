@@ -198,6 +198,18 @@ impl Isa {
         }
     }
 
+    /// [`Isa::dot_f32`] of four plain float rows (F32, F16, BF16 as stored) against one
+    /// token, each row's bits as alone.
+    #[inline]
+    pub fn dot_f32_rows4_stored(self, format: WeightFormat, rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32.
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { x86::dot_float_rows4(format, rows, x) },
+            _ => rows.map(|row| self.dot_f32(format, row, x)),
+        }
+    }
+
     /// Dot product of one quantized weight row with q8 activations.
     #[inline]
     pub fn dot_q8(self, format: WeightFormat, row: &[u8], x: &[BlockQ8]) -> f32 {

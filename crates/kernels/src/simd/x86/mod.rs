@@ -133,6 +133,53 @@ unsafe fn dot_float_t<L: Load8>(format: WeightFormat, row: &[u8], x: &[f32]) -> 
     total
 }
 
+/// [`dot_float`] of four plain float rows (F32, F16, BF16) against one token: four
+/// chains at once where one chain of FMAs waits on its own latency (a row of F32
+/// streams at half the read rate alone); each row's arithmetic is `dot_float`'s.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_float_rows4(format: WeightFormat, rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+    match format {
+        WeightFormat::F32 => dot_float_rows4_t::<LoadF32>(format, rows, x),
+        WeightFormat::F16 => dot_float_rows4_t::<LoadF16>(format, rows, x),
+        WeightFormat::Bf16 => dot_float_rows4_t::<LoadBf16>(format, rows, x),
+        _ => rows.map(|row| dot_block_f32(format, row, x)),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_float_rows4_t<L: Load8>(format: WeightFormat, rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+    let n = x.len();
+    let esize = L::ELEM_BYTES;
+    assert!(rows.iter().all(|r| r.len() >= n * esize));
+    let (wp, xp) = (rows.map(|r| r.as_ptr()), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (r, p) in wp.iter().enumerate() {
+            prefetch_ahead(p.wrapping_add((i + 32) * esize), if esize == 4 { 2 } else { 1 });
+            for k in 0..4 {
+                let j = i + 8 * k;
+                acc[r] = _mm256_fmadd_ps(L::load8(p.add(j * esize)), _mm256_loadu_ps(xp.add(j)), acc[r]);
+            }
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        for (r, p) in wp.iter().enumerate() {
+            acc[r] = _mm256_fmadd_ps(L::load8(p.add(i * esize)), _mm256_loadu_ps(xp.add(i)), acc[r]);
+        }
+        i += 8;
+    }
+    std::array::from_fn(|r| {
+        let mut total = hsum(acc[r]);
+        if i < n {
+            total += scalar::dot_f32(format, &rows[r][i * esize..n * esize], &x[i..]);
+        }
+        total
+    })
+}
+
 /// The 4 groups of 8 of 32 bytes in `v`, each widened to 8 f32 (signed or not).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
