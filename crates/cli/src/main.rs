@@ -200,6 +200,10 @@ struct GenerateArgs {
     penalty_window: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// The output must be an instance of this JSON schema (a file): each token is
+    /// sampled among those that keep the text a valid prefix of it.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    json_schema: Option<PathBuf>,
     #[command(flatten)]
     runtime: RuntimeArgs,
 }
@@ -409,6 +413,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     let load_secs = t0.elapsed().as_secs_f64();
     let sampling = sampling_of(&a);
+    if let Some(path) = &a.json_schema {
+        let constraint = json_schema_constraint(path, &tok, model.cfg.vocab)?;
+        return generate_constrained(&mut gen, &tok, &prompt_ids, &a, constraint);
+    }
     if a.parallel > 1 {
         return generate_text_parallel(&mut gen, &tok, &prompt_ids, &a);
     }
@@ -442,6 +450,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         StopReason::Length => "max tokens",
         StopReason::Context => "context full",
         StopReason::Cancelled => "cancelled",
+        StopReason::Grammar => "grammar failed",
     };
     eprintln!(
         "\n[load {:.2} s] prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | time to first token: {:.0} ms | stopped: {why} | {} threads, {}",
@@ -550,6 +559,45 @@ fn generate_ids(gen: &mut Generator, prompts: &[Vec<u32>], a: &GenerateArgs) -> 
     for c in &done {
         println!("ids: {}", c.ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
     }
+    print_batch_stats(&stats);
+    Ok(())
+}
+
+/// The grammar of `--json-schema FILE`, checked.
+fn json_schema_constraint(path: &Path, tok: &Tokenizer, vocab: usize) -> Result<tessera_engine::SharedSource> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("--json-schema {}", path.display()))?;
+    let schema: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("--json-schema {}: not JSON", path.display()))?;
+    let grammars = tessera_grammar::Grammars::new(tok, vocab).map_err(|e| anyhow::anyhow!("--json-schema: structured output is not available for this model: {e}"))?;
+    grammars.compile(&tessera_grammar::Spec::JsonSchema(schema)).map_err(|e| anyhow::anyhow!("--json-schema {}: {e}", path.display()))
+}
+
+/// A text prompt under a grammar (`--json-schema`): through the scheduler, which masks
+/// each step's logits; one sequence streams its text, several print one after another.
+fn generate_constrained(gen: &mut Generator, tok: &Tokenizer, prompt: &[u32], a: &GenerateArgs, constraint: tessera_engine::SharedSource) -> Result<()> {
+    let requests: Vec<_> = requests_of(&[prompt.to_vec()], a).into_iter().map(|r| tessera_engine::Request { constraint: Some(constraint.clone()), ..r }).collect();
+    let mut stream = tessera_model::TextStream::new();
+    let mut out = std::io::stdout().lock();
+    let streamed = requests.len() == 1;
+    let (done, stats) = tessera_engine::generate_batch(gen.stepper(), &requests, &tok.stop, |_, id| {
+        if streamed && !tok.stop.contains(&id) {
+            if let Ok(text) = stream.push(tok, id) {
+                let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+            }
+        }
+        true
+    })?;
+    for (i, c) in done.iter().enumerate() {
+        if let Some(e) = &c.error {
+            bail!("sequence {i}: the grammar failed: {e}");
+        }
+        if !streamed {
+            writeln!(out, "--- sequence {i} ({:?}) ---\n{}", c.reason, tok.decode(&c.ids, true).map_err(anyhow::Error::msg)?).context("writing output")?;
+        }
+        if a.print_ids {
+            writeln!(out, "\nids: {}", c.ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")).context("writing output")?;
+        }
+    }
+    let _ = writeln!(out);
     print_batch_stats(&stats);
     Ok(())
 }

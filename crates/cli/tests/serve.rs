@@ -555,6 +555,69 @@ fn openai_client_talks_to_the_server() {
     assert_eq!(m["tessera:e2e_request_latency_seconds"]["samples"]["tessera:e2e_request_latency_seconds_count{}"], 4.0);
 }
 
+/// Structured output and tool calls through the official `openai` client
+/// (tools/serve/structured_client.py), every output validated by the `jsonschema` package:
+/// six schemas (objects, arrays of enums, const and numeric bounds, string lengths and
+/// patterns, nesting, nullable unions; `additionalProperties: false` throughout) at
+/// temperature 0 and 1, streamed and not; `json_object`; the legacy endpoint; a schema
+/// llguidance cannot do refused naming the keywords; tool calls `required` and named,
+/// streamed and not, their arguments validated against the function's parameters, no
+/// marker in the text; `auto`, `none`, and a tool result back through the template.
+#[test]
+fn structured_output_and_tool_calls_through_the_openai_client() {
+    let python = std::env::var("TESSERA_TEST_PYTHON").expect("TESSERA_TEST_PYTHON is not set: run scripts/test, which installs the pinned openai and jsonschema");
+    let server = serve(&[]);
+    let out = Command::new(&python).arg(repo().join("tools/serve/structured_client.py")).args([&format!("http://{}/v1", server.addr), MODEL]).output().unwrap();
+    assert!(out.status.success(), "structured_client.py failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Every output that ended of itself is valid; one cut by max_tokens may not be (a small
+    // model can write digits for ever inside a number the schema allows), but most end.
+    let mut stopped = 0;
+    for (name, runs) in v["schemas"].as_object().unwrap() {
+        for r in runs.as_array().unwrap() {
+            if r["finish"] == "stop" {
+                stopped += 1;
+                assert!(r["invalid"].is_null(), "{name}: a finished output does not validate: {r}");
+            } else {
+                assert_eq!(r["finish"], "length", "{name}: {r}");
+            }
+        }
+    }
+    assert!(stopped >= 20, "only {stopped} of 24 schema outputs finished: {}", v["schemas"]);
+    assert_eq!(v["json_object"]["is_object"], true, "{}", v["json_object"]);
+    assert!(v["completion"]["invalid"].is_null(), "{}", v["completion"]);
+    let e = &v["errors"];
+    for name in ["unsupported_keyword", "bad_type", "schema_not_object"] {
+        assert_eq!(e[name]["status"], 400, "{name}: {e}");
+        assert_eq!(e[name]["param"], "response_format", "{name}: {e}");
+    }
+    let why = e["unsupported_keyword"]["message"].as_str().unwrap();
+    assert!(why.contains("if") && why.contains("then"), "{why}");
+    assert_eq!(e["unknown_tool"], serde_json::json!({"status": 400, "param": "tool_choice"}));
+    let t = &v["tools"];
+    for name in ["required", "required_stream", "named", "named_stream"] {
+        let calls = t[name]["calls"].as_array().unwrap();
+        assert!(!calls.is_empty(), "{name}: no call: {}", t[name]);
+        assert_eq!(t[name]["problems"], serde_json::json!([]), "{name}: {}", t[name]);
+        assert_eq!(t[name]["finish"], "tool_calls", "{name}: {}", t[name]);
+        assert_eq!(t[name]["marker_in_content"], false, "{name}: {}", t[name]);
+        if name.starts_with("named") {
+            assert!(calls.iter().all(|c| c["name"] == "get_time"), "{name}: {}", t[name]);
+            assert_eq!(calls.len(), 1, "parallel_tool_calls false: one call: {}", t[name]);
+        }
+    }
+    // Streamed and not, greedy: the same calls.
+    let names = |k: &str| t[k]["calls"].as_array().unwrap().iter().map(|c| (c["name"].clone(), c["arguments"].clone())).collect::<Vec<_>>();
+    assert_eq!(names("required"), names("required_stream"));
+    assert_eq!(names("named"), names("named_stream"));
+    for name in ["auto", "none"] {
+        assert_eq!(t[name]["problems"], serde_json::json!([]), "{name}: {}", t[name]);
+        assert_eq!(t[name]["marker_in_content"], false, "{name}: {}", t[name]);
+    }
+    assert_eq!(t["none"]["calls"], serde_json::json!([]), "tool_choice none: no calls: {}", t["none"]);
+    assert!(t["round_trip"]["content"].as_str().is_some_and(|c| !c.is_empty()), "{}", t["round_trip"]);
+}
+
 /// The pid of rank `rank` among the children of launcher `launcher` (its environment says
 /// `TESSERA_RANK=rank`).
 fn rank_pid(launcher: u32, rank: usize) -> u32 {

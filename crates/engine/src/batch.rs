@@ -1,6 +1,7 @@
 //! Several sequences at once, all known up front: [`generate_batch`] over the
 //! continuous-batching [`Scheduler`].
 
+use crate::constraint::SharedSource;
 use crate::generate::{EngineError, GenerationStats, StopReason, Stepper};
 use crate::sampling::SamplingParams;
 use crate::scheduler::{CacheConfig, Event, QueueLimits, Scheduler};
@@ -18,12 +19,14 @@ pub struct Request {
     /// Report each sampled token's log-probability and this many alternatives
     /// ([`crate::scheduler::TokenLogprobs`]); `None`: nothing.
     pub logprobs: Option<usize>,
+    /// A grammar each choice's tokens must follow (structured output, tool calls).
+    pub constraint: Option<SharedSource>,
 }
 
 impl Request {
     /// One greedy-or-sampled completion of `prompt`, no log-probabilities.
     pub fn new(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Request {
-        Request { prompt, max_tokens, sampling, choices: 1, logprobs: None }
+        Request { prompt, max_tokens, sampling, choices: 1, logprobs: None, constraint: None }
     }
 }
 
@@ -33,6 +36,8 @@ pub struct Completion {
     pub ids: Vec<u32>,
     pub reason: StopReason,
     pub stats: GenerationStats,
+    /// Why a [`StopReason::Grammar`] ending happened.
+    pub error: Option<String>,
 }
 
 /// All sequences together.

@@ -95,6 +95,8 @@ pub enum StopReason {
     Context,
     /// The caller's callback asked to stop.
     Cancelled,
+    /// The request's constraint failed (its message is the completion's `error`).
+    Grammar,
 }
 
 #[derive(Clone, Debug, Default)]

@@ -5,12 +5,14 @@
 //! prints; progress and text reach the caller through callbacks.
 
 pub mod batch;
+pub mod constraint;
 pub mod bench;
 pub mod dist;
 pub mod generate;
 pub mod sampling;
 pub mod scheduler;
 
+pub use constraint::{ConstraintSource, SharedSource, TokenConstraint};
 pub use batch::{generate_batch, BatchStats, Completion, Request};
 pub use dist::{DistLeader, Placement, Rank};
 pub use generate::{EngineConfig, EngineError, Generator, GenerationStats, LocalStepper, StopReason, Stepper};

@@ -27,6 +27,7 @@
 //! boundary (after its group's step in flight, if any); no other sequence sees it.
 
 use crate::batch::{BatchStats, Completion, Request};
+use crate::constraint::Guide;
 use crate::generate::{recycle, EngineError, GenerationStats, StopReason, Stepper};
 use crate::sampling::{Sampler, SamplingParams};
 use std::collections::VecDeque;
@@ -132,6 +133,10 @@ struct Seq {
     hashes: Vec<u64>,
     /// When it took its slot: its times count from here.
     started: Instant,
+    /// Its grammar, if the request has one.
+    guide: Option<Guide>,
+    /// Why its grammar failed.
+    error: Option<String>,
 }
 
 /// A KV slot: the request running there, and what its cache holds for others to reuse.
@@ -431,7 +436,7 @@ impl Scheduler {
     fn retire(&mut self, stepper: &mut dyn Stepper, events: &mut Vec<Event>) -> Result<(), EngineError> {
         for (id, choice, prompt_tokens, reason) in self.finished_waiting.drain(..) {
             let stats = GenerationStats { prompt_tokens, ..Default::default() };
-            events.push(Event::Done { id, choice, completion: Completion { ids: vec![], reason, stats } });
+            events.push(Event::Done { id, choice, completion: Completion { ids: vec![], reason, stats, error: None } });
         }
         for i in 0..self.slots.len() {
             let finished = self.slots[i].seq.as_ref().is_some_and(|s| s.done.is_some()) && !self.group_in_flight(i);
@@ -456,7 +461,7 @@ impl Scheduler {
                 // Nothing kept: the memory goes back now.
                 stepper.reset(i)?;
             }
-            events.push(Event::Done { id: s.id, choice: s.choice, completion: Completion { ids, reason, stats } });
+            events.push(Event::Done { id: s.id, choice: s.choice, completion: Completion { ids, reason, stats, error: s.error } });
         }
         Ok(())
     }
@@ -567,6 +572,12 @@ impl Scheduler {
             let (id, choice) = (w.id, w.next_choice);
             let r = &w.request;
             let sampler = Sampler::new(Self::choice_params(&r.sampling, choice), stepper.vocab()).map_err(|e| EngineError::Request(e.to_string()))?;
+            // A grammar that cannot start ends its choice at once, with the reason.
+            let (guide, error) = match r.constraint.as_ref().map(|c| c.start().and_then(|c| Guide::start(c, stepper.vocab()))) {
+                None => (None, None),
+                Some(Ok(g)) => (Some(g), None),
+                Some(Err(e)) => (None, Some(e)),
+            };
             let mut history = Vec::with_capacity(r.prompt.len() + r.max_tokens);
             history.extend_from_slice(&r.prompt);
             let seq = Seq {
@@ -582,10 +593,12 @@ impl Scheduler {
                 pending: None,
                 generated: 0,
                 max_tokens: r.max_tokens,
-                done: None,
+                done: error.as_ref().map(|_| StopReason::Grammar),
                 stats: GenerationStats { prompt_tokens: r.prompt.len(), cached_tokens: hit, ..Default::default() },
                 hashes: w.hashes.clone(),
                 started: Instant::now(),
+                guide,
+                error,
             };
             w.next_choice += 1;
             if w.next_choice == r.choices {
@@ -687,6 +700,12 @@ impl Scheduler {
                 self.raw_row.clear();
                 self.raw_row.extend_from_slice(logits);
             }
+            if let Some(g) = s.guide.as_mut() {
+                if let Err(e) = g.apply(logits) {
+                    (s.done, s.error) = (Some(StopReason::Grammar), Some(e));
+                    continue;
+                }
+            }
             let id = s.sampler.sample(logits, &s.history)?;
             let logprobs = s.logprobs.map(|k| token_logprobs(self.isa, &mut self.raw_row, id, k));
             let now = s.started.elapsed().as_secs_f64();
@@ -705,6 +724,9 @@ impl Scheduler {
                 Some(StopReason::Stop)
             } else if s.generated >= s.max_tokens {
                 Some(StopReason::Length)
+            } else if let Some(e) = s.guide.as_mut().and_then(|g| g.commit(id).err()) {
+                s.error = Some(e);
+                Some(StopReason::Grammar)
             } else {
                 s.pending = Some(id);
                 None

@@ -527,3 +527,91 @@ fn sequences_spread_over_ranks_and_prefixes_stay_on_theirs() {
     }
     assert_eq!(done[&(1, 0)].stats.cached_tokens, 12, "the shared blocks are reused");
 }
+
+/// A constraint that allows one token at each position (a fixed script) and then only the
+/// stop token; it fails at position `fail_at` if given. Every mask and commit is logged.
+#[derive(Debug)]
+struct Script {
+    tokens: Vec<u32>,
+    stop: u32,
+    fail_at: Option<usize>,
+}
+
+struct ScriptRun {
+    script: std::sync::Arc<Script>,
+    at: usize,
+}
+
+impl tessera_engine::TokenConstraint for ScriptRun {
+    fn mask(&mut self, allowed: &mut [u32]) -> Result<(), String> {
+        if self.script.fail_at == Some(self.at) {
+            return Err(format!("scripted failure at token {}", self.at));
+        }
+        let t = self.script.tokens.get(self.at).copied().unwrap_or(self.script.stop);
+        allowed[t as usize / 32] |= 1 << (t % 32);
+        Ok(())
+    }
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        let want = self.script.tokens.get(self.at).copied();
+        if want != Some(token) {
+            return Err(format!("token {token} at {} was not allowed (wanted {want:?})", self.at));
+        }
+        self.at += 1;
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct ScriptSource(std::sync::Arc<Script>);
+
+impl tessera_engine::ConstraintSource for ScriptSource {
+    fn start(&self) -> Result<Box<dyn tessera_engine::TokenConstraint>, String> {
+        Ok(Box::new(ScriptRun { script: self.0.clone(), at: 0 }))
+    }
+}
+
+/// Constrained sampling: a request whose constraint allows one token at a time gets
+/// exactly those tokens, then the stop token, greedy or sampled, for each of its choices
+/// (each its own constraint) and beside an unconstrained neighbour that keeps its ids
+/// alone; a constraint that fails ends its choice with `StopReason::Grammar` and the
+/// reason, and the neighbour is untouched.
+#[test]
+fn constraints_decide_what_is_sampled() {
+    let m = model();
+    let prompts = prompts();
+    let free = alone(&m, &prompts[1], 9);
+    let cfg = EngineConfig { threads: 1, prefill_chunk: 5, context_max: 128, sequences_max: 4, kv_cache: KvDtype::F32 };
+    let mut gen = Generator::new(&m, cfg).unwrap();
+    let stepper = gen.stepper();
+    let stop = 2u32;
+    let mut sched = Scheduler::new(stepper, QueueLimits { requests_max: 8, prompt_tokens_max: 10_000 }, CacheConfig::NONE, &[stop]);
+    let script = |fail_at| std::sync::Arc::new(ScriptSource(std::sync::Arc::new(Script { tokens: vec![17, 150, 3, 99, 42], stop, fail_at })));
+    let hot = SamplingParams { temperature: 1.0, seed: 7, ..Default::default() };
+    sched.admit(stepper, 0, Request { choices: 2, constraint: Some(script(None)), ..Request::new(prompts[0].clone(), 20, hot) }).unwrap();
+    sched.admit(stepper, 1, request(&prompts[1], 9)).unwrap();
+    sched.admit(stepper, 2, Request { constraint: Some(script(Some(3))), ..request(&prompts[2], 20) }).unwrap();
+    let mut done = std::collections::BTreeMap::new();
+    let mut events = Vec::new();
+    let mut steps = 0;
+    while !sched.is_idle() {
+        sched.step(stepper, &mut events).unwrap();
+        steps += 1;
+        assert!(steps < 1000, "no progress");
+        for e in events.drain(..) {
+            if let Event::Done { id, choice, completion } = e {
+                done.insert((id, choice), completion);
+            }
+        }
+    }
+    for choice in 0..2 {
+        let c = &done[&(0, choice)];
+        assert_eq!(c.ids, vec![17, 150, 3, 99, 42, stop], "choice {choice}");
+        assert_eq!(c.reason, StopReason::Stop);
+        assert!(c.error.is_none());
+    }
+    assert_eq!(done[&(1, 0)].ids, free, "the unconstrained neighbour's ids changed");
+    let failed = &done[&(2, 0)];
+    assert_eq!(failed.reason, StopReason::Grammar);
+    assert_eq!(failed.ids, vec![17, 150, 3]);
+    assert!(failed.error.as_deref().is_some_and(|e| e.contains("scripted failure at token 3")), "{:?}", failed.error);
+}

@@ -14,11 +14,18 @@ const TEMPLATE_FUEL_MAX: u64 = 10_000_000;
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, as templates read them: `[{"id", "type": "function",
+    /// "function": {"name", "arguments"}}]` (arguments an object where they parse).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool result's call id (role `tool`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl Message {
     pub fn new(role: &str, content: &str) -> Message {
-        Message { role: role.into(), content: content.into() }
+        Message { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None }
     }
 }
 
@@ -84,6 +91,18 @@ impl ChatTemplate {
     /// The prompt text for `messages`, ending with the assistant's turn opener when
     /// `add_generation_prompt`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool, bos: &str, eos: &str) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt, bos, eos)
+    }
+
+    /// Whether the template writes a `tools` list itself (else a caller that offers tools
+    /// describes them in a message of its own).
+    pub fn knows_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
+    /// [`ChatTemplate::render`] with the functions a model may call (`tools`, as OpenAI's
+    /// requests give them) for templates that show them.
+    pub fn render_with_tools(&self, messages: &[Message], tools: Option<&serde_json::Value>, add_generation_prompt: bool, bos: &str, eos: &str) -> Result<String> {
         let err = |reason: String| LoadError::ChatTemplate { path: self.path.clone(), reason };
         let mut env = minijinja::Environment::new();
         env.set_fuel(Some(TEMPLATE_FUEL_MAX));
@@ -98,6 +117,7 @@ impl ChatTemplate {
         let tmpl = env.get_template("chat").map_err(|e| err(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => bos,
             eos_token => eos,
@@ -110,10 +130,16 @@ impl ChatTemplate {
     /// user who writes `<|im_start|>` gets those characters, never a control token (a
     /// prompt cannot forge a turn). BOS as the tokenizer asks.
     pub fn encode(&self, tok: &crate::Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+        self.encode_with_tools(tok, messages, None)
+    }
+
+    /// [`ChatTemplate::encode`] with `tools` for the template (see
+    /// [`ChatTemplate::render_with_tools`]).
+    pub fn encode_with_tools(&self, tok: &crate::Tokenizer, messages: &[Message], tools: Option<&serde_json::Value>) -> Result<Vec<u32>> {
         let err = |reason: String| LoadError::ChatTemplate { path: self.path.clone(), reason };
-        let marked: Vec<Message> = messages.iter().enumerate().map(|(i, m)| Message { role: m.role.clone(), content: format!("{CONTENT_OPEN}{i}{CONTENT_CLOSE}") }).collect();
+        let marked: Vec<Message> = messages.iter().enumerate().map(|(i, m)| Message { content: format!("{CONTENT_OPEN}{i}{CONTENT_CLOSE}"), ..m.clone() }).collect();
         let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or_default();
-        let text = self.render(&marked, true, &name(tok.bos), &name(tok.eos))?;
+        let text = self.render_with_tools(&marked, tools, true, &name(tok.bos), &name(tok.eos))?;
         let mut ids = Vec::new();
         let mut rest = text.as_str();
         let mut first = true;

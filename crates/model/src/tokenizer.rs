@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The same tokenizer with special tokens treated as plain text.
@@ -238,6 +239,11 @@ impl Tokenizer {
         self.inner.decode(ids, skip_special).map_err(|e| format!("decoding failed: {e}"))
     }
 
+    /// The tokenizer as a `tokenizer.json` document (a GGUF vocabulary as converted).
+    pub fn to_json(&self) -> std::result::Result<Value, String> {
+        serde_json::to_value(&self.inner).map_err(|e| format!("{}: the tokenizer does not serialize: {e}", self.source.display()))
+    }
+
     pub fn token_str(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }
@@ -256,18 +262,26 @@ pub struct TextStream {
     ids: Vec<u32>,
     prefix: usize,
     read: usize,
+    /// Special tokens are left out of the text (else written as their names).
+    skip_special: bool,
 }
 
 impl TextStream {
     pub fn new() -> Self {
-        TextStream { ids: Vec::new(), prefix: 0, read: 0 }
+        TextStream { ids: Vec::new(), prefix: 0, read: 0, skip_special: true }
+    }
+
+    /// A stream that writes special tokens as their names (tool-call markers that are
+    /// special tokens, read by a parser after it).
+    pub fn with_special() -> Self {
+        TextStream { skip_special: false, ..Self::new() }
     }
 
     /// The new text that `id` completes (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> std::result::Result<String, String> {
         self.ids.push(id);
-        let before = tok.decode(&self.ids[self.prefix..self.read], true)?;
-        let text = tok.decode(&self.ids[self.prefix..], true)?;
+        let before = tok.decode(&self.ids[self.prefix..self.read], self.skip_special)?;
+        let text = tok.decode(&self.ids[self.prefix..], self.skip_special)?;
         if text.len() <= before.len() || text.ends_with('\u{FFFD}') || !text.is_char_boundary(before.len()) {
             return Ok(String::new());
         }

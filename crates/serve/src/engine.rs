@@ -222,5 +222,7 @@ pub(crate) fn finish_reason(reason: StopReason) -> &'static str {
         StopReason::Stop => "stop",
         StopReason::Length | StopReason::Context => "length",
         StopReason::Cancelled => "stop",
+        // Reported as an error before a finish reason is needed (`Choices::apply`).
+        StopReason::Grammar => "error",
     }
 }

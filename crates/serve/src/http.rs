@@ -1,6 +1,7 @@
 //! Routes and handlers: each request is read and checked here, then handed to the engine
 //! loop, whose replies become a JSON body or an SSE stream.
 
+use crate::calls::{self, Offered};
 use crate::engine::{finish_reason, Command, Reply};
 use crate::metrics::Metrics;
 use crate::openai::{self, ApiError, Common};
@@ -19,7 +20,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
-use tessera_engine::{Refusal, Request, RequestId, TokenLogprobs};
+use tessera_engine::{Refusal, Request, RequestId, SharedSource, TokenLogprobs};
+use tessera_grammar::tools::{Piece, ToolCall, ToolParser};
+use tessera_grammar::{Grammars, Spec};
 use tessera_model::{ChatTemplate, TextStream, Tokenizer};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -29,6 +32,23 @@ pub(crate) struct Loaded {
     pub(crate) template: Option<ChatTemplate>,
     pub(crate) context: usize,
     pub(crate) vocab: usize,
+    /// Structured output over this vocabulary, or why there is none.
+    pub(crate) grammars: Result<Arc<Grammars>, String>,
+}
+
+impl Loaded {
+    /// `spec` compiled for a request (on a blocking thread: a large schema takes
+    /// milliseconds), or a 400 naming `param` and what is wrong with it.
+    async fn constraint(&self, spec: Option<Spec>, param: &'static str) -> Result<Option<SharedSource>, ApiError> {
+        let Some(spec) = spec else { return Ok(None) };
+        let grammars = self.grammars.clone().map_err(|why| ApiError::invalid(param, format!("structured output is not available for this model: {why}")))?;
+        let compiled = tokio::task::spawn_blocking(move || grammars.compile(&spec)).await;
+        match compiled {
+            Ok(Ok(source)) => Ok(Some(source)),
+            Ok(Err(why)) => Err(ApiError::invalid(param, format!("the grammar cannot be used: {why}"))),
+            Err(e) => Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", format!("compiling the grammar failed: {e}"))),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -191,8 +211,8 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// Hands `prompt` to the engine and waits for admission.
-async fn submit(s: &AppState, m: &Loaded, prompt: Vec<u32>, c: &Common, prompt_param: &'static str) -> Result<(UnboundedReceiver<Reply>, CancelOnDrop), ApiError> {
+/// Hands `prompt` to the engine (under `constraint`, if any) and waits for admission.
+async fn submit(s: &AppState, m: &Loaded, prompt: Vec<u32>, c: &Common, prompt_param: &'static str, constraint: Option<SharedSource>) -> Result<(UnboundedReceiver<Reply>, CancelOnDrop), ApiError> {
     if let Some(&(t, _)) = c.sampling.logit_bias.iter().find(|(t, _)| *t as usize >= m.vocab) {
         return Err(ApiError::invalid("logit_bias", format!("token {t} is outside the vocabulary of {}", m.vocab)));
     }
@@ -205,7 +225,7 @@ async fn submit(s: &AppState, m: &Loaded, prompt: Vec<u32>, c: &Common, prompt_p
         return Err(ApiError::invalid("max_tokens", format!("{} prompt tokens + {max_tokens} to generate exceed this server's context of {} (--ctx)", prompt.len(), m.context)).with_code("context_length_exceeded"));
     }
     let (reply, mut replies) = unbounded_channel();
-    let request = Request { choices: c.choices, logprobs: c.logprobs, ..Request::new(prompt, max_tokens, c.sampling.clone()) };
+    let request = Request { choices: c.choices, logprobs: c.logprobs, constraint, ..Request::new(prompt, max_tokens, c.sampling.clone()) };
     match s.commands.try_send(Command::Submit { request, reply }) {
         Ok(()) => {}
         Err(TrySendError::Full(_)) => return Err(busy("the engine's command queue is full")),
@@ -241,11 +261,18 @@ async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: B
     authorize(&s, &headers)?;
     let v = json_body(&s, body).await?;
     let c = openai::common(&v, &s.model_name, s.seeds.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed), true)?;
+    let tools = openai::tools(&v)?;
     let messages = openai::messages(&v)?;
     let m = s.model()?;
     let template = m.template.as_ref().ok_or_else(|| ApiError::invalid("messages", "this model has no chat template: use /v1/completions with a prompt"))?;
-    let prompt = template.encode(&m.tok, &messages).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    generate(s, m, prompt, c, Kind::Chat, "messages").await
+    let (prompt, offered) = calls::prompt(template, &m.tok, messages, tools.as_ref())?;
+    // `required` or a named function: the output is a valid call, by grammar.
+    let constraint = match calls::grammar(offered, tools.as_ref(), &m.tok)? {
+        Some(_) if c.format.is_some() => return Err(ApiError::invalid("response_format", "`response_format` cannot be combined with a `tool_choice` that requires a call")),
+        Some(g) => m.constraint(Some(g), "tool_choice").await?,
+        None => m.constraint(c.format.clone(), "response_format").await?,
+    };
+    generate(s, m, prompt, c, Kind::Chat, "messages", offered, constraint).await
 }
 
 async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
@@ -261,13 +288,18 @@ async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) 
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    generate(s, m, prompt, c, Kind::Text, "prompt").await
+    let constraint = m.constraint(c.format.clone(), "response_format").await?;
+    generate(s, m, prompt, c, Kind::Text, "prompt", None, constraint).await
 }
 
 /// One choice's output as it is produced: tokens to text (whole characters), then stop
 /// strings; the log-probabilities of tokens not yet sent.
 struct ChoiceOut {
     text: TextStream,
+    /// Takes tool calls out of the text, where tools are offered.
+    parser: Option<ToolParser>,
+    /// Calls taken out so far.
+    calls: usize,
     stops: StopMatcher,
     tokens: usize,
     /// Bytes of text emitted so far (the legacy format's `text_offset`).
@@ -281,6 +313,9 @@ struct ChoiceOut {
 struct Update {
     choice: usize,
     text: String,
+    /// Whole calls the output completed, and the index of the first of them.
+    calls: Vec<ToolCall>,
+    first_call: usize,
     logprobs: Vec<(u32, TokenLogprobs)>,
     /// Byte offset of `text` in the choice's output.
     offset: usize,
@@ -301,8 +336,19 @@ struct Choices {
 }
 
 impl Choices {
-    fn new(id: RequestId, model: Arc<Loaded>, c: &Common) -> Choices {
-        let out = || ChoiceOut { text: TextStream::new(), stops: StopMatcher::new(c.stop.clone()), tokens: 0, emitted: 0, logprobs: vec![], finish: None };
+    fn new(id: RequestId, model: Arc<Loaded>, c: &Common, offered: Option<Offered>) -> Choices {
+        // A family whose markers are special tokens is read with them in the text.
+        let special = offered.is_some_and(|o| !o.family.special_markers().is_empty());
+        let out = || ChoiceOut {
+            text: if special { TextStream::with_special() } else { TextStream::new() },
+            parser: offered.map(|o| ToolParser::new(o.family)),
+            calls: 0,
+            stops: StopMatcher::new(c.stop.clone()),
+            tokens: 0,
+            emitted: 0,
+            logprobs: vec![],
+            finish: None,
+        };
         Choices { id, model, outs: (0..c.choices).map(|_| out()).collect(), cached_tokens: 0, wants_logprobs: c.logprobs.is_some(), engine_done: vec![false; c.choices] }
     }
 
@@ -326,17 +372,25 @@ impl Choices {
                 }
                 o.tokens += 1;
                 // An end-of-text token is not part of the text: nor of its logprobs.
-                o.logprobs.extend(logprobs.filter(|_| !self.model.tok.stop.contains(&token)).map(|lp| (token, lp)));
-                let piece = o.text.push(&self.model.tok, token).map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e))?;
+                let end = self.model.tok.stop.contains(&token);
+                o.logprobs.extend(logprobs.filter(|_| !end).map(|lp| (token, lp)));
+                let piece = if end { String::new() } else { o.text.push(&self.model.tok, token).map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e))? };
+                let (piece, calls) = match o.parser.as_mut() {
+                    Some(p) => split(p.push(&piece)),
+                    None => (piece, vec![]),
+                };
                 let (text, stopped) = o.stops.push(&piece);
                 if stopped {
                     o.finish = Some("stop");
                     let _ = s.commands.try_send(Command::Cancel { id: self.id, choice: Some(choice) });
                 }
-                Ok(Some(Self::take(o, choice, text)))
+                Ok(Some(Self::take(o, choice, text, calls)))
             }
             Reply::Done { choice, completion } => {
                 self.engine_done[choice] = true;
+                if let Some(why) = &completion.error {
+                    return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", format!("choice {choice}: the output's grammar failed: {why}")));
+                }
                 if choice == 0 {
                     self.cached_tokens = completion.stats.cached_tokens;
                 }
@@ -344,9 +398,13 @@ impl Choices {
                 if o.finish.is_some() {
                     return Ok(None);
                 }
-                o.finish = Some(finish_reason(completion.reason));
-                let rest = o.stops.finish();
-                Ok(Some(Self::take(o, choice, rest)))
+                let (tail, calls) = o.parser.as_mut().map_or((String::new(), vec![]), |p| split(p.finish()));
+                let (mut rest, _) = o.stops.push(&tail);
+                rest.push_str(&o.stops.finish());
+                let reason = finish_reason(completion.reason);
+                // A choice that called tools and ended of itself ends for them.
+                o.finish = Some(if reason == "stop" && o.calls + calls.len() > 0 { "tool_calls" } else { reason });
+                Ok(Some(Self::take(o, choice, rest, calls)))
             }
             Reply::Failed(why) => Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", why)),
             other => Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", format!("unexpected reply {other:?}"))),
@@ -355,25 +413,28 @@ impl Choices {
 
     /// `text` and, once some text goes out (or the choice ends), the log-probabilities
     /// gathered for it.
-    fn take(o: &mut ChoiceOut, choice: usize, text: String) -> Update {
+    fn take(o: &mut ChoiceOut, choice: usize, text: String, calls: Vec<ToolCall>) -> Update {
         let offset = o.emitted;
         o.emitted += text.len();
         let logprobs = if !text.is_empty() || o.finish.is_some() { std::mem::take(&mut o.logprobs) } else { vec![] };
-        Update { choice, text, logprobs, offset, finish: o.finish }
+        let first_call = o.calls;
+        o.calls += calls.len();
+        Update { choice, text, calls, first_call, logprobs, offset, finish: o.finish }
     }
 }
 
-async fn generate(s: AppState, m: Arc<Loaded>, prompt: Vec<u32>, c: Common, kind: Kind, prompt_param: &'static str) -> Result<Response, ApiError> {
+#[allow(clippy::too_many_arguments)]
+async fn generate(s: AppState, m: Arc<Loaded>, prompt: Vec<u32>, c: Common, kind: Kind, prompt_param: &'static str, offered: Option<Offered>, constraint: Option<SharedSource>) -> Result<Response, ApiError> {
     let prompt_tokens = prompt.len();
     let open = Open::new(&s.open);
-    let (mut replies, mut guard) = submit(&s, &m, prompt, &c, prompt_param).await?;
-    let mut choices = Choices::new(guard.id, m, &c);
+    let (mut replies, mut guard) = submit(&s, &m, prompt, &c, prompt_param, constraint).await?;
+    let mut choices = Choices::new(guard.id, m, &c, offered);
     let meta = Meta { id: format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, guard.id), created: unix_secs(), model: s.model_name.to_string(), kind, prompt_tokens };
     if c.stream {
         return Ok(stream(s, replies, guard, choices, meta, c.include_usage, open));
     }
     let n = c.choices;
-    let (mut texts, mut logprobs) = (vec![String::new(); n], vec![Vec::new(); n]);
+    let (mut texts, mut logprobs, mut calls) = (vec![String::new(); n], vec![Vec::new(); n], vec![Vec::new(); n]);
     while !choices.all_finished() {
         let reply = s.next_reply(&mut replies).await;
         if matches!(reply, Some(Reply::Failed(_))) {
@@ -382,6 +443,7 @@ async fn generate(s: AppState, m: Arc<Loaded>, prompt: Vec<u32>, c: Common, kind
         if let Some(u) = choices.apply(&s, reply)? {
             texts[u.choice].push_str(&u.text);
             logprobs[u.choice].extend(u.logprobs);
+            calls[u.choice].extend(u.calls);
         }
     }
     // Choices a stop string ended may still run: the guard stops them.
@@ -393,6 +455,11 @@ async fn generate(s: AppState, m: Arc<Loaded>, prompt: Vec<u32>, c: Common, kind
             let (reason, text) = (choices.outs[k].finish, &texts[k]);
             let lp = if choices.wants_logprobs { openai::logprobs(&choices.model.tok, &logprobs[k], kind == Kind::Chat, 0) } else { Value::Null };
             match kind {
+                Kind::Chat if !calls[k].is_empty() => {
+                    let content = if text.is_empty() { Value::Null } else { json!(text) };
+                    let tool_calls = calls::calls_json(choices.id, k, 0, &calls[k], false);
+                    json!({"index": k, "message": {"role": "assistant", "content": content, "tool_calls": tool_calls}, "logprobs": lp, "finish_reason": reason})
+                }
                 Kind::Chat => json!({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}),
                 Kind::Text => json!({"index": k, "text": text, "logprobs": lp, "finish_reason": reason}),
             }
@@ -436,6 +503,12 @@ impl Meta {
             }
             Kind::Text => json!({"index": k, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": reason}),
         };
+        self.event(json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [choice]}))
+    }
+
+    /// A chunk of choice `k`'s completed tool calls.
+    fn calls_chunk(&self, request: RequestId, k: usize, first: usize, calls: &[ToolCall]) -> SseEvent {
+        let choice = json!({"index": k, "delta": {"tool_calls": calls::calls_json(request, k, first, calls, true)}, "logprobs": null, "finish_reason": null});
         self.event(json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [choice]}))
     }
 
@@ -491,6 +564,9 @@ fn stream(s: AppState, mut replies: UnboundedReceiver<Reply>, mut guard: CancelO
             if (!u.text.is_empty() || !lp.is_null()) && !send(meta.chunk(u.choice, Some(&u.text), false, lp, None)).await {
                 return;
             }
+            if !u.calls.is_empty() && !send(meta.calls_chunk(choices.id, u.choice, u.first_call, &u.calls)).await {
+                return;
+            }
             if let Some(reason) = u.finish {
                 let text_end = if meta.kind == Kind::Chat { None } else { Some("") };
                 if !send(meta.chunk(u.choice, text_end, false, Value::Null, Some(reason))).await {
@@ -533,4 +609,16 @@ async fn detokenize(State(s): State<AppState>, headers: HeaderMap, body: Body) -
     let ids = ids.ok_or_else(|| ApiError::invalid("tokens", format!("`tokens` must be a list of token ids below {}", m.tok.vocab_size())))?;
     let text = m.tok.decode(&ids, false).map_err(|e| ApiError::invalid("tokens", e))?;
     Ok(Json(json!({"prompt": text, "content": text})))
+}
+
+/// A parser's pieces as the text among them and the calls.
+fn split(pieces: Vec<Piece>) -> (String, Vec<ToolCall>) {
+    let (mut text, mut calls) = (String::new(), Vec::new());
+    for p in pieces {
+        match p {
+            Piece::Text(t) => text.push_str(&t),
+            Piece::Call(c) => calls.push(c),
+        }
+    }
+    (text, calls)
 }

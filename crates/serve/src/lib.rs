@@ -8,6 +8,7 @@
 //! every limit (queue, waiting prompt tokens, body bytes, stop strings) is in
 //! [`ServeConfig`] and in the error that enforces it.
 
+mod calls;
 mod engine;
 pub mod faults;
 mod http;
@@ -88,7 +89,10 @@ impl Server {
     /// is stopped: from here `/ready` answers 200.
     pub fn run(mut self, stepper: &mut dyn Stepper, tok: Tokenizer, template: Option<ChatTemplate>) -> Result<(), String> {
         let stop_ids = tok.stop.clone();
-        let loaded = http::Loaded { tok, template, context: stepper.capacity(), vocab: stepper.vocab() };
+        // The vocabulary as grammars see it: a tokenizer that cannot say its tokens'
+        // bytes leaves structured output refused, with the reason, not the server down.
+        let grammars = tessera_grammar::Grammars::new(&tok, stepper.vocab()).map(Arc::new);
+        let loaded = http::Loaded { tok, template, context: stepper.capacity(), vocab: stepper.vocab(), grammars };
         if self.state.loaded.set(Arc::new(loaded)).is_err() {
             return Err("the server runs one model, once".into());
         }

@@ -135,7 +135,7 @@ impl Metrics {
         let i = match reason {
             StopReason::Stop => 0,
             StopReason::Length | StopReason::Context => 1,
-            StopReason::Cancelled => 2,
+            StopReason::Cancelled | StopReason::Grammar => 2,
         };
         self.finished[i].fetch_add(1, Ordering::Relaxed);
     }

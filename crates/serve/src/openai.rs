@@ -6,6 +6,8 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use tessera_engine::{SamplingParams, TokenLogprobs, CHOICES_MAX, TOP_LOGPROBS_MAX};
+use tessera_grammar::tools::{Choice, Tool};
+use tessera_grammar::Spec;
 use tessera_model::Message;
 
 /// Alternatives per token the legacy completions endpoint reports at most (OpenAI's).
@@ -67,6 +69,8 @@ pub(crate) struct Common {
     pub(crate) choices: usize,
     /// Alternatives per token to report (`Some(0)`: the sampled token's only).
     pub(crate) logprobs: Option<usize>,
+    /// What the output must be (`response_format`), if anything.
+    pub(crate) format: Option<Spec>,
 }
 
 fn number(v: &Value, param: &'static str, range: std::ops::RangeInclusive<f64>) -> Result<Option<f64>, ApiError> {
@@ -151,14 +155,7 @@ pub(crate) fn common(v: &Value, model: &str, seed_default: u64, chat: bool) -> R
             .collect::<Result<Vec<_>, _>>()?,
         Some(other) => return Err(ApiError::invalid("logit_bias", format!("`logit_bias` must be an object of token id → bias, not {other}"))),
     };
-    if v.get("tools").is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty())) {
-        return Err(ApiError::unsupported("tools", "tool calls"));
-    }
-    if let Some(f) = v.get("response_format").filter(|f| !f.is_null()) {
-        if f.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(ApiError::unsupported("response_format", "structured output"));
-        }
-    }
+    let format = response_format(v)?;
     let mut sampling = SamplingParams {
         // OpenAI's default temperature is 1.
         temperature: number(v, "temperature", 0.0..=2.0)?.unwrap_or(1.0) as f32,
@@ -201,22 +198,63 @@ pub(crate) fn common(v: &Value, model: &str, seed_default: u64, chat: bool) -> R
         Some(o) if stream => boolean(o, "include_usage").map_err(|_| ApiError::invalid("stream_options", "`stream_options.include_usage` must be true or false"))?,
         Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed with `stream: true`")),
     };
-    Ok(Common { max_tokens, sampling, stop, stream, include_usage, choices: choices as usize, logprobs })
+    Ok(Common { max_tokens, sampling, stop, stream, include_usage, choices: choices as usize, logprobs, format })
 }
 
-/// Chat messages: `role` system, user or assistant; `content` a string or a list of
-/// text parts.
+/// `response_format`: `{"type": "text"}` (or none), `{"type": "json_object"}`, or
+/// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`.
+fn response_format(v: &Value) -> Result<Option<Spec>, ApiError> {
+    let bad = |why: String| ApiError::invalid("response_format", why);
+    let f = match v.get("response_format") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(f @ Value::Object(_)) => f,
+        Some(other) => return Err(bad(format!("`response_format` must be an object with a `type`, not {other}"))),
+    };
+    match f.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Spec::JsonObject)),
+        Some("json_schema") => {
+            let js = f.get("json_schema").filter(|j| j.is_object()).ok_or_else(|| bad("`json_schema` must be an object: {\"name\": ..., \"schema\": {...}}".into()))?;
+            match js.get("name") {
+                Some(Value::String(n)) if !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') => {}
+                _ => return Err(bad("`json_schema.name` must be 1-64 letters, digits, `_` or `-`".into())),
+            }
+            if !matches!(js.get("strict"), None | Some(Value::Null) | Some(Value::Bool(_))) {
+                return Err(bad("`json_schema.strict` must be true or false".into()));
+            }
+            match js.get("schema") {
+                Some(schema @ (Value::Object(_) | Value::Bool(_))) => Ok(Some(Spec::JsonSchema(schema.clone()))),
+                // OpenAI treats a missing schema as any JSON object.
+                None | Some(Value::Null) => Ok(Some(Spec::JsonObject)),
+                Some(other) => Err(bad(format!("`json_schema.schema` must be a JSON schema object, not {other}"))),
+            }
+        }
+        Some(other) => Err(bad(format!("`response_format.type` `{other}` is not one of text, json_object, json_schema"))),
+        None => Err(bad("`response_format` needs a `type` (text, json_object or json_schema)".into())),
+    }
+}
+
+/// Chat messages: `role` system, user, assistant (with `tool_calls`) or tool (with
+/// `tool_call_id`); `content` a string or a list of text parts (an assistant's may be
+/// null when it calls tools).
 pub(crate) fn messages(v: &Value) -> Result<Vec<Message>, ApiError> {
     let list = v.get("messages").and_then(Value::as_array).ok_or_else(|| ApiError::invalid("messages", "`messages` must be a list of {role, content}"))?;
     if list.is_empty() {
         return Err(ApiError::invalid("messages", "`messages` is empty"));
     }
     list.iter()
-        .map(|m| {
-            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| ApiError::invalid("messages", "a message without a `role`"))?;
-            if !matches!(role, "system" | "user" | "assistant" | "developer") {
-                return Err(ApiError::invalid("messages", format!("role `{role}` is not supported (system, developer, user, assistant)")));
+        .enumerate()
+        .map(|(i, m)| {
+            let bad = |why: String| ApiError::invalid("messages", format!("messages[{i}]: {why}"));
+            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| bad("a message without a `role`".into()))?;
+            if !matches!(role, "system" | "user" | "assistant" | "developer" | "tool") {
+                return Err(bad(format!("role `{role}` is not supported (system, developer, user, assistant, tool)")));
             }
+            let calls = match m.get("tool_calls") {
+                None | Some(Value::Null) => None,
+                Some(c) if role == "assistant" => Some(tool_calls(c).map_err(bad)?),
+                Some(_) => return Err(bad("only an assistant message has `tool_calls`".into())),
+            };
             let content = match m.get("content") {
                 Some(Value::String(s)) => s.clone(),
                 Some(Value::Array(parts)) => parts
@@ -227,12 +265,118 @@ pub(crate) fn messages(v: &Value) -> Result<Vec<Message>, ApiError> {
                     })
                     .collect::<Result<Vec<&str>, ApiError>>()?
                     .concat(),
-                _ => return Err(ApiError::invalid("messages", "a message's `content` must be a string or a list of text parts")),
+                None | Some(Value::Null) if calls.is_some() => String::new(),
+                _ => return Err(bad("a message's `content` must be a string or a list of text parts".into())),
             };
             let role = if role == "developer" { "system" } else { role };
-            Ok(Message::new(role, &content))
+            let mut message = Message::new(role, &content);
+            message.tool_calls = calls;
+            if role == "tool" {
+                match m.get("tool_call_id") {
+                    Some(Value::String(id)) => message.tool_call_id = Some(id.clone()),
+                    _ => return Err(bad("a tool message needs the `tool_call_id` it answers".into())),
+                }
+            }
+            Ok(message)
         })
         .collect()
+}
+
+/// An assistant's `tool_calls` as templates read them: each `{"id", "type": "function",
+/// "function": {"name", "arguments"}}`, the arguments an object where they parse.
+fn tool_calls(v: &Value) -> Result<Value, String> {
+    let list = v.as_array().ok_or("`tool_calls` must be a list")?;
+    list.iter()
+        .map(|c| {
+            let f = c.get("function").ok_or("a tool call without `function`")?;
+            let name = f.get("name").and_then(Value::as_str).ok_or("a tool call's function without a `name`")?;
+            let args = match f.get("arguments") {
+                Some(Value::String(a)) => serde_json::from_str::<Value>(a).unwrap_or_else(|_| Value::String(a.clone())),
+                Some(a @ Value::Object(_)) => a.clone(),
+                None | Some(Value::Null) => json!({}),
+                Some(other) => return Err(format!("tool call `{name}`: `arguments` must be a JSON string, not {other}")),
+            };
+            let id = c.get("id").and_then(Value::as_str).unwrap_or_default();
+            Ok(json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+        })
+        .collect::<Result<Vec<_>, String>>()
+        .map(Value::Array)
+}
+
+/// Functions a request may offer (its `tools`).
+pub(crate) const TOOLS_MAX: usize = 128;
+
+/// What `tools`, `tool_choice` and `parallel_tool_calls` ask for.
+#[derive(Debug)]
+pub(crate) struct Tools {
+    pub(crate) tools: Vec<Tool>,
+    /// The list as given, for templates that write it themselves.
+    pub(crate) raw: Value,
+    pub(crate) choice: Choice,
+    pub(crate) parallel: bool,
+}
+
+/// `tools` (each `{"type": "function", "function": {"name", "description", "parameters"}}`)
+/// and `tool_choice` (`auto`, `none`, `required`, or `{"type": "function", "function":
+/// {"name"}}`); `None` when no tools are offered.
+pub(crate) fn tools(v: &Value) -> Result<Option<Tools>, ApiError> {
+    let bad = |param: &'static str, why: String| ApiError::invalid(param, why);
+    let list = match v.get("tools") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(other) => return Err(bad("tools", format!("`tools` must be a list, not {other}"))),
+    };
+    if list.len() > TOOLS_MAX {
+        return Err(bad("tools", format!("{} tools; at most {TOOLS_MAX}", list.len())));
+    }
+    let mut tools = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad("tools", format!("tools[{i}]: only `\"type\": \"function\"` tools are supported")));
+        }
+        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| bad("tools", format!("tools[{i}]: `function` must be an object")))?;
+        let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
+        if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+            return Err(bad("tools", format!("tools[{i}]: a function's `name` is 1-64 letters, digits, `_` or `-`, not {name:?}")));
+        }
+        if tools.iter().any(|t: &Tool| t.name == name) {
+            return Err(bad("tools", format!("tools[{i}]: two functions are named `{name}`")));
+        }
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(other) => return Err(bad("tools", format!("tools[{i}] `{name}`: `parameters` must be a JSON schema object, not {other}"))),
+        };
+        let description = f.get("description").and_then(Value::as_str).unwrap_or_default().to_string();
+        tools.push(Tool { name: name.to_string(), description, parameters });
+    }
+    let choice = match v.get("tool_choice") {
+        None | Some(Value::Null) => Choice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => Choice::Auto,
+            "none" => Choice::None,
+            "required" => Choice::Required,
+            other => return Err(bad("tool_choice", format!("`tool_choice` `{other}` is not auto, none, required or a function"))),
+        },
+        Some(o @ Value::Object(_)) => match (o.get("type").and_then(Value::as_str), o.pointer("/function/name").and_then(Value::as_str)) {
+            (Some("function"), Some(n)) if tools.iter().any(|t| t.name == n) => Choice::Named(n.to_string()),
+            (Some("function"), Some(n)) => return Err(bad("tool_choice", format!("`tool_choice` names `{n}`, which is not among `tools`"))),
+            _ => return Err(bad("tool_choice", "`tool_choice` as an object is {\"type\": \"function\", \"function\": {\"name\": ...}}".into())),
+        },
+        Some(other) => return Err(bad("tool_choice", format!("`tool_choice` must be a string or an object, not {other}"))),
+    };
+    let parallel = match v.get("parallel_tool_calls") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => return Err(bad("parallel_tool_calls", format!("`parallel_tool_calls` must be true or false, not {other}"))),
+    };
+    if tools.is_empty() {
+        return match choice {
+            Choice::Auto | Choice::None => Ok(None),
+            _ => Err(bad("tool_choice", "`tool_choice` asks for a call, but `tools` offers none".into())),
+        };
+    }
+    Ok(Some(Tools { tools, raw: Value::Array(list), choice, parallel }))
 }
 
 /// `usage` as OpenAI reports it: `cached` prompt tokens came from the prefix cache.

@@ -1,0 +1,83 @@
+//! `tessera generate --json-schema`: the default model's outputs under a schema, checked
+//! by hand here (the server's are checked by the `jsonschema` package in serve.rs), and
+//! the errors a bad schema gets.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn smollm2() -> PathBuf {
+    let m = repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(m.exists(), "{} is missing: run scripts/fetch-model (scripts/test does)", m.display());
+    m
+}
+
+fn generate(schema: &Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["generate", "--model", &smollm2().to_string_lossy(), "--chat", "Describe a pet as JSON.", "--json-schema", &schema.to_string_lossy(), "--threads", "2", "--ctx", "1024"])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// Four sampled outputs and the greedy one each parse, and follow the schema: the keys
+/// required and no others, an enum, integer bounds, a string length bound, an array of
+/// booleans of at most 3.
+#[test]
+fn json_schema_outputs_follow_the_schema() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tessera-json-schema");
+    std::fs::create_dir_all(&dir).unwrap();
+    let schema = dir.join("pet.json");
+    std::fs::write(
+        &schema,
+        r#"{"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "kind": {"enum": ["cat", "dog", "fish"]},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30},
+            "vaccinated": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+          "required": ["name", "kind", "age", "vaccinated"], "additionalProperties": false}"#,
+    )
+    .unwrap();
+    let sampled = generate(&schema, &["--temperature", "1", "--seed", "11", "--parallel", "4", "--max-tokens", "80"]);
+    assert!(sampled.status.success(), "{}", String::from_utf8_lossy(&sampled.stderr));
+    let greedy = generate(&schema, &["--max-tokens", "80"]);
+    assert!(greedy.status.success(), "{}", String::from_utf8_lossy(&greedy.stderr));
+    let text = String::from_utf8(sampled.stdout).unwrap();
+    let mut outputs: Vec<String> = text.split("--- sequence ").skip(1).map(|s| s.split_once('\n').unwrap().1.trim().to_string()).collect();
+    assert_eq!(outputs.len(), 4, "{text}");
+    outputs.push(String::from_utf8(greedy.stdout).unwrap().trim().to_string());
+    for out in &outputs {
+        let v: serde_json::Value = serde_json::from_str(out).unwrap_or_else(|e| panic!("not JSON ({e}): {out:?}"));
+        let o = v.as_object().unwrap_or_else(|| panic!("not an object: {out}"));
+        let mut keys: Vec<&str> = o.keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(keys, ["age", "kind", "name", "vaccinated"], "{out}");
+        assert!(o["name"].as_str().is_some_and(|n| n.chars().count() <= 12), "{out}");
+        assert!(["cat", "dog", "fish"].contains(&o["kind"].as_str().unwrap_or("")), "{out}");
+        assert!(o["age"].as_u64().is_some_and(|a| a <= 30), "{out}");
+        let list = o["vaccinated"].as_array().unwrap_or_else(|| panic!("{out}"));
+        assert!(list.len() <= 3 && list.iter().all(serde_json::Value::is_boolean), "{out}");
+    }
+}
+
+/// A schema llguidance cannot honour, and a file that is not JSON, are errors naming
+/// the file and the reason; nothing is generated.
+#[test]
+fn json_schema_errors_name_the_file_and_the_reason() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tessera-json-schema-bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    let unsupported = dir.join("if.json");
+    std::fs::write(&unsupported, r#"{"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}"#).unwrap();
+    let out = generate(&unsupported, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && out.stdout.is_empty(), "{err}");
+    assert!(err.contains("if.json") && err.contains("if") && err.contains("then"), "{err}");
+    let not_json = dir.join("broken.json");
+    std::fs::write(&not_json, "{\"type\": ").unwrap();
+    let out = generate(&not_json, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("broken.json") && err.contains("not JSON"), "{err}");
+}
