@@ -14,7 +14,7 @@ pub struct BenchArgs {
     /// A GGUF file or a Hugging Face directory (no tokenizer needed: token ids are random).
     #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
-    /// Prompt lengths to prefill, each as a fresh sequence.
+    /// Prompt lengths to prefill, each as a fresh sequence (0: no prompt test, as llama-bench -p 0).
     #[arg(long, value_delimiter = ',', default_value = "128,512")]
     pp: Vec<usize>,
     /// Decode steps per decode measurement.
@@ -87,7 +87,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let threads = a.threads.unwrap_or_else(crate::cluster::default_threads);
     let cfg = BenchConfig {
         threads,
-        pp: a.pp.clone(),
+        // 0 skips the prompt test (llama-bench's `-p 0`).
+        pp: a.pp.iter().copied().filter(|&p| p != 0).collect(),
         tg: a.tg,
         batch: a.batch.clone(),
         repeat: a.repeat,
@@ -104,6 +105,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         threads: Some(threads),
         // KV caches exactly as long as this run needs, unless asked otherwise.
         ctx: Some(a.ctx.unwrap_or(cfg.context_needed())),
+        // Speed on random ids: a context past the model's limit is only positions.
+        ctx_over_limit: true,
         prefill_chunk: a.prefill_chunk,
         kv_cache: a.kv_cache,
     };

@@ -32,10 +32,13 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate text from a prompt or a chat message, streaming it to stdout.
+    #[command(after_help = "Examples:\n  tessera generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat \"What are three uses of copper?\"\n  tessera generate --model HuggingFaceTB/SmolLM2-135M-Instruct --prompt \"Once upon a time\" --temperature 0.8 --seed 1\n  tessera generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat \"A pet, as JSON\" --json-schema pet.schema.json\n  tessera launch -n 2 -- generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --tp 2 --chat Hello")]
     Generate(GenerateArgs),
     /// Write float32 logits [n_tokens, vocab] of one forward pass to a .npy file.
+    #[command(after_help = "Example:\n  tessera logits --model models/SmolLM2-135M-Instruct.Q4_1.gguf --tokens 1,2,3 --out logits.npy")]
     Logits(LogitsArgs),
     /// Print the token ids of a text (or of a chat message rendered with the template).
+    #[command(after_help = "Examples:\n  tessera tokenize --model models/SmolLM2-135M-Instruct.Q4_1.gguf \"Hello world\"\n  tessera tokenize --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat \"Hello\"")]
     Tokenize {
         #[arg(long)]
         model: PathBuf,
@@ -46,6 +49,7 @@ enum Command {
     },
     /// Describe a checkpoint: architecture, parameters, formats, bytes per token; with
     /// placement flags, each rank's share.
+    #[command(after_help = "Examples:\n  tessera inspect models/SmolLM2-135M-Instruct.Q4_1.gguf\n  tessera inspect MODEL_DIR --tp 4 --json")]
     Inspect {
         /// A GGUF file or a Hugging Face directory.
         path: PathBuf,
@@ -57,6 +61,7 @@ enum Command {
     },
     /// Write one rank's slice of a Hugging Face checkpoint as a standalone checkpoint,
     /// so each node needs only its own files (run it with `--model DIR/{rank}`-style paths).
+    #[command(after_help = "Example:\n  tessera shard --model MODEL --world 2 --tp 2 --rank 1 --out shards/r1\n  tessera launch -n 2 -- generate --model 'shards/r{rank}' --tp 2 --prompt hi")]
     Shard {
         #[arg(long)]
         model: PathBuf,
@@ -73,6 +78,7 @@ enum Command {
     },
     /// Start N ranks of a tessera command (locally, or over ssh on a hostfile's hosts),
     /// wired together; stops them all when one fails.
+    #[command(after_help = "Examples:\n  tessera launch -n 2 -- generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --tp 2 --chat Hello\n  tessera launch -n 4 --hostfile hosts.txt -- serve --model MODEL --pp 2 --tp 2\n  tessera launch -n 4 --dry-run -- generate --model MODEL --pp 4 --prompt hi")]
     Launch {
         /// Number of ranks.
         #[arg(short = 'n', long)]
@@ -89,15 +95,20 @@ enum Command {
     },
     /// Under `launch`: give every rank the bytes its placement reads (or `--full` the
     /// whole model) from the rank that holds it, chunk by checked chunk, resumable.
+    #[command(after_help = "Examples:\n  tessera launch -n 3 --hostfile hosts.txt -- share --model MODEL --out 'slices/r{rank}' --tp 3\n  tessera launch -n 3 --hostfile hosts.txt -- share --model MODEL --out 'slices/r{rank}' --verify")]
     Share(share::ShareArgs),
     /// Start or join a cluster; print link latency/bandwidth and all_reduce latency.
+    #[command(after_help = "Examples:\n  tessera doctor --local 2\n  tessera launch -n 4 --hostfile hosts.txt -- doctor --json > cluster.json")]
     Doctor(doctor::DoctorArgs),
     /// Which placements of a model fit a cluster: each node's memory, the largest context,
     /// predicted decode and prefill speed and what bounds it (reads headers only).
+    #[command(after_help = "Examples:\n  tessera plan --model MODEL --cluster cluster.json --ctx 32768 --sequences 4\n  tessera plan --model config.json --quant q4_k_m --cluster docs/clusters/m3-ultra-tb5.json --json")]
     Plan(plan::PlanArgs),
     /// Measure prompt, decode and batched-decode speed on random tokens, and read bandwidth.
+    #[command(after_help = "Examples:\n  tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf\n  tessera bench --model MODEL --pp 0 --tg 64 --batch 1,32 --profile\n  tessera launch -n 2 -- bench --model MODEL --tp 2")]
     Bench(bench::BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (continuous batching).
+    #[command(after_help = "Examples:\n  tessera serve --model models/SmolLM2-135M-Instruct.Q4_1.gguf --port 8080\n  tessera serve --model MODEL --parallel 16 --ctx 8192 --api-key-file key.txt\n  tessera launch -n 2 -- serve --model MODEL --tp 2")]
     Serve(serve::ServeArgs),
 }
 
@@ -145,6 +156,10 @@ pub(crate) struct RuntimeArgs {
     /// KV-cache capacity in tokens (default: min(model limit, 4096)).
     #[arg(long)]
     pub(crate) ctx: Option<usize>,
+    /// Allow a context beyond the model's own limit (its `max_position_embeddings`): the
+    /// positions past it were never trained, and output there degrades.
+    #[arg(long)]
+    pub(crate) ctx_over_limit: bool,
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 2048)]
     pub(crate) prefill_chunk: usize,
@@ -366,6 +381,15 @@ pub(crate) enum Engine<'m> {
 pub(crate) fn engine_for<'m>(model: &'m Model, cluster: Option<(Communicator, Placement)>, rt: &RuntimeArgs, min_ctx: usize, sequences: usize) -> Result<Engine<'m>> {
     let mut cfg = engine_config(model, rt);
     cfg.context_max = cfg.context_max.max(min_ctx);
+    // An explicit --ctx past the model's limit is refused; the prompt and --max-tokens of
+    // a --prompt-ids run may take it there, with a warning.
+    let limit = model.cfg.context_max;
+    if let Some(c) = rt.ctx.filter(|&c| c > limit && !rt.ctx_over_limit) {
+        bail!("--ctx {c} is beyond this model's context limit of {limit} tokens (its max_position_embeddings): lower --ctx, or add --ctx-over-limit to run past the trained context anyway");
+    }
+    if cfg.context_max > limit {
+        eprintln!("warning: a context of {} tokens, beyond this model's limit of {limit}: output past {limit} tokens degrades", cfg.context_max);
+    }
     cfg.sequences_max = sequences;
     Ok(match cluster {
         None => Engine::Drive(Generator::new(model, cfg)?),

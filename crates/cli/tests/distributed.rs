@@ -371,7 +371,7 @@ fn bench_runs_under_every_kind_of_placement() {
 fn long_prompt_in_chunks_under_tp_and_pp() {
     let model = fixture("qwen3_moe");
     let prompt: Vec<u32> = (0..9700u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % 256).collect();
-    let extra = ["--prefill-chunk", "2048", "--ctx", "9800"];
+    let extra = ["--prefill-chunk", "2048", "--ctx", "9800", "--ctx-over-limit"];
     let single = greedy(&model, 1, &[], &prompt, 4, &extra);
     assert_eq!(greedy(&model, 2, &["--tp", "2"], &prompt, 4, &extra), single, "TP2");
     assert_eq!(greedy(&model, 2, &["--pp", "2"], &prompt, 4, &extra), single, "PP2");
@@ -439,7 +439,7 @@ fn a_killed_rank_stops_the_whole_run_with_a_diagnosis() {
     let prompt: Vec<u32> = (0..6000u32).map(|i| (i * 7 + 3) % 256).collect();
     let child = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["launch", "-n", "2", "--", "generate", "--model", model.to_str().unwrap(), "--prompt-ids", &csv(&prompt)])
-        .args(["--max-tokens", "100000", "--ctx", "120000", "--tp", "2", "--threads", "1"])
+        .args(["--max-tokens", "100000", "--ctx", "120000", "--ctx-over-limit", "--tp", "2", "--threads", "1"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -471,7 +471,7 @@ fn stopping_the_launcher_stops_every_rank() {
     for signal in ["-TERM", "-KILL"] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
             .args(["launch", "-n", "2", "--", "generate", "--model", model.to_str().unwrap(), "--prompt-ids", &csv(&prompt)])
-            .args(["--max-tokens", "100000", "--ctx", "120000", "--tp", "2", "--threads", "1"])
+            .args(["--max-tokens", "100000", "--ctx", "120000", "--ctx-over-limit", "--tp", "2", "--threads", "1"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -657,7 +657,7 @@ fn gguf_8bit_formats_every_placement_to_the_bit() {
         (2, &["--tp", "2", "--ep", "2"]),
     ];
     let long: Vec<u32> = (0..4100u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % 200 + 3).collect();
-    let extra = ["--ctx", "4700"];
+    let extra = ["--ctx", "4700", "--ctx-over-limit"];
     let lowbit = ["q3_k_s", "iq4_xs", "q2_k", "q4_0", "q4_k_m", "q6_k"].map(|t| format!("gguf_lowbit/qwen3_moe_w256.{t}.gguf"));
     for file in std::iter::once("gguf_moe/qwen3_moe.q8_0.gguf").chain(lowbit.iter().map(String::as_str)) {
         let model = fixture(file);
@@ -683,7 +683,7 @@ fn smollm2_placements_to_the_bit() {
     assert!(model.exists(), "{} is missing: run scripts/fetch-model", model.display());
     let long: Vec<u32> = (0..4100u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % 49000 + 3).collect();
     // An f16 cache (the default) and two threads alone: 2.5× faster than f32 on one.
-    let extra = ["--ctx", "4700", "--kv-cache", "f16"];
+    let extra = ["--ctx", "4700", "--ctx-over-limit", "--kv-cache", "f16"];
     let dir = scratch("smollm2_to_the_bit");
     let single = logits(&model, 1, &[], &long[..24], &dir.join("single.npy"));
     let single_ids = greedy_threads(&model, 1, &[], &long, 512, &extra, 2);

@@ -81,3 +81,69 @@ fn json_schema_errors_name_the_file_and_the_reason() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("broken.json") && err.contains("not JSON"), "{err}");
 }
+
+fn tessera(args: &[&str], env: &[(&str, &Path)]) -> std::process::Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    c.args(args).env_remove("HF_HUB_CACHE").env_remove("HF_HOME");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+/// A Hugging Face repo id finds the model in the local cache (`HF_HUB_CACHE`, or
+/// `HF_HOME/hub`): its snapshot's only GGUF, or the file named after the id; the same ids
+/// as the path itself. Several GGUF files, a repo not in the cache: errors that say what to
+/// do, and nothing is downloaded.
+#[test]
+fn a_repo_id_finds_the_model_in_the_hugging_face_cache() {
+    let home = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tessera-hf-home");
+    let _ = std::fs::remove_dir_all(&home);
+    let repo = home.join("hub/models--HuggingFaceTB--SmolLM2-135M-Instruct");
+    let snapshot = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd\n").unwrap();
+    std::os::unix::fs::symlink(smollm2(), snapshot.join("model.Q4_1.gguf")).unwrap();
+    let run = |model: &str, env: &[(&str, &Path)]| tessera(&["generate", "--model", model, "--prompt-ids", "1,2,3", "--max-tokens", "3", "--threads", "1"], env);
+    let direct = run(&smollm2().to_string_lossy(), &[]);
+    assert!(direct.status.success(), "{}", String::from_utf8_lossy(&direct.stderr));
+    for (id, env) in [("HuggingFaceTB/SmolLM2-135M-Instruct", ("HF_HOME", home.as_path())), ("HuggingFaceTB/SmolLM2-135M-Instruct/model.Q4_1.gguf", ("HF_HUB_CACHE", &home.join("hub")))] {
+        let out = run(id, &[env]);
+        assert!(out.status.success(), "{id}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.stdout, direct.stdout, "{id}");
+    }
+    std::os::unix::fs::symlink(smollm2(), snapshot.join("model.Q8_0.gguf")).unwrap();
+    let out = run("HuggingFaceTB/SmolLM2-135M-Instruct", &[("HF_HOME", &home)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("2 GGUF files") && err.contains("model.Q4_1.gguf") && err.contains("model.Q8_0.gguf"), "{err}");
+    let out = run("nobody/nothing", &[("HF_HOME", &home)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("models--nobody--nothing") && err.contains("never downloads"), "{err}");
+}
+
+/// The first-time user's trips: a context above the model's limit is refused naming it
+/// (and allowed with --ctx-over-limit), an OS error is said once, `bench --pp 0` skips
+/// the prompt test, and every subcommand's --help shows an example.
+#[test]
+fn first_time_users_get_clear_answers() {
+    let m = smollm2();
+    let m = m.to_string_lossy();
+    let out = tessera(&["generate", "--model", &m, "--prompt", "hi", "--ctx", "9000"], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--ctx 9000") && err.contains("8192") && err.contains("--ctx-over-limit"), "{err}");
+    let out = tessera(&["generate", "--model", &m, "--prompt", "hi", "--ctx", "9000", "--ctx-over-limit", "--max-tokens", "2", "--threads", "1"], &[]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stderr).contains("beyond this model's limit of 8192"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = tessera(&["generate", "--model", "/no/such/model.gguf", "--prompt", "hi"], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("os error 2").count(), 1, "{err}");
+    let out = tessera(&["bench", "--model", &m, "--pp", "0", "--tg", "4", "--batch", "1", "--repeat", "1", "--threads", "1"], &[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("| tg4") && !text.contains("| pp"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for sub in ["generate", "logits", "tokenize", "inspect", "shard", "launch", "share", "doctor", "plan", "bench", "serve"] {
+        let out = tessera(&[sub, "--help"], &[]);
+        let help = String::from_utf8_lossy(&out.stdout);
+        let shows = help.contains(&format!("tessera {sub} ")) || help.contains(&format!("-- {sub} "));
+        assert!(help.contains("Example") && shows, "{sub} --help has no example of it:\n{help}");
+    }
+}

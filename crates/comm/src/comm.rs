@@ -49,7 +49,7 @@ impl Communicator {
         let monitor = std::thread::Builder::new()
             .name(format!("tessera-comm-monitor-{}", inner.rank))
             .spawn(move || m.monitor_loop())
-            .map_err(|e| CommError::Io { rank: inner.rank, what: "spawning the monitor thread".into(), source: e })?;
+            .map_err(|e| CommError::Io { rank: inner.rank, what: "spawning the monitor thread".into(), error: e })?;
         Ok(Communicator { world, monitor: Some(monitor) })
     }
 

@@ -258,7 +258,7 @@ impl Inner {
                     None
                 }
                 Some(s) => {
-                    let io = |e| CommError::Io { rank, what: format!("configuring the socket to rank {peer}"), source: e };
+                    let io = |e| CommError::Io { rank, what: format!("configuring the socket to rank {peer}"), error: e };
                     s.set_nonblocking(true).map_err(io)?;
                     s.set_read_timeout(None).map_err(io)?;
                     s.set_write_timeout(None).map_err(io)?;

@@ -133,8 +133,9 @@ pub enum CommError {
     Aborted { rank: usize, diagnosis: Diagnosis, op: Option<Box<OpDesc>> },
     #[error("rank {rank}: the communicator is closed")]
     Closed { rank: usize },
-    #[error("rank {rank}: {what}: {source}")]
-    Io { rank: usize, what: String, source: std::io::Error },
+    // The OS error is in the message, not a `source` (a chain would print it twice).
+    #[error("rank {rank}: {what}: {error}")]
+    Io { rank: usize, what: String, error: std::io::Error },
 }
 
 fn here(rank: usize, op: &Option<Box<OpDesc>>) -> String {

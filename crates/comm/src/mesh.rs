@@ -34,7 +34,7 @@ impl Listening {
         };
         let listener = TcpListener::bind(bind)
             .map_err(|e| CommError::Connect { rank, why: format!("cannot listen on {bind}: {e} (choose another --bind address or port)") })?;
-        let mut advertise = listener.local_addr().map_err(|e| CommError::Io { rank, what: "listener address".into(), source: e })?;
+        let mut advertise = listener.local_addr().map_err(|e| CommError::Io { rank, what: "listener address".into(), error: e })?;
         if advertise.ip().is_unspecified() {
             let towards = match &cfg.peers {
                 Peers::Master(m) => *m,
@@ -49,7 +49,7 @@ impl Listening {
     /// table). The listener must be bound to this rank's table entry.
     pub fn from_listener(cfg: CommConfig, listener: TcpListener) -> Result<Listening, CommError> {
         cfg.validate()?;
-        let advertise = listener.local_addr().map_err(|e| CommError::Io { rank: cfg.rank, what: "listener address".into(), source: e })?;
+        let advertise = listener.local_addr().map_err(|e| CommError::Io { rank: cfg.rank, what: "listener address".into(), error: e })?;
         Ok(Listening { cfg, listener, advertise })
     }
 
@@ -161,7 +161,7 @@ fn dial(cfg: &CommConfig, peer: usize, addr: SocketAddr, deadline: Instant) -> R
         attempts += 1;
         match TcpStream::connect_timeout(&addr, left) {
             Ok(mut s) => {
-                let io = |e: std::io::Error| CommError::Io { rank, what: format!("socket to rank {peer}"), source: e };
+                let io = |e: std::io::Error| CommError::Io { rank, what: format!("socket to rank {peer}"), error: e };
                 s.set_nodelay(true).map_err(io)?;
                 set_timeouts(&s, deadline, u64::MAX).map_err(io)?;
                 return match auth::dial(&mut s, &cfg.secret, rank, cfg.world_size, peer) {
@@ -189,7 +189,7 @@ fn accept_until(
     mut after: impl FnMut(&mut TcpStream, usize) -> Result<(), String>,
 ) -> Result<(), CommError> {
     let rank = cfg.rank;
-    let io = |e: std::io::Error| CommError::Io { rank, what: "accepting connections".into(), source: e };
+    let io = |e: std::io::Error| CommError::Io { rank, what: "accepting connections".into(), error: e };
     listener.set_nonblocking(true).map_err(io)?;
     while want.clone().any(|p| links[p].is_none()) {
         if Instant::now() >= deadline {

@@ -124,17 +124,20 @@ pub struct Checkpoint {
 }
 
 fn map_file(path: &Path) -> Result<(Mmap, File)> {
-    let file = File::open(path).map_err(|source| LoadError::Io { path: path.into(), source })?;
+    let file = File::open(path).map_err(|error| LoadError::Io { path: path.into(), error })?;
     // SAFETY: the mapping is read-only; a checkpoint rewritten under a running engine
     // is outside what we can defend against (as for every mmap-based loader).
-    let map = unsafe { Mmap::map(&file) }.map_err(|source| LoadError::Io { path: path.into(), source })?;
+    let map = unsafe { Mmap::map(&file) }.map_err(|error| LoadError::Io { path: path.into(), error })?;
     Ok((map, file))
 }
 
 impl Checkpoint {
     /// Opens a HF directory (with `config.json`) or a `.gguf` file.
     pub fn open(path: &Path) -> Result<Checkpoint> {
-        let meta = std::fs::metadata(path).map_err(|source| LoadError::Io { path: path.into(), source })?;
+        // A Hugging Face repo id names the model the local cache holds.
+        let resolved = crate::hf_cache::resolve(path).map_err(|reason| LoadError::format(path, reason))?;
+        let path = resolved.as_path();
+        let meta = std::fs::metadata(path).map_err(|error| LoadError::Io { path: path.into(), error })?;
         if meta.is_dir() {
             Self::open_hf_dir(path)
         } else {
@@ -173,7 +176,7 @@ impl Checkpoint {
     fn open_hf_dir(dir: &Path) -> Result<Checkpoint> {
         let config_path = dir.join("config.json");
         let text = std::fs::read_to_string(&config_path)
-            .map_err(|source| LoadError::Io { path: config_path.clone(), source })?;
+            .map_err(|error| LoadError::Io { path: config_path.clone(), error })?;
         let config: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| LoadError::format(&config_path, format!("invalid JSON: {e}")))?;
         if !config.is_object() {
@@ -182,7 +185,7 @@ impl Checkpoint {
         let index_path = dir.join("model.safetensors.index.json");
         let (file_names, weight_map) = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
-                .map_err(|source| LoadError::Io { path: index_path.clone(), source })?;
+                .map_err(|error| LoadError::Io { path: index_path.clone(), error })?;
             let index: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| LoadError::format(&index_path, format!("invalid JSON: {e}")))?;
             let map = index
@@ -207,7 +210,7 @@ impl Checkpoint {
             (files, Some(weight_map))
         } else {
             let all: Vec<String> = std::fs::read_dir(dir)
-                .map_err(|source| LoadError::Io { path: dir.into(), source })?
+                .map_err(|error| LoadError::Io { path: dir.into(), error })?
                 .filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .filter(|n| n.ends_with(".safetensors"))
@@ -319,7 +322,7 @@ impl Checkpoint {
     pub fn read_at(&self, file: usize, offset: usize, buf: &mut [u8]) -> Result<()> {
         use std::os::unix::fs::FileExt;
         let f = &self.files[file];
-        f.file.read_exact_at(buf, offset as u64).map_err(|source| LoadError::Io { path: f.path.clone(), source })
+        f.file.read_exact_at(buf, offset as u64).map_err(|error| LoadError::Io { path: f.path.clone(), error })
     }
 
     /// The stored tensor whose name is closest to `name` (at most `edits_max` character

@@ -4,11 +4,12 @@ use std::path::PathBuf;
 /// tensor or key involved, and says why.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("{path}: cannot read: {source}")]
+    // The OS error is in the message, not a `source`: a chain printed whole would say it
+    // twice ("No such file or directory (os error 2): No such file or directory …").
+    #[error("{path}: cannot read: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: not a checkpoint we can read: {reason}")]
     Format { path: PathBuf, reason: String },

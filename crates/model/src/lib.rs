@@ -16,6 +16,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod hf_cache;
 pub mod memory;
 pub mod names;
 pub mod shard;

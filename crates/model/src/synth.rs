@@ -291,7 +291,7 @@ pub fn tensors(cfg: &ModelConfig, quant: Quant) -> Vec<(String, TensorDtype, Vec
 /// A headers-only checkpoint of the model `config.json` describes, in `quant`, with its
 /// config. Its tensors have sizes but no bytes: only `Model::footprint` takes it.
 pub fn checkpoint(config_path: &Path, quant: Quant) -> Result<(Checkpoint, ModelConfig)> {
-    let text = std::fs::read_to_string(config_path).map_err(|source| LoadError::Io { path: config_path.into(), source })?;
+    let text = std::fs::read_to_string(config_path).map_err(|error| LoadError::Io { path: config_path.into(), error })?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| LoadError::format(config_path, format!("invalid JSON: {e}")))?;
     let cfg = ModelConfig::from_hf_json(config_path.into(), &json)?;
     let list = tensors(&cfg, quant);
