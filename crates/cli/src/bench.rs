@@ -107,11 +107,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
         ctx: Some(a.ctx.unwrap_or(cfg.context_needed())),
         // Speed on random ids: a context past the model's limit is only positions.
         ctx_over_limit: true,
+        no_memory_check: false,
         prefill_chunk: a.prefill_chunk,
         kv_cache: a.kv_cache,
     };
     let sequences = a.batch.iter().copied().max().unwrap_or(1).max(if a.profile { a.profile_batch } else { 1 });
-    let crate::Loaded { model, cluster } = crate::load_for(&a.model, &rt)?;
+    let crate::Loaded { model, cluster } = crate::load_for(&a.model, &rt, crate::Fit { sequences, min_ctx: 0 })?;
     let ranks = cluster.as_ref().map_or(1, |(c, _)| c.world_size());
     let date = utc_now();
     let tty = std::io::stderr().is_terminal();

@@ -160,6 +160,11 @@ pub(crate) struct RuntimeArgs {
     /// positions past it were never trained, and output there degrades.
     #[arg(long)]
     pub(crate) ctx_over_limit: bool,
+    /// Load even where this node's available memory (MemAvailable) is less than what the
+    /// model, its caches at --ctx × sequences and the workspace need (checked before
+    /// loading, from the tensor headers).
+    #[arg(long)]
+    pub(crate) no_memory_check: bool,
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 2048)]
     pub(crate) prefill_chunk: usize,
@@ -319,7 +324,40 @@ fn shard_cmd(model: &Path, world: usize, p: &PlacementArgs, rank: usize, out: &P
     shard::write(model, &placement, rank, out)
 }
 
-pub(crate) fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
+/// Refuses, before a byte of weights is read, a load this node cannot hold: the loader
+/// run dry over the headers (`Model::footprint`) gives the weights and workspace, the
+/// cache comes at the context and sequences asked for, against `MemAvailable`.
+fn check_memory(ckpt: &Arc<Checkpoint>, cfg: &ModelConfig, spec: tessera_model::ShardSpec, rt: &RuntimeArgs, fit: Fit, leader: bool, who: &str) -> Result<()> {
+    let Some(have) = tessera_model::memory::available_bytes().filter(|_| !rt.no_memory_check) else { return Ok(()) };
+    let ctx = rt.ctx.unwrap_or(cfg.context_max.min(4096)).max(fit.min_ctx);
+    let limits = tessera_model::StepLimits { tokens_per_step_max: rt.prefill_chunk.max(fit.sequences), context_max: ctx, sequences_per_step_max: fit.sequences };
+    let threads = rt.threads.unwrap_or_else(cluster::default_threads);
+    let f = Model::footprint(Arc::clone(ckpt), cfg.clone(), spec, limits, threads)?;
+    let (need, cache, _) = tessera_plan::rank_bytes(&f, rt.kv_cache, ctx, fit.sequences, leader);
+    if need > have {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        bail!(
+            "{who} needs {:.2} GiB (weights {:.2}, cache {:.2} for {} × {ctx} tokens, workspace {:.2}) and this node has {:.2} GiB available: lower --ctx or the sequences, place the model over more nodes (`tessera plan`), or pass --no-memory-check to load anyway",
+            gib(need),
+            gib(f.weights_bytes as u64),
+            gib(cache),
+            fit.sequences,
+            gib(f.workspace_bytes as u64),
+            gib(have)
+        );
+    }
+    Ok(())
+}
+
+/// What a run will hold besides the weights: sequences at once, and the context the
+/// prompts and tokens asked for need at least.
+#[derive(Clone, Copy)]
+pub(crate) struct Fit {
+    pub(crate) sequences: usize,
+    pub(crate) min_ctx: usize,
+}
+
+pub(crate) fn load_for(path: &Path, rt: &RuntimeArgs, fit: Fit) -> Result<Loaded> {
     let p = &rt.placement;
     let env = cluster::ClusterEnv::from_env(rt.secret_file.as_ref())?;
     let owned_path = shard::model_path(path, env.as_ref().map_or(0, |e| e.rank));
@@ -336,6 +374,10 @@ pub(crate) fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
             let world = p.tp.max(p.ep) * p.pp;
             bail!("this placement needs {world} ranks: run it under `tessera launch -n {world} -- ...` (or another launcher)");
         }
+        let ckpt = Arc::new(Checkpoint::open(path).with_context(|| format!("loading {}", path.display()))?);
+        let cfg = ModelConfig::from_checkpoint(&ckpt)?;
+        check_memory(&ckpt, &cfg, tessera_model::ShardSpec::whole(cfg.layers), rt, fit, true, &format!("{}", path.display()))?;
+        drop(ckpt);
         return Ok(Loaded { model: load(path)?, cluster: None });
     };
     let open = manifest.as_ref().map_or(path, |m| m.checkpoint.as_path());
@@ -357,9 +399,12 @@ pub(crate) fn load_for(path: &Path, rt: &RuntimeArgs) -> Result<Loaded> {
         }
     }
     let rank = env.rank;
+    let spec = placement.spec(rank, &cfg);
+    if manifest.is_none() {
+        check_memory(&ckpt, &cfg, spec.clone(), rt, fit, rank == 0, &format!("rank {rank}'s share of {}", path.display()))?;
+    }
     let comm = env.connect()?;
     comm.set_loading(true);
-    let spec = placement.spec(rank, &cfg);
     let model = if manifest.is_some() {
         Model::load_presliced(ckpt, cfg, spec)
     } else {
@@ -406,15 +451,15 @@ pub(crate) fn engine_for<'m>(model: &'m Model, cluster: Option<(Communicator, Pl
 
 fn generate(a: GenerateArgs) -> Result<()> {
     let t0 = Instant::now();
-    let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
-    let leads = cluster.as_ref().is_none_or(|(c, _)| c.rank() == 0);
     let id_prompts = a.prompt_ids.iter().map(|p| parse_ids(p)).collect::<Result<Vec<_>>>()?;
     if !(1..=tessera_engine::generate::SEQUENCES_MAX).contains(&a.parallel) {
         bail!("--parallel {}: choose 1..={}", a.parallel, tessera_engine::generate::SEQUENCES_MAX);
     }
     let sequences = id_prompts.len().max(1) * a.parallel;
-    let tok = if leads && id_prompts.is_empty() { Some(Tokenizer::from_checkpoint(model.checkpoint())?) } else { None };
     let min_ctx = id_prompts.iter().map(|p| p.len() + a.max_tokens + 1).max().unwrap_or(0);
+    let Loaded { model, cluster } = load_for(&a.model, &a.runtime, Fit { sequences, min_ctx })?;
+    let leads = cluster.as_ref().is_none_or(|(c, _)| c.rank() == 0);
+    let tok = if leads && id_prompts.is_empty() { Some(Tokenizer::from_checkpoint(model.checkpoint())?) } else { None };
     let mut gen = match engine_for(&model, cluster, &a.runtime, min_ctx, sequences)? {
         Engine::Follow(rank) => return Ok(rank.follow()?),
         Engine::Drive(g) => g,
@@ -642,7 +687,7 @@ fn generate_text_parallel(gen: &mut Generator, tok: &Tokenizer, prompt: &[u32], 
 }
 
 fn logits(a: LogitsArgs) -> Result<()> {
-    let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
+    let Loaded { model, cluster } = load_for(&a.model, &a.runtime, Fit { sequences: 1, min_ctx: a.tokens.len() })?;
     let mut gen = match engine_for(&model, cluster, &a.runtime, a.tokens.len(), 1)? {
         Engine::Follow(rank) => return Ok(rank.follow()?),
         Engine::Drive(g) => g,

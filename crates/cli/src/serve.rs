@@ -96,7 +96,7 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
     let leads = crate::cluster::leads_from_env();
     let server = if leads { Some(tessera_serve::Server::bind(cfg).map_err(anyhow::Error::msg)?) } else { None };
     tessera_serve::faults::delay_load();
-    let Loaded { model, cluster } = load_for(&a.model, &a.runtime)?;
+    let Loaded { model, cluster } = load_for(&a.model, &a.runtime, crate::Fit { sequences: a.parallel, min_ctx: 0 })?;
     let (tok, template) = if leads { (Some(Tokenizer::from_checkpoint(model.checkpoint())?), chat_template(&model).ok()) } else { (None, None) };
     let mut gen = match engine_for(&model, cluster, &a.runtime, 0, a.parallel)? {
         Engine::Follow(rank) => return Ok(rank.follow()?),

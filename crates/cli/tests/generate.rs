@@ -147,3 +147,21 @@ fn first_time_users_get_clear_answers() {
         assert!(help.contains("Example") && shows, "{sub} --help has no example of it:\n{help}");
     }
 }
+
+/// A run whose weights and caches cannot fit this node's available memory is refused
+/// before loading, with what it needs (weights, cache at ctx × sequences) and what the
+/// node has; --no-memory-check loads it anyway (the caches are committed only as they
+/// are written, so a short run still works).
+#[test]
+fn a_run_that_cannot_fit_is_refused_before_loading() {
+    let m = smollm2();
+    let m = m.to_string_lossy();
+    // 256 sequences × 8192 tokens of f32 cache: 90 GiB.
+    let big = ["generate", "--model", &m, "--prompt", "hi", "--parallel", "256", "--ctx", "8192", "--kv-cache", "f32", "--max-tokens", "1", "--threads", "1"];
+    let out = tessera(&big, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("needs") && err.contains("256 × 8192 tokens") && err.contains("GiB available") && err.contains("--no-memory-check"), "{err}");
+    let out = tessera(&[&big[..], &["--no-memory-check"]].concat(), &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}

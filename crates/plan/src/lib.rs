@@ -155,6 +155,16 @@ pub fn plan(model: &str, ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Clu
     }
 }
 
+/// What a rank of footprint `f` occupies running `sequences` of `ctx` tokens: (weights,
+/// cache or state, workspace and runtime together; the cache and state; the runtime).
+/// The leader (rank 0) holds the logits and the sampler besides.
+pub fn rank_bytes(f: &Footprint, kv: KvDtype, ctx: usize, sequences: usize, leader: bool) -> (u64, u64, u64) {
+    let s = sequences as u64;
+    let cache = f.kv_bytes_per_token(kv) as u64 * ctx as u64 * s + f.state_bytes_per_sequence as u64 * s;
+    let runtime = RUNTIME_BYTES + if leader { LEADER_BYTES } else { 0 };
+    (f.weights_bytes as u64 + cache + f.workspace_bytes as u64 + runtime, cache, runtime)
+}
+
 fn limits(opts: &PlanOptions, ctx: usize) -> StepLimits {
     StepLimits { tokens_per_step_max: opts.prefill_chunk.max(opts.sequences), context_max: ctx, sequences_per_step_max: opts.sequences }
 }
@@ -172,9 +182,7 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
     for (rank, f) in ranks.iter().enumerate() {
         let node = &cluster.nodes[rank];
         let s = opts.sequences as u64;
-        let kv = f.kv_bytes_per_token(opts.kv) as u64 * opts.ctx as u64 * s + f.state_bytes_per_sequence as u64 * s;
-        let runtime = RUNTIME_BYTES + if rank == 0 { LEADER_BYTES } else { 0 };
-        let memory = f.weights_bytes as u64 + kv + f.workspace_bytes as u64 + runtime;
+        let (memory, kv, runtime) = rank_bytes(f, opts.kv, opts.ctx, opts.sequences, rank == 0);
         let reserve = RESERVE_BYTES_MIN.max((node.memory_free_bytes as f64 * RESERVE_FRACTION) as u64);
         if memory + reserve > node.memory_free_bytes && first_short.is_none() {
             first_short = Some(Refusal {
