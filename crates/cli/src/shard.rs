@@ -71,18 +71,50 @@ pub fn write(model: &Path, placement: &Placement, rank: usize, out: &Path) -> Re
     }
     let spec = placement.spec(rank, &cfg);
     let (_, tensors) = Model::load_recording(Arc::clone(&ckpt), cfg, spec).with_context(|| format!("reading rank {rank}'s slice"))?;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let bytes: usize = tensors.iter().map(|t| t.bytes.len()).sum();
+    if out.exists() && read_manifest(out)?.is_none() && std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some()) {
+        bail!("{} exists and is not a shard: choose another --out (a shard written there before is replaced)", out.display());
+    }
+    // Written whole beside `out`, then renamed: a full disk or a kill leaves no half slice.
+    let staging = crate::share::manifest::partial_of(out);
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
+    if let Some(free) = crate::share::manifest::free_bytes(&staging) {
+        if free < bytes as u64 + (1 << 20) {
+            let _ = std::fs::remove_dir_all(&staging);
+            bail!("rank {rank}'s slice is {bytes} bytes and {} has {free} bytes free: make room or choose another --out (nothing was written)", staging.parent().unwrap_or(out).display());
+        }
+    }
+    let written = write_slice(&ckpt, model, &staging, &tensors, placement, rank, bytes).and_then(|file| {
+        if out.exists() {
+            std::fs::remove_dir_all(out).with_context(|| format!("replacing the shard at {}", out.display()))?;
+        }
+        std::fs::rename(&staging, out).with_context(|| format!("renaming {} to {}", staging.display(), out.display()))?;
+        Ok(file)
+    });
+    let file = match written {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e.context(format!("writing rank {rank}'s slice to {} failed (a full disk?); nothing was left there", out.display())));
+        }
+    };
+    eprintln!("wrote rank {rank} of [{}]: {} tensors, {bytes} bytes, to {}", placement.describe(), tensors.len(), out.join(file).display());
+    Ok(())
+}
+
+/// The slice's files and manifest into `out`; the checkpoint file's name.
+fn write_slice(ckpt: &Checkpoint, model: &Path, out: &Path, tensors: &[RecordedTensor], placement: &Placement, rank: usize, bytes: usize) -> Result<&'static str> {
     let file = match ckpt.kind {
         CheckpointKind::Gguf => {
             let meta = &ckpt.gguf.as_ref().expect("a GGUF checkpoint has its header").metadata;
             let list: Vec<gguf::TensorOut> =
                 tensors.iter().map(|t| gguf::TensorOut { name: &t.name, dtype: t.dtype, shape: &t.shape, data: &t.bytes }).collect();
-            gguf::write(&out.join(GGUF_FILE), meta, &list)?;
+            gguf::write(&out.join(GGUF_FILE), meta, &list).with_context(|| format!("writing {}", out.join(GGUF_FILE).display()))?;
             GGUF_FILE
         }
         CheckpointKind::HfDir => {
-            write_safetensors(&out.join("model.safetensors"), &tensors)?;
+            write_safetensors(&out.join("model.safetensors"), tensors)?;
             for name in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
                 let src = model.join(name);
                 if src.exists() {
@@ -96,9 +128,8 @@ pub fn write(model: &Path, placement: &Placement, rank: usize, out: &Path) -> Re
         "format": "tessera-shard", "version": 1, "rank": rank, "checkpoint": file,
         "placement": placement_json(placement), "source": model.display().to_string(), "tensor_bytes": bytes,
     });
-    std::fs::write(out.join(MANIFEST), serde_json::to_string_pretty(&manifest)?)?;
-    eprintln!("wrote rank {rank} of [{}]: {} tensors, {bytes} bytes, to {}", placement.describe(), tensors.len(), out.join(file).display());
-    Ok(())
+    std::fs::write(out.join(MANIFEST), serde_json::to_string_pretty(&manifest)?).with_context(|| format!("writing {}", out.join(MANIFEST).display()))?;
+    Ok(file)
 }
 
 /// One safetensors file: header, then the data in the same order.

@@ -1,6 +1,7 @@
-//! `tessera generate --json-schema`: the default model's outputs under a schema, checked
-//! by hand here (the server's are checked by the `jsonschema` package in serve.rs), and
-//! the errors a bad schema gets.
+//! The command line as a first-time user meets it: `tessera generate --json-schema` (the
+//! default model's outputs under a schema, checked by hand here; the server's by the
+//! `jsonschema` package in serve.rs), a model named by its Hugging Face repo id, limits
+//! (context, memory, a full disk) refused with what is needed and what is there.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -164,4 +165,41 @@ fn a_run_that_cannot_fit_is_refused_before_loading() {
     assert!(err.contains("needs") && err.contains("256 × 8192 tokens") && err.contains("GiB available") && err.contains("--no-memory-check"), "{err}");
     let out = tessera(&[&big[..], &["--no-memory-check"]].concat(), &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A write that fails midway (a full disk; here a file-size limit makes the kernel
+/// refuse the slice's bytes) leaves no half shard behind, neither at `--out` nor beside
+/// it, and says what failed; the same command with room writes the whole slice.
+#[test]
+fn a_shard_that_cannot_be_written_leaves_nothing_half_written() {
+    use std::os::unix::process::CommandExt;
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tessera-shard-full");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("r0");
+    let args = ["shard", "--model", &smollm2().to_string_lossy().into_owned(), "--world", "2", "--tp", "2", "--rank", "0", "--out", &out.to_string_lossy().into_owned()].map(String::from);
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    c.args(&args);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            // Writes past 8 MiB fail with EFBIG (the signal that would kill the writer ignored).
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit { rlim_cur: 8 << 20, rlim_max: 8 << 20 };
+            libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
+            Ok(())
+        });
+    }
+    let failed = c.output().unwrap();
+    let err = String::from_utf8_lossy(&failed.stderr);
+    assert!(!failed.status.success(), "{err}");
+    assert!(err.contains("failed") && err.contains("nothing was left there"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let ok = Command::new(env!("CARGO_BIN_EXE_tessera")).args(&args).output().unwrap();
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let mut files: Vec<String> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    files.sort();
+    assert_eq!(files, ["model.gguf", "tessera-shard.json"]);
+    assert!(!dir.join("r0.partial").exists());
 }

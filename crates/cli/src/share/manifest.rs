@@ -92,7 +92,7 @@ pub(super) fn manifest_of(files: &[PathBuf], chunk: u64) -> Result<Manifest> {
 }
 
 /// Free bytes for an unprivileged writer on the file system holding `dir`.
-pub(super) fn free_bytes(dir: &Path) -> Option<u64> {
+pub(crate) fn free_bytes(dir: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
     let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
@@ -100,7 +100,7 @@ pub(super) fn free_bytes(dir: &Path) -> Option<u64> {
     (unsafe { libc::statvfs(c.as_ptr(), &mut s) } == 0).then(|| s.f_bavail as u64 * s.f_frsize as u64)
 }
 
-pub(super) fn partial_of(out: &Path) -> PathBuf {
+pub(crate) fn partial_of(out: &Path) -> PathBuf {
     let mut p = out.as_os_str().to_owned();
     p.push(".partial");
     PathBuf::from(p)

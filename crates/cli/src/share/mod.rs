@@ -9,7 +9,7 @@
 //! it fails; the output appears by renaming `OUT.partial` to `OUT` once every chunk is
 //! in. `--verify` re-hashes what a rank holds and sends nothing.
 
-mod manifest;
+pub(crate) mod manifest;
 mod outbox;
 mod receive;
 mod source;
