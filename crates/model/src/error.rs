@@ -6,8 +6,13 @@ use std::path::PathBuf;
 pub enum LoadError {
     // The OS error is in the message, not a `source`: a chain printed whole would say it
     // twice ("No such file or directory (os error 2): No such file or directory …").
-    #[error("{path}: {error}")]
+    #[error("{path}: cannot read: {error}")]
     Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("{path}: cannot write: {error}")]
+    Write {
         path: PathBuf,
         error: std::io::Error,
     },

@@ -330,7 +330,7 @@ pub fn write(path: &Path, metadata: &BTreeMap<String, GgufValue>, tensors: &[Ten
         offset = (offset + t.data.len()).div_ceil(alignment) * alignment;
     }
     head.resize(head.len().div_ceil(alignment) * alignment, 0);
-    let io = |error| LoadError::Io { path: path.into(), error };
+    let io = |error| LoadError::Write { path: path.into(), error };
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
     f.write_all(&head).map_err(io)?;
     let zeros = vec![0u8; alignment];
