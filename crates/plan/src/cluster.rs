@@ -91,8 +91,13 @@ impl Cluster {
             return Err(format!("{at}: {len} bytes is more than a cluster file's {FILE_BYTES_MAX}: is it the right file?"));
         }
         let text = std::fs::read_to_string(path).map_err(|e| format!("{at}: {e}"))?;
-        let c: Cluster = serde_json::from_str(&text).map_err(|e| format!("{at}: not a cluster file ({e}); write one with `tessera doctor --json`"))?;
-        c.check().map_err(|e| format!("{at}: {e}"))?;
+        Cluster::parse(&text).map_err(|e| format!("{at}: {e}"))
+    }
+
+    /// A cluster file's text, read and checked.
+    pub fn parse(text: &str) -> Result<Cluster, String> {
+        let c: Cluster = serde_json::from_str(text).map_err(|e| format!("not a cluster file ({e}); write one with `tessera doctor --json`"))?;
+        c.check()?;
         Ok(c)
     }
 

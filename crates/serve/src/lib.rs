@@ -137,3 +137,20 @@ fn watchdog(step_timeout: std::time::Duration, metrics: Arc<metrics::Metrics>, f
         })
         .expect("spawning the watchdog thread");
 }
+
+/// The server's reading of a request body, as a handler does before anything reaches the
+/// engine: the fields both endpoints share, then the chat messages, tools and output
+/// format, or the legacy prompt. For the fuzz targets (`crates/fuzz`): any bytes give a
+/// request or an error, never a panic.
+#[doc(hidden)]
+pub fn check_request_body(body: &[u8], chat: bool) -> Result<(), String> {
+    let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let fail = |e: openai::ApiError| e.message;
+    openai::common(&v, "m", 0, chat).map_err(fail)?;
+    if chat {
+        openai::tools(&v).map_err(fail)?;
+        openai::messages(&v).map_err(fail)?;
+    }
+    Ok(())
+}
+
