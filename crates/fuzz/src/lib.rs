@@ -11,8 +11,11 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use tessera_model::{ChatTemplate, Checkpoint, Message, ModelConfig, Tokenizer};
 
+/// A target: any bytes in, nothing out (a panic is the finding).
+pub type Target = fn(&[u8]);
+
 /// The targets by name (the corpus directories and `fuzz/afl`'s binaries).
-pub const TARGETS: [(&str, fn(&[u8])); 10] = [
+pub const TARGETS: [(&str, Target); 10] = [
     ("gguf", gguf),
     ("safetensors", safetensors),
     ("safetensors_index", safetensors_index),
