@@ -664,8 +664,16 @@ impl<'m> Rank<'m> {
     /// A follower's life: run the leader's plans until it says stop.
     pub fn follow(mut self) -> Result<(), EngineError> {
         assert_ne!(self.rank, 0, "rank 0 leads");
+        let fault = crate::faults::Fault::for_rank(self.rank);
+        let mut steps = 0u64;
         loop {
             self.receive_plan()?;
+            match fault {
+                Some(crate::faults::Fault::Exit(n)) if steps == n => std::process::exit(0),
+                Some(crate::faults::Fault::Mismatch(n)) if steps == n => self.comm.barrier("fault: out of turn").map_err(dist_err)?,
+                _ => {}
+            }
+            steps += 1;
             self.run_plan()?;
             if self.plan[PLAN_OP] == OP_STOP {
                 return Ok(());

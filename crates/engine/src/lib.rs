@@ -8,6 +8,7 @@ pub mod batch;
 pub mod constraint;
 pub mod bench;
 pub mod dist;
+mod faults;
 pub mod generate;
 pub mod sampling;
 pub mod scheduler;
