@@ -12,6 +12,9 @@ use tessera_model::Tokenizer;
 
 #[derive(Args)]
 pub(crate) struct ServeArgs {
+    /// A Jinja chat template to use instead of the checkpoint's (a file).
+    #[arg(long)]
+    chat_template: Option<std::path::PathBuf>,
     /// A GGUF file or a Hugging Face directory.
     #[arg(long)]
     model: PathBuf,
@@ -97,7 +100,12 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
     let server = if leads { Some(tessera_serve::Server::bind(cfg).map_err(anyhow::Error::msg)?) } else { None };
     tessera_serve::faults::delay_load();
     let Loaded { model, cluster } = load_for(&a.model, &a.runtime, crate::Fit { sequences: a.parallel, min_ctx: 0 })?;
-    let (tok, template) = if leads { (Some(Tokenizer::from_checkpoint(model.checkpoint())?), chat_template(&model).ok()) } else { (None, None) };
+    let template = match &a.chat_template {
+        // A template of the user's own, in place of the checkpoint's.
+        Some(f) => Some(tessera_model::ChatTemplate::new(std::fs::read_to_string(f).with_context(|| format!("--chat-template {}", f.display()))?, f.clone())),
+        None => chat_template(&model).ok(),
+    };
+    let (tok, template) = if leads { (Some(Tokenizer::from_checkpoint(model.checkpoint())?), template) } else { (None, None) };
     let mut gen = match engine_for(&model, cluster, &a.runtime, 0, a.parallel)? {
         Engine::Follow(rank) => return Ok(rank.follow()?),
         Engine::Drive(g) => g,

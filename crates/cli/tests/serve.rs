@@ -618,6 +618,51 @@ fn structured_output_and_tool_calls_through_the_openai_client() {
     assert!(t["round_trip"]["content"].as_str().is_some_and(|c| !c.is_empty()), "{}", t["round_trip"]);
 }
 
+/// A template that writes tools itself (`--chat-template`, in the manner of Qwen3's): the
+/// tools go through it, not through a system message of the server's, and a required call
+/// comes back valid, streamed or not; its result goes back through the template.
+#[test]
+fn tools_go_through_a_template_that_knows_them() {
+    let template = repo().join("tests/fixtures/templates/chatml_tools.jinja");
+    let server = serve(&["--chat-template", &template.to_string_lossy()]);
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": false}}}]);
+    let ask = serde_json::json!([{"role": "user", "content": "Weather in Oslo?"}]);
+    let body = serde_json::json!({"model": MODEL, "messages": ask, "tools": tools, "tool_choice": "required", "temperature": 0, "max_tokens": 60, "parallel_tool_calls": false});
+    let (status, r) = post(&server.addr, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{r}");
+    let m = &r["choices"][0]["message"];
+    assert_eq!(r["choices"][0]["finish_reason"], "tool_calls", "{r}");
+    let calls = m["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{r}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let args: serde_json::Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].as_str().is_some_and(|c| c.chars().count() <= 20) && args.as_object().unwrap().len() == 1, "{args}");
+    // The prompt is the template's: it lists the tools in its own system turn (not in the
+    // server's description for templates without tools); with none offered, none shown.
+    let prompt = |tools: &serde_json::Value| {
+        let (_, tokenized) = post(&server.addr, "/tokenize", &serde_json::json!({"messages": ask, "tools": tools}));
+        let (_, detok) = post(&server.addr, "/detokenize", &serde_json::json!({"tokens": tokenized["tokens"]}));
+        detok["prompt"].as_str().unwrap().to_string()
+    };
+    let with = prompt(&tools);
+    assert!(with.contains("# Tools\n<tools>") && with.contains("\"name\":\"get_weather\"") && !with.contains("You may call"), "{with}");
+    assert!(!prompt(&serde_json::json!([])).contains("<tools>"));
+    // Streamed: the same call, whole, in one delta.
+    let mut streamed = body.clone();
+    streamed["stream"] = serde_json::json!(true);
+    let (status, _, text) = http(&server.addr, "POST", "/v1/chat/completions", &[], &streamed.to_string());
+    assert_eq!(status, 200);
+    let deltas: Vec<serde_json::Value> = sse_data(&text).iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()).collect();
+    let streamed_calls: Vec<&serde_json::Value> = deltas.iter().filter_map(|d| d["choices"][0]["delta"]["tool_calls"].as_array()).flatten().collect();
+    assert_eq!(streamed_calls.len(), 1, "{text}");
+    assert_eq!(streamed_calls[0]["function"]["arguments"], calls[0]["function"]["arguments"]);
+    // The result goes back through the template; the model answers in text.
+    let history = serde_json::json!([ask[0], {"role": "assistant", "content": null, "tool_calls": [calls[0]]}, {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12 degrees"}]);
+    let (status, r) = post(&server.addr, "/v1/chat/completions", &serde_json::json!({"model": MODEL, "messages": history, "tools": tools, "tool_choice": "none", "temperature": 0, "max_tokens": 16}));
+    assert_eq!(status, 200, "{r}");
+    assert!(r["choices"][0]["message"]["content"].as_str().is_some_and(|c| !c.is_empty()), "{r}");
+}
+
 /// The pid of rank `rank` among the children of launcher `launcher` (its environment says
 /// `TESSERA_RANK=rank`).
 fn rank_pid(launcher: u32, rank: usize) -> u32 {

@@ -163,3 +163,33 @@ impl ChatTemplate {
         Ok(ids)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A template in the manner of Qwen3's (written for these tests): the tools in the system
+    /// turn, an assistant's calls as `<tool_call>` JSON, results as `<tool_response>`.
+    const TOOL_TEMPLATE: &str = include_str!("../../../tests/fixtures/templates/chatml_tools.jinja");
+
+    /// The tools reach the template as a list it can write, and a conversation's calls and
+    /// results as the fields templates read (`tool_calls[].function`, `tool_call_id`); a
+    /// template without tools sees none.
+    #[test]
+    fn tools_and_calls_reach_the_template() {
+        let t = ChatTemplate::new(TOOL_TEMPLATE, "tools.jinja");
+        assert!(t.knows_tools());
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+        let mut call = Message::new("assistant", "");
+        call.tool_calls = Some(serde_json::json!([{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]));
+        let mut result = Message::new("tool", "12 degrees");
+        result.tool_call_id = Some("c1".into());
+        let text = t.render_with_tools(&[Message::new("user", "weather?"), call, result], Some(&tools), true, "", "").unwrap();
+        assert!(text.contains("{\"function\":{\"name\":\"get_weather\"") || text.contains("\"name\":\"get_weather\""), "{text}");
+        assert!(text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Oslo\"}}\n</tool_call>"), "{text}");
+        assert!(text.contains("<tool_response>\n12 degrees\n</tool_response>"), "{text}");
+        assert!(text.ends_with("<|im_start|>assistant\n"), "{text}");
+        let plain = t.render(&[Message::new("user", "hi")], true, "", "").unwrap();
+        assert!(!plain.contains("<tools>"), "{plain}");
+    }
+}

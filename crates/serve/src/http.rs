@@ -592,7 +592,8 @@ async fn tokenize(State(s): State<AppState>, headers: HeaderMap, body: Body) -> 
     let m = s.model()?;
     let tokens = if v.get("messages").is_some() {
         let template = m.template.as_ref().ok_or_else(|| ApiError::invalid("messages", "this model has no chat template"))?;
-        template.encode(&m.tok, &openai::messages(&v)?).map_err(|e| ApiError::invalid("messages", e.to_string()))?
+        // The prompt a chat request with these messages and tools would run.
+        calls::prompt(template, &m.tok, openai::messages(&v)?, openai::tools(&v)?.as_ref())?.0
     } else {
         let text = v.get("prompt").or_else(|| v.get("content")).and_then(Value::as_str).ok_or_else(|| ApiError::invalid("prompt", "give `prompt` (text) or `messages`"))?;
         let add_special = v.get("add_special_tokens").or_else(|| v.get("add_special")).and_then(Value::as_bool).unwrap_or(true);
