@@ -177,7 +177,7 @@ fn a_shard_that_cannot_be_written_leaves_nothing_half_written() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("r0");
-    let args = ["shard", "--model", &smollm2().to_string_lossy().into_owned(), "--world", "2", "--tp", "2", "--rank", "0", "--out", &out.to_string_lossy().into_owned()].map(String::from);
+    let args = ["shard", "--model", &smollm2().to_string_lossy(), "--world", "2", "--tp", "2", "--rank", "0", "--out", &out.to_string_lossy()].map(String::from);
     let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));
     c.args(&args);
     // SAFETY: only async-signal-safe calls between fork and exec.
