@@ -450,7 +450,9 @@ impl GgufFile {
                     format!("row length {} is not a multiple of the {dtype:?} block of {block}", t.dims[0]),
                 ));
             }
-            let size = elems / block * block_bytes;
+            let size = (elems / block)
+                .checked_mul(block_bytes)
+                .ok_or_else(|| LoadError::tensor(path, &t.name, format!("shape {:?} overflows", t.dims)))?;
             if t.offset % alignment != 0 {
                 return Err(LoadError::tensor(path, &t.name, format!("offset {} is not aligned to {alignment}", t.offset)));
             }

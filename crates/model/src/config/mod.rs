@@ -5,7 +5,7 @@ use crate::checkpoint::{Checkpoint, CheckpointKind};
 use crate::error::{LoadError, Result};
 use crate::gguf::GgufValue;
 use serde_json::Value;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 mod kimi_linear;
 
@@ -270,6 +270,20 @@ pub const KDA_HEAD_DIM_MAX: usize = tessera_kernels::delta_rule::DK_MAX;
 /// The longest short convolution a KDA layer may have (Kimi's is 4).
 pub const KDA_CONV_KERNEL_MAX: usize = 16;
 
+/// The most layers a model may have (the largest published have 126): a config that
+/// claims more is refused before anything is sized by it.
+pub const LAYERS_MAX: usize = 1024;
+/// The most routed experts a MoE layer may have (the seed models have 256 to 896).
+pub const EXPERTS_MAX: usize = 1 << 16;
+
+/// `n` layers read from `key` of `path`, if within [`LAYERS_MAX`].
+fn layers_within_limit(path: &Path, key: &str, n: usize) -> Result<usize> {
+    if n > LAYERS_MAX {
+        return Err(LoadError::key(path, key, format!("{n} layers: more than the {LAYERS_MAX} Tessera takes (a corrupt or hand-edited config?)")));
+    }
+    Ok(n)
+}
+
 /// mlx hard-codes 1e-6 for DeepSeek's MLA norms, whatever `rms_norm_eps` says.
 const MLA_NORM_EPS_DEEPSEEK: f32 = 1e-6;
 
@@ -447,7 +461,7 @@ impl ModelConfig {
             Arch::Qwen2 => (true, false, false),
             Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::KimiLinear => (false, false, false),
         };
-        let layers = j.usize("num_hidden_layers")?;
+        let layers = layers_within_limit(&j.path, "num_hidden_layers", j.usize("num_hidden_layers")?)?;
         let (moe, layer_ffn) = match arch {
             Arch::Qwen3Moe => {
                 let experts = j.usize("num_experts")?;
@@ -666,7 +680,7 @@ impl ModelConfig {
         } else {
             None
         };
-        let layers = uint("block_count")?;
+        let layers = layers_within_limit(path, &key("block_count"), uint("block_count")?)?;
         // Which layers are MoE: llama.cpp has no mlp_only_layers key, so ask the tensors.
         let layer_ffn: Vec<FfnKind> = (0..layers)
             .map(|i| if ckpt.get(&format!("blk.{i}.ffn_gate_inp.weight")).is_some() { FfnKind::Moe } else { FfnKind::Dense })
@@ -775,6 +789,9 @@ impl ModelConfig {
         }
         if let Some(m) = &self.moe {
             if self.layer_ffn.contains(&FfnKind::Moe) {
+                if m.experts > EXPERTS_MAX {
+                    return Err(("num_experts", format!("{} experts: more than the {EXPERTS_MAX} Tessera takes", m.experts)));
+                }
                 if m.experts == 0 || m.top_k == 0 || m.top_k > m.experts {
                     return Err(("num_experts_per_tok", format!("{} experts per token of {} experts", m.top_k, m.experts)));
                 }
