@@ -29,7 +29,7 @@ pub(super) fn from_json(j: &Json, k3: bool) -> Result<ModelConfig> {
     let key = |k: &str, why: String| LoadError::key(&j.path, k, why);
     let hidden = j.usize("hidden_size")?;
     let heads = j.usize("num_attention_heads")?;
-    let layers = j.usize("num_hidden_layers")?;
+    let layers = j.layers()?;
     // Kimi Linear publishes `head_dim`; K3 only `qk_nope_head_dim` and `v_head_dim`.
     let head_dim_cfg = j.get("head_dim").map(|_| j.usize("head_dim")).transpose()?;
     let dim = |k: &str| match (j.get(k), head_dim_cfg) {

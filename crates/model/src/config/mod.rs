@@ -302,6 +302,10 @@ impl Json<'_> {
             .map(|n| n as usize)
             .ok_or_else(|| LoadError::key(&self.path, key, format!("expected a non-negative integer, got {v}")))
     }
+    /// `num_hidden_layers`, within [`LAYERS_MAX`].
+    fn layers(&self) -> Result<usize> {
+        layers_within_limit(&self.path, "num_hidden_layers", self.usize("num_hidden_layers")?)
+    }
     fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
         if self.get(key).is_some() { self.usize(key) } else { Ok(default) }
     }
@@ -461,7 +465,7 @@ impl ModelConfig {
             Arch::Qwen2 => (true, false, false),
             Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::KimiLinear => (false, false, false),
         };
-        let layers = layers_within_limit(&j.path, "num_hidden_layers", j.usize("num_hidden_layers")?)?;
+        let layers = j.layers()?;
         let (moe, layer_ffn) = match arch {
             Arch::Qwen3Moe => {
                 let experts = j.usize("num_experts")?;
