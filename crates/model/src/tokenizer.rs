@@ -58,8 +58,12 @@ impl Tokenizer {
                 reason: "missing: this checkpoint has no tokenizer.json (use --tokens with `logits`, or add the file)".into(),
             });
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| LoadError::Tokenizer { path: path.clone(), reason: e.to_string() })?;
+        let err = |reason: String| LoadError::Tokenizer { path: path.clone(), reason };
+        let text = std::fs::read_to_string(&path).map_err(|e| err(format!("cannot read: {e}")))?;
+        // JSON first, then the tokenizer: `tokenizers` panics (`expect("Helper")`) on some
+        // malformed JSON inside a decoder (found by fuzzing), never on a well-formed value.
+        let spec: Value = serde_json::from_str(&text).map_err(|e| err(format!("invalid JSON: {e}")))?;
+        let inner = serde_json::from_value::<tokenizers::Tokenizer>(spec).map_err(|e| err(e.to_string()))?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: Value = match std::fs::read_to_string(&cfg_path) {
             Ok(text) => serde_json::from_str(&text)
