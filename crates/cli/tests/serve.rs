@@ -645,7 +645,7 @@ fn tools_go_through_a_template_that_knows_them() {
         detok["prompt"].as_str().unwrap().to_string()
     };
     let with = prompt(&tools);
-    assert!(with.contains("# Tools\n<tools>") && with.contains("\"name\":\"get_weather\"") && !with.contains("You may call"), "{with}");
+    assert!(with.contains("# Tools\n<tools>") && with.contains("{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"") && !with.contains("You may call"), "{with}");
     assert!(!prompt(&serde_json::json!([])).contains("<tools>"));
     // Streamed: the same call, whole, in one delta.
     let mut streamed = body.clone();

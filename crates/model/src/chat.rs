@@ -3,12 +3,80 @@
 
 use crate::checkpoint::{Checkpoint, CheckpointKind};
 use crate::error::{LoadError, Result};
+use crate::py_json::PyJson;
 use serde::Serialize;
 use std::path::PathBuf;
 
 /// Rendering limit: a template that loops past this many steps is refused rather
 /// than left to hang.
 const TEMPLATE_FUEL_MAX: u64 = 10_000_000;
+
+/// The most values (items, entries, scalars) one `tojson` writes: tool lists and call
+/// arguments are far smaller; a template that multiplies a list into millions is refused.
+const TOJSON_VALUES_MAX: usize = 1 << 20;
+/// The deepest nesting `tojson` writes.
+const TOJSON_DEPTH_MAX: usize = 128;
+
+/// `tojson` as transformers gives it to templates ([`PyJson`]): `ensure_ascii` (also the
+/// first positional argument, as there), `indent`, `separators`, `sort_keys`.
+fn tojson(value: minijinja::Value, ensure_ascii: Option<bool>, kwargs: minijinja::value::Kwargs) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    let sep: Option<Vec<String>> = kwargs.get("separators")?;
+    let opts = PyJson {
+        indent: kwargs.get("indent")?,
+        ensure_ascii: ensure_ascii.or(kwargs.get("ensure_ascii")?).unwrap_or(false),
+        separators: match sep.as_deref() {
+            None => None,
+            Some([item, key]) => Some((item.clone(), key.clone())),
+            Some(_) => return Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, "tojson: separators is a pair (item, key)")),
+        },
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    let mut budget = TOJSON_VALUES_MAX;
+    Ok(minijinja::Value::from_safe_string(opts.dumps(&json_of(&value, &mut budget, 0)?)))
+}
+
+/// A template value as JSON, within `budget` values and [`TOJSON_DEPTH_MAX`] levels.
+fn json_of(v: &minijinja::Value, budget: &mut usize, depth: usize) -> std::result::Result<serde_json::Value, minijinja::Error> {
+    use minijinja::value::ValueKind;
+    use serde_json::Value as J;
+    let too_big = |why: String| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {why}"));
+    if *budget == 0 {
+        return Err(too_big(format!("more than {TOJSON_VALUES_MAX} values")));
+    }
+    *budget -= 1;
+    if depth > TOJSON_DEPTH_MAX {
+        return Err(too_big(format!("nested deeper than {TOJSON_DEPTH_MAX}")));
+    }
+    Ok(match v.kind() {
+        ValueKind::Undefined | ValueKind::None => J::Null,
+        ValueKind::Bool => J::Bool(v.is_true()),
+        ValueKind::Number => match (v.as_i64(), f64::try_from(v.clone())) {
+            (Some(i), _) => J::from(i),
+            (None, Ok(f)) => serde_json::Number::from_f64(f).map_or(J::Null, J::Number),
+            (None, Err(_)) => J::String(v.to_string()),
+        },
+        ValueKind::String => J::String(v.as_str().unwrap_or_default().to_string()),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let mut items = Vec::new();
+            for x in v.try_iter()? {
+                items.push(json_of(&x, budget, depth + 1)?);
+            }
+            J::Array(items)
+        }
+        ValueKind::Map => {
+            let mut map = serde_json::Map::new();
+            for k in v.try_iter()? {
+                let x = v.get_item(&k)?;
+                let key = k.as_str().map(String::from).unwrap_or_else(|| k.to_string());
+                map.insert(key, json_of(&x, budget, depth + 1)?);
+            }
+            J::Object(map)
+        }
+        ValueKind::Invalid => return Err(too_big("an invalid value".into())),
+        _ => J::String(v.to_string()),
+    })
+}
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Message {
@@ -104,20 +172,27 @@ impl ChatTemplate {
     /// requests give them) for templates that show them.
     pub fn render_with_tools(&self, messages: &[Message], tools: Option<&serde_json::Value>, add_generation_prompt: bool, bos: &str, eos: &str) -> Result<String> {
         let err = |reason: String| LoadError::ChatTemplate { path: self.path.clone(), reason };
+        use minijinja::value::Serde;
         let mut env = minijinja::Environment::new();
         env.set_fuel(Some(TEMPLATE_FUEL_MAX));
         // As transformers' apply_chat_template renders them.
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .map_err(|e| err(format!("template syntax: {e}")))?,
+        );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
         env.add_template("chat", &self.source).map_err(|e| err(format!("does not parse: {e}")))?;
         let tmpl = env.get_template("chat").map_err(|e| err(e.to_string()))?;
         tmpl.render(minijinja::context! {
-            messages => messages,
-            tools => tools,
+            messages => Serde(messages),
+            tools => Serde(tools),
             add_generation_prompt => add_generation_prompt,
             bos_token => bos,
             eos_token => eos,
@@ -172,6 +247,20 @@ mod tests {
     /// turn, an assistant's calls as `<tool_call>` JSON, results as `<tool_response>`.
     const TOOL_TEMPLATE: &str = include_str!("../../../tests/fixtures/templates/chatml_tools.jinja");
 
+    /// A template that blows a list up is refused within its limits, not left to run.
+    #[test]
+    fn runaway_templates_are_refused() {
+        let msgs = [Message::new("user", "hi")];
+        for (src, why) in [
+            ("{{ (messages * 30000000) | tojson }}", "more than"),
+            ("{{ messages * 1000000000 }}", "too large"),
+            ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "fuel"),
+        ] {
+            let e = ChatTemplate::new(src, "t.jinja").render(&msgs, true, "", "").unwrap_err().to_string();
+            assert!(e.contains(why), "{src}: {e}");
+        }
+    }
+
     /// The tools reach the template as a list it can write, and a conversation's calls and
     /// results as the fields templates read (`tool_calls[].function`, `tool_call_id`); a
     /// template without tools sees none.
@@ -185,8 +274,10 @@ mod tests {
         let mut result = Message::new("tool", "12 degrees");
         result.tool_call_id = Some("c1".into());
         let text = t.render_with_tools(&[Message::new("user", "weather?"), call, result], Some(&tools), true, "", "").unwrap();
-        assert!(text.contains("{\"function\":{\"name\":\"get_weather\"") || text.contains("\"name\":\"get_weather\""), "{text}");
-        assert!(text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Oslo\"}}\n</tool_call>"), "{text}");
+        // `tojson` as transformers' apply_chat_template writes it (json.dumps: ", " and ": ",
+        // the keys in the order given).
+        assert!(text.contains("{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": {\"type\": \"object\"}}}"), "{text}");
+        assert!(text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"), "{text}");
         assert!(text.contains("<tool_response>\n12 degrees\n</tool_response>"), "{text}");
         assert!(text.ends_with("<|im_start|>assistant\n"), "{text}");
         let plain = t.render(&[Message::new("user", "hi")], true, "", "").unwrap();

@@ -19,6 +19,7 @@ pub mod gguf;
 pub mod hf_cache;
 pub mod memory;
 pub mod names;
+pub mod py_json;
 pub mod shard;
 pub mod synth;
 pub mod tokenizer;
