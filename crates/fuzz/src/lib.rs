@@ -15,7 +15,7 @@ use tessera_model::{ChatTemplate, Checkpoint, Message, ModelConfig, Tokenizer};
 pub type Target = fn(&[u8]);
 
 /// The targets by name (the corpus directories and `fuzz/afl`'s binaries).
-pub const TARGETS: [(&str, Target); 10] = [
+pub const TARGETS: [(&str, Target); 11] = [
     ("gguf", gguf),
     ("safetensors", safetensors),
     ("safetensors_index", safetensors_index),
@@ -26,6 +26,7 @@ pub const TARGETS: [(&str, Target); 10] = [
     ("comm_handshake", comm_handshake),
     ("request", request),
     ("cluster", cluster),
+    ("share_manifest", share_manifest),
 ];
 
 /// A scratch directory of this process's own.
@@ -155,6 +156,15 @@ pub fn request(data: &[u8]) {
 /// A cluster file (`plan --cluster`).
 pub fn cluster(data: &[u8]) {
     let _ = tessera_plan::cluster::Cluster::parse(&String::from_utf8_lossy(data));
+}
+
+/// A share's manifest (sent by the source rank, read back by `share --verify` and a
+/// resumed share), and the chunk arithmetic done on one that passed.
+pub fn share_manifest(data: &[u8]) {
+    if let Ok(m) = tessera_plan::share_manifest::Manifest::parse(data) {
+        let total: u64 = m.chunks().into_iter().map(|(f, c)| m.chunk_len(f, c)).sum();
+        assert_eq!(total, m.total_bytes(), "a checked manifest's chunks add up to its files");
+    }
 }
 
 fn split_at_nul(data: &[u8]) -> (&[u8], &[u8]) {

@@ -10,6 +10,7 @@
 
 pub mod candidates;
 pub mod cluster;
+pub mod share_manifest;
 pub mod speed;
 
 use cluster::Cluster;

@@ -2,53 +2,12 @@
 //! holds of it, and the output's life: checked before the first byte, written under
 //! `OUT.partial`, published by renaming it to `OUT`.
 
-use super::{human, DISK_MARGIN_BYTES, FILES_MAX, MANIFEST_FILE};
+use super::{human, DISK_MARGIN_BYTES, MANIFEST_FILE};
+pub(super) use tessera_plan::share_manifest::{FileEntry, Manifest};
 use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
-pub(super) struct FileEntry {
-    pub(super) name: String,
-    pub(super) bytes: u64,
-    /// sha256 of each chunk, hex.
-    pub(super) sha256: Vec<String>,
-}
-
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
-pub(super) struct Manifest {
-    pub(super) format: String,
-    pub(super) version: u32,
-    pub(super) chunk_bytes: u64,
-    pub(super) files: Vec<FileEntry>,
-}
-
-impl Manifest {
-    pub(super) fn total_bytes(&self) -> u64 {
-        self.files.iter().map(|f| f.bytes).sum()
-    }
-    /// (file, chunk) of every chunk, in order.
-    pub(super) fn chunks(&self) -> Vec<(usize, usize)> {
-        self.files.iter().enumerate().flat_map(|(i, f)| (0..f.sha256.len()).map(move |c| (i, c))).collect()
-    }
-    pub(super) fn chunk_len(&self, file: usize, chunk: usize) -> u64 {
-        let f = &self.files[file];
-        (f.bytes - chunk as u64 * self.chunk_bytes).min(self.chunk_bytes)
-    }
-    pub(super) fn check(&self) -> Result<()> {
-        if self.format != "tessera-share" || self.version != 1 || self.chunk_bytes == 0 || self.files.len() > FILES_MAX {
-            bail!("not a tessera-share manifest of version 1 with at most {FILES_MAX} files");
-        }
-        for f in &self.files {
-            let plain = !f.name.is_empty() && !f.name.contains('/') && !f.name.contains('\\') && !f.name.starts_with('.');
-            if !plain || f.sha256.len() as u64 != f.bytes.div_ceil(self.chunk_bytes) {
-                bail!("manifest entry `{}`: a plain file name and one hash per chunk of {} bytes are required", f.name, self.chunk_bytes);
-            }
-        }
-        Ok(())
-    }
-}
 
 fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
@@ -148,9 +107,9 @@ pub(super) fn place_local(m: &Manifest, files: &[PathBuf], out: &Path) -> Result
 
 /// Checks `out` and its parent's free space, and returns the partial directory to write.
 pub(super) fn prepare(m: &Manifest, out: &Path) -> Result<PathBuf> {
-    m.check()?;
+    m.check().map_err(anyhow::Error::msg)?;
     if out.exists() {
-        match std::fs::read(out.join(MANIFEST_FILE)).ok().and_then(|t| serde_json::from_slice::<Manifest>(&t).ok()) {
+        match std::fs::read(out.join(MANIFEST_FILE)).ok().and_then(|t| Manifest::parse(&t).ok()) {
             Some(old) if old == *m => {}
             _ => bail!("{} exists and is not this share's output: remove it, or choose another --out", out.display()),
         }
