@@ -6,7 +6,7 @@
 use serde_json::Value;
 
 /// `json.dumps` options that templates pass to `tojson`.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct PyJson {
     /// Spaces per level; `None`: one line.
     pub indent: Option<usize>,
@@ -16,12 +16,6 @@ pub struct PyJson {
     /// `(",", ": ")` with an indent.
     pub separators: Option<(String, String)>,
     pub sort_keys: bool,
-}
-
-impl Default for PyJson {
-    fn default() -> PyJson {
-        PyJson { indent: None, ensure_ascii: false, separators: None, sort_keys: false }
-    }
 }
 
 impl PyJson {

@@ -85,7 +85,7 @@ mod tests {
             (good.replace(r#""bytes":25"#, r#""bytes":35"#), "one hash per chunk"),
             (good.replace(&format!(r#""{h}"]"#), r#""zz"]"#), "64 hex digits"),
             (good.replace(r#""chunk_bytes":10"#, r#""chunk_bytes":0"#), "version 1"),
-            (good.replace("]}]}", &format!(r#"]}},{{"name":"a.gguf","bytes":0,"sha256":[]}}]}}"#)), "listed twice"),
+            (good.replace("]}]}", r#"]},{"name":"a.gguf","bytes":0,"sha256":[]}]}"#), "listed twice"),
             ("[1]".to_string(), "not a share manifest"),
         ] {
             let e = Manifest::parse(bad.as_bytes()).unwrap_err();
