@@ -74,8 +74,11 @@ fn spawn_server(ranks: usize, model: &Path, extra: &[&str], env: &[(&str, &str)]
         cmd.args(["launch", "-n", &ranks.to_string(), "--"]);
     }
     let threads = if ranks > 1 { "1" } else { "2" };
+    // A context of 1024 tokens unless the test names one (the tiny MoE's limit is 256).
+    let ctx: &[&str] = if extra.contains(&"--ctx") { &[] } else { &["--ctx", "1024"] };
     let mut child = cmd
-        .args(["serve", "--model", &model.to_string_lossy(), "--port", "0", "--threads", threads, "--ctx", "1024"])
+        .args(["serve", "--model", &model.to_string_lossy(), "--port", "0", "--threads", threads])
+        .args(ctx)
         .args(extra)
         .env_remove("TESSERA_RANK")
         .stderr(Stdio::piped())
@@ -247,11 +250,11 @@ fn serving_under_launch_gives_one_nodes_output() {
     let moe = repo().join("tests/fixtures/gguf_moe/qwen3_moe.q8_0.gguf");
     let body = serde_json::json!({"model": "qwen3_moe.q8_0.gguf", "prompt": [5, 17, 99, 3, 64, 120, 7], "max_tokens": 12, "temperature": 0, "logprobs": 0});
     let ids = |v: &serde_json::Value| v["choices"][0]["logprobs"]["tokens"].clone();
-    let single = serve_model(1, &moe, &[]);
+    let single = serve_model(1, &moe, &["--ctx", "256"]);
     let (status, want) = post(&single.addr, "/v1/completions", &body);
     assert_eq!(status, 200, "{want}");
     assert_eq!(ids(&want).as_array().map(Vec::len), Some(12), "{want}");
-    let server = serve_model(2, &moe, &["--ep", "2", "--parallel", "3"]);
+    let server = serve_model(2, &moe, &["--ctx", "256", "--ep", "2", "--parallel", "3"]);
     let three_at_once = |server: &Server| -> Vec<serde_json::Value> {
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..3).map(|_| s.spawn(|| post(&server.addr, "/v1/completions", &body).1)).collect();
@@ -284,7 +287,7 @@ fn serving_under_launch_gives_one_nodes_output() {
     drop(server);
     // Data-parallel attention: the three requests spread over both ranks (each attends
     // for its own), the same ids; the repeat reuses its prefix on the rank that holds it.
-    let server = serve_model(2, &moe, &["--ep", "2", "--dp-attention", "--parallel", "3"]);
+    let server = serve_model(2, &moe, &["--ctx", "256", "--ep", "2", "--dp-attention", "--parallel", "3"]);
     for v in &three_at_once(&server) {
         assert_eq!(ids(v), ids(&want), "EP2 --dp-attention: {v}");
     }
