@@ -11,11 +11,8 @@ step runs; what is left is waiting for it, and masking the logits.
 """
 
 import argparse
-import http.client
-import json
 import statistics
 import threading
-import time
 from pathlib import Path
 
 import serve_bench
@@ -28,19 +25,7 @@ def one(port, model, tokens, constrained, out, i):
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if constrained:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": SCHEMA}}
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t0 = time.perf_counter()
-    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    arrivals, n = [], 0
-    for raw in c.getresponse():
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        d = json.loads(line[6:])
-        if d.get("usage"):
-            n = d["usage"]["completion_tokens"]
-        if d.get("choices") and d["choices"][0].get("text"):
-            arrivals.append(time.perf_counter())
+    t0, arrivals, n, _ = serve_bench.stream_completion(port, body)
     out[i] = (t0, arrivals, n)
 
 

@@ -80,16 +80,21 @@ class LazyBf16:
         raise SystemExit(f"{name}: dtype {h['dtype']} not handled (bf16 or f32 expected)")
 
 
-def byte_vocab(n_vocab):
-    """make_gguf_fixtures.tiny_byte_vocab, padded with UNUSED tokens to n_vocab entries."""
+def add_byte_vocab(w, n_vocab, bos, eos):
+    """Writes make_gguf_fixtures.tiny_byte_vocab, padded with UNUSED tokens to n_vocab entries."""
     assert n_vocab >= 256
     b2u = bytes_to_unicode()
     tokens = [b2u[b] for b in range(255)] + [b2u[0x20] * 2]
     types_ = [gguf.TokenType.NORMAL] * 256
     tokens += [f"<unused_{i}>" for i in range(256, n_vocab)]
     types_ += [gguf.TokenType.UNUSED] * (n_vocab - 256)
-    merges = [f"{b2u[0x20]} {b2u[0x20]}"]
-    return tokens, types_, merges
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types_)
+    w.add_token_merges([f"{b2u[0x20]} {b2u[0x20]}"])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
 
 
 def main():
@@ -135,14 +140,7 @@ def main():
     w.add_size_label(gguf.size_label(total, shared, expert, n_exp))
     qwen3moe_params(w, cfg, ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokens, types_, merges = byte_vocab(cfg["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(types_)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    add_byte_vocab(w, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

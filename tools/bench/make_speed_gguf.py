@@ -33,7 +33,8 @@ import gguf
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_moe_gguf import byte_vocab  # noqa: E402
+from make_moe_gguf import add_byte_vocab  # noqa: E402  (also puts tools/reference on the path)
+from make_quant_fixtures import base_params, qwen3moe_params  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
 
@@ -138,30 +139,14 @@ def write(cfg, type_name, out, seed):
         total += data.nbytes
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(f"{out.name.split('.')[0]} (random weights, speed only)")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if arch == "qwen3moe":
-        w.add_expert_count(cfg["num_experts"])
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_file_type(ftype)
+        qwen3moe_params(w, cfg, ftype)
+    else:
+        base_params(w, cfg, ftype, cfg["num_key_value_heads"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokens, types_, merges = byte_vocab(cfg["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(types_)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    add_byte_vocab(w, cfg["vocab_size"], 0, 1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -63,13 +63,18 @@ def one_request(port, model, tokens, out, i, prompt_id):
             "stream_options": {"include_usage": True}}
     if LOGPROBS:
         body["logprobs"] = 1
-    body = json.dumps(body)
+    t0, arrivals, n, prompt_tokens = stream_completion(port, body)
+    out[i] = (t0, arrivals, n or len(arrivals), prompt_tokens)
+
+
+def stream_completion(port, body):
+    """POSTs a streamed /v1/completions; returns its start, each token chunk's arrival, and
+    the completion and prompt tokens the usage chunk counts."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
-    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    r = c.getresponse()
+    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     arrivals, n, prompt_tokens = [], 0, 0
-    for raw in r:
+    for raw in c.getresponse():
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
@@ -81,7 +86,7 @@ def one_request(port, model, tokens, out, i, prompt_id):
         # character: --logprobs) its log-probability.
         if d.get("choices") and (d["choices"][0].get("text") or d["choices"][0].get("logprobs")):
             arrivals.append(time.perf_counter())
-    out[i] = (t0, arrivals, n or len(arrivals), prompt_tokens)
+    return t0, arrivals, n, prompt_tokens
 
 
 def run_clients(port, model, clients, tokens, first_prompt_id=0):
