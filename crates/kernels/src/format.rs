@@ -81,6 +81,17 @@ pub enum ActivationBlocks {
     Per256,
 }
 
+impl ActivationBlocks {
+    /// Values that share a scale: a row split at multiples of it quantizes apart into
+    /// the whole row's blocks.
+    pub fn values(self) -> usize {
+        match self {
+            ActivationBlocks::Per32 => crate::q8::QK,
+            ActivationBlocks::Per256 => crate::q8::QK_K,
+        }
+    }
+}
+
 /// Bytes of one group's weights and one token's activations (8-bit blocks of 44
 /// bytes per 32 columns, or f32) that a column panel may hold: three quarters of a
 /// 32 KiB L1, leaving room for the kernel's other lines ([`WeightFormat::panels`]).

@@ -160,9 +160,28 @@ fn matmul_group_to(
     scratch: &mut MatmulScratch,
     stream: bool,
 ) {
+    assert!(!ws.is_empty(), "matmul_group: one matrix at least");
+    assert_eq!(x.len(), n_tokens * ws[0].cols, "matmul_group: x is not n_tokens × cols");
+    let xq = quantize_rows(pool, isa, x, n_tokens, ws[0].cols, ws.iter().find_map(|w| w.format.activation_blocks()), &mut scratch.q8);
+    matmul_inputs(pool, isa, ws, x, xq, n_tokens, ys, stream);
+}
+
+/// [`matmul`] of a matrix that computes with 8-bit activations, on activations already
+/// quantized in its scheme (`n_tokens × w.cols / 32` blocks, as
+/// [`quantize_activation_rows`] writes them): for inputs assembled from blocks that
+/// other ranks quantized.
+pub fn matmul_q8(pool: &ThreadPool, isa: Isa, w: WeightRows<'_>, xq: &[BlockQ8], n_tokens: usize, y: &mut [f32]) {
+    assert!(w.format.activation_blocks().is_some(), "matmul_q8: {} does not compute with 8-bit activations", w.format);
+    assert_eq!(xq.len(), n_tokens * (w.cols / QK), "matmul_q8: xq is not n_tokens × cols / {QK} blocks");
+    matmul_inputs(pool, isa, &[w], &[], xq, n_tokens, &mut [y], false);
+}
+
+/// The products of a [`matmul_group`] on its inputs: `x` (empty when every matrix takes
+/// `xq`) and its q8 blocks (empty when none does).
+#[allow(clippy::too_many_arguments)] // matmul_group's, less the scratch, plus the blocks
+fn matmul_inputs(pool: &ThreadPool, isa: Isa, ws: &[WeightRows<'_>], x: &[f32], xq: &[BlockQ8], n_tokens: usize, ys: &mut [&mut [f32]], stream: bool) {
     assert!(!ws.is_empty() && ws.len() <= GROUP_MAX && ws.len() == ys.len(), "matmul_group: 1..={GROUP_MAX} matrices, one output each");
     let cols = ws[0].cols;
-    assert_eq!(x.len(), n_tokens * cols, "matmul_group: x is not n_tokens × cols");
     let mut outs = [SharedMut(std::ptr::null_mut::<f32>()); GROUP_MAX];
     for (i, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
         assert_eq!(w.cols, cols, "matmul_group: matrices must share the input width");
@@ -173,7 +192,6 @@ fn matmul_group_to(
         let rpg = w.format.rows_per_group();
         assert_eq!(w.rows % rpg, 0, "matmul_group: {} rows of {} are not whole groups of {rpg}", w.rows, w.format);
     }
-    let xq = quantize_rows(pool, isa, x, n_tokens, cols, ws.iter().find_map(|w| w.format.activation_blocks()), scratch);
     // ~8 chunks per thread; an 8-row group is already 8 rows of work, so its chunks
     // may be as small as 2 groups (a 576-row projection is 72 groups: 9 chunks of 8
     // would leave one thread a chunk behind the other).
@@ -209,25 +227,35 @@ fn matmul_group_to(
 /// (empty when the formats take f32) from that column of the first row.
 #[inline]
 fn panel_inputs<'x>(x: &'x [f32], xq: &'x [BlockQ8], col0: usize) -> (&'x [f32], &'x [BlockQ8]) {
-    (&x[col0..], if xq.is_empty() { xq } else { &xq[col0 / QK..] })
+    (if x.is_empty() { x } else { &x[col0..] }, if xq.is_empty() { xq } else { &xq[col0 / QK..] })
 }
 
-/// `x` (`n_rows × cols`) as q8 blocks in `scratch` in `scheme` (none: empty): one region
-/// over the rows, or inline for a single row (cheaper than a region). Matrices that
-/// share an input take the first integer one's scheme (a checkpoint mixing schemes in
-/// one group still computes correctly: every kernel takes blocks of either).
-fn quantize_rows<'s>(pool: &ThreadPool, isa: Isa, x: &[f32], n_rows: usize, cols: usize, scheme: Option<ActivationBlocks>, scratch: &'s mut MatmulScratch) -> &'s [BlockQ8] {
+/// `x` (`n_rows × cols`) as q8 blocks in `q8` (a scratch's) in `scheme` (none: empty).
+/// Matrices that share an input take the first integer one's scheme (a checkpoint mixing
+/// schemes in one group still computes correctly: every kernel takes blocks of either).
+fn quantize_rows<'s>(pool: &ThreadPool, isa: Isa, x: &[f32], n_rows: usize, cols: usize, scheme: Option<ActivationBlocks>, q8: &'s mut [BlockQ8]) -> &'s [BlockQ8] {
     let Some(scheme) = scheme else {
         return &[];
     };
+    let need = n_rows * (cols / QK);
+    assert!(need <= q8.len(), "matmul scratch sized for {} q8 blocks; this call needs {need} ({n_rows} rows × {cols})", q8.len());
+    quantize_activation_rows(pool, isa, scheme, x, n_rows, cols, &mut q8[..need]);
+    &q8[..need]
+}
+
+/// `x` (`n_rows × cols`) as q8 blocks in `scheme` into `out` (`n_rows × cols / 32`): one
+/// region over the rows, or inline for a single row (cheaper than a region). A row's
+/// blocks depend only on its own values, block by block (32 values, or 256 for
+/// [`ActivationBlocks::Per256`]): columns split at such boundaries quantize apart into
+/// the blocks of the whole row.
+pub fn quantize_activation_rows(pool: &ThreadPool, isa: Isa, scheme: ActivationBlocks, x: &[f32], n_rows: usize, cols: usize, out: &mut [BlockQ8]) {
     let blocks = cols / QK;
-    let need = n_rows * blocks;
-    assert!(need <= scratch.q8.len(), "matmul scratch sized for {} q8 blocks; this call needs {need} ({n_rows} rows × {cols})", scratch.q8.len());
-    let xq = &mut scratch.q8[..need];
+    assert_eq!(x.len(), n_rows * cols, "quantize_activation_rows: x is not n_rows × cols");
+    assert_eq!(out.len(), n_rows * blocks, "quantize_activation_rows: out is not n_rows × cols / {QK} blocks");
     if n_rows == 1 {
-        isa.quantize_activations(scheme, x, xq);
+        isa.quantize_activations(scheme, x, out);
     } else {
-        let xq_ptr = SharedMut(xq.as_mut_ptr());
+        let xq_ptr = SharedMut(out.as_mut_ptr());
         pool.parallel_for(n_rows, 1, &|_, rows| {
             for t in rows {
                 // SAFETY: each row's blocks are written by exactly one thread.
@@ -236,7 +264,6 @@ fn quantize_rows<'s>(pool: &ThreadPool, isa: Isa, x: &[f32], n_rows: usize, cols
             }
         });
     }
-    &scratch.q8[..need]
 }
 
 /// Matrices per [`matmul_jobs`] call (a job per active expert and projection: 256
@@ -272,15 +299,58 @@ pub fn matmul_jobs<'w>(
     ys: &mut [&mut [f32]],
     scratch: &mut MatmulScratch,
 ) {
-    assert!(jobs <= JOBS_MAX, "matmul_jobs: {jobs} matrices in one call (limit {JOBS_MAX})");
     assert!(cols > 0 && x.len().is_multiple_of(cols), "matmul_jobs: x is not rows × {cols}");
     let n_rows = x.len() / cols;
+    let scheme = (0..jobs).find_map(|i| job(i).w.format.activation_blocks());
+    // The blocks leave the scratch while the jobs use its other buffers.
+    let mut q8 = std::mem::take(&mut scratch.q8);
+    let xq = quantize_rows(pool, isa, x, n_rows, cols, scheme, &mut q8);
+    jobs_on_inputs(pool, isa, x, xq, n_rows, cols, jobs, job, ys, scratch);
+    scratch.q8 = q8;
+}
+
+/// [`matmul_jobs`] of matrices that compute with 8-bit activations, on input rows already
+/// quantized in their scheme (`n_rows × cols / 32` blocks, as [`quantize_activation_rows`]
+/// writes them): for inputs assembled from blocks that other ranks quantized.
+#[allow(clippy::too_many_arguments)] // matmul_jobs'
+pub fn matmul_jobs_q8<'w>(
+    pool: &ThreadPool,
+    isa: Isa,
+    xq: &[BlockQ8],
+    cols: usize,
+    jobs: usize,
+    job: &(dyn Fn(usize) -> RowsJob<'w> + Sync),
+    ys: &mut [&mut [f32]],
+    scratch: &mut MatmulScratch,
+) {
+    assert!(cols > 0 && cols.is_multiple_of(QK) && xq.len().is_multiple_of(cols / QK), "matmul_jobs_q8: xq is not rows × {cols} / {QK} blocks");
+    for i in 0..jobs {
+        assert!(job(i).w.format.activation_blocks().is_some(), "matmul_jobs_q8: job {i} ({}) does not compute with 8-bit activations", job(i).w.format);
+    }
+    jobs_on_inputs(pool, isa, &[], xq, xq.len() / (cols / QK), cols, jobs, job, ys, scratch);
+}
+
+/// The products of a [`matmul_jobs`] on its inputs: `x` (empty when every matrix takes
+/// `xq`) and its q8 blocks (empty when none does), `n_rows` rows of `cols`.
+#[allow(clippy::too_many_arguments)]
+fn jobs_on_inputs<'w>(
+    pool: &ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    xq: &[BlockQ8],
+    n_rows: usize,
+    cols: usize,
+    jobs: usize,
+    job: &(dyn Fn(usize) -> RowsJob<'w> + Sync),
+    ys: &mut [&mut [f32]],
+    scratch: &mut MatmulScratch,
+) {
+    assert!(jobs <= JOBS_MAX, "matmul_jobs: {jobs} matrices in one call (limit {JOBS_MAX})");
     let mut outs = [SharedMut(std::ptr::null_mut::<f32>()); GROUP_MAX];
     assert!(ys.len() <= GROUP_MAX, "matmul_jobs: at most {GROUP_MAX} outputs");
     for (o, y) in outs.iter_mut().zip(ys.iter_mut()) {
         *o = SharedMut(y.as_mut_ptr());
     }
-    let mut scheme = None;
     let mut all_grouped = true;
     let mut panels = 1;
     for i in 0..jobs {
@@ -288,12 +358,10 @@ pub fn matmul_jobs<'w>(
         let rpg = j.w.format.rows_per_group();
         assert!(j.w.cols == cols && j.w.rows.is_multiple_of(rpg), "matmul_jobs: job {i} is {}×{} in groups of {rpg}, input width {cols}", j.w.rows, j.w.cols);
         assert!(j.rows.end <= n_rows && j.out < ys.len() && ys[j.out].len() >= j.rows.end * j.w.rows, "matmul_jobs: job {i} rows {:?} or output {} out of bounds", j.rows, j.out);
-        scheme = scheme.or(j.w.format.activation_blocks());
         all_grouped &= rpg > 1;
         panels = panels.max(j.w.panels);
     }
     let mut starts = std::mem::take(&mut scratch.unit_starts);
-    let xq = quantize_rows(pool, isa, x, n_rows, cols, scheme, scratch);
     let blocks = cols / QK;
     // Panel by panel, one region each, as in `matmul_group`.
     for p in 0..panels {
@@ -405,7 +473,7 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], x_stride: usize, 
 #[inline(never)]
 fn run_unit_one(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], y: Out) {
     let f = w.format;
-    let (x, xq) = (&x[..w.cols], if xq.is_empty() { xq } else { &xq[..w.cols / QK] });
+    let (x, xq) = (if x.is_empty() { x } else { &x[..w.cols] }, if xq.is_empty() { xq } else { &xq[..w.cols / QK] });
     let put = |r0: usize, v: &[f32]| {
         // SAFETY: a unit's rows belong to the thread running it alone; `y` holds
         // `rows` outputs of this token.

@@ -26,6 +26,26 @@ pub struct BlockQ8 {
 
 const _: () = assert!(std::mem::size_of::<BlockQ8>() == crate::format::Q8_BLOCK_BYTES);
 
+/// f32 words a [`BlockQ8`] takes: blocks travel through float channels (a collective
+/// that gathers f32) as their bits, unchanged.
+pub const Q8_BLOCK_WORDS: usize = crate::format::Q8_BLOCK_BYTES / 4;
+
+const _: () = assert!(std::mem::align_of::<BlockQ8>() == std::mem::align_of::<f32>() && Q8_BLOCK_WORDS * 4 == std::mem::size_of::<BlockQ8>());
+
+/// `words` (a whole number of [`Q8_BLOCK_WORDS`]) seen as blocks.
+pub fn words_as_blocks_mut(words: &mut [f32]) -> &mut [BlockQ8] {
+    assert!(words.len().is_multiple_of(Q8_BLOCK_WORDS), "{} words are not whole q8 blocks", words.len());
+    // SAFETY: BlockQ8 is repr(C), 11 f32 words in size and of f32's alignment with no
+    // padding (asserted above); every bit pattern is a valid f32, i8 and i16.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<BlockQ8>(), words.len() / Q8_BLOCK_WORDS) }
+}
+
+/// `blocks` seen as f32 words (their bits).
+pub fn blocks_as_words_mut(blocks: &mut [BlockQ8]) -> &mut [f32] {
+    // SAFETY: as in `words_as_blocks_mut`.
+    unsafe { std::slice::from_raw_parts_mut(blocks.as_mut_ptr().cast::<f32>(), blocks.len() * Q8_BLOCK_WORDS) }
+}
+
 impl BlockQ8 {
     /// Stores scale `d` and `d·Σq` as llama.cpp's q8_0/q8_1 blocks hold them: rounded to
     /// f16 (the values were quantized with the unrounded `d`).

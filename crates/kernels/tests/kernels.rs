@@ -515,6 +515,64 @@ fn matmul_streaming_equals_matmul() {
     }
 }
 
+/// Columns split at their scheme's block boundaries (32 values; 256 for the K-quants)
+/// and quantized apart assemble into the whole rows' blocks, bit for bit, and
+/// `matmul_q8` / `matmul_jobs_q8` on them give `matmul`'s / `matmul_jobs`' outputs: what a rank that gathers others'
+/// blocks instead of their floats relies on. Source rows and interleaved groups, token
+/// counts that run every pass, 1 and 2 threads.
+#[test]
+fn columns_quantized_apart_equal_the_whole_rows() {
+    let isa = Isa::detect();
+    let mut rng = Rng(29);
+    let (rows, cols) = (64, 768);
+    for format in [WeightFormat::Q4_0, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
+        let scheme = format.activation_blocks().unwrap();
+        let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
+        let packed = tessera_kernels::repack_interleaved(format, rows, cols, &data);
+        let layouts = [WeightRows::new(format, rows, cols, &data).unwrap(), WeightRows::new(format.interleaved().unwrap(), rows, cols, &packed).unwrap()];
+        // Uneven parts, each a whole number of the scheme's blocks.
+        let unit = scheme.values();
+        let cuts = [0, unit, cols - unit, cols];
+        for tokens in [1, 5, 8, 13] {
+            let x = random_vec(&mut rng, tokens * cols);
+            for threads in [1, 2] {
+                let pool = ThreadPool::new(threads);
+                let mut whole = vec![BlockQ8::default(); tokens * cols / 32];
+                tessera_kernels::quantize_activation_rows(&pool, isa, scheme, &x, tokens, cols, &mut whole);
+                let mut assembled = vec![BlockQ8::default(); tokens * cols / 32];
+                for part in cuts.windows(2) {
+                    let (c0, c1) = (part[0], part[1]);
+                    let xs: Vec<f32> = (0..tokens).flat_map(|t| x[t * cols + c0..t * cols + c1].to_vec()).collect();
+                    let mut blocks = vec![BlockQ8::default(); tokens * (c1 - c0) / 32];
+                    tessera_kernels::quantize_activation_rows(&pool, isa, scheme, &xs, tokens, c1 - c0, &mut blocks);
+                    for t in 0..tokens {
+                        let per = (c1 - c0) / 32;
+                        assembled[t * cols / 32 + c0 / 32..t * cols / 32 + c1 / 32].copy_from_slice(&blocks[t * per..(t + 1) * per]);
+                    }
+                }
+                let bits = |b: &[BlockQ8]| b.iter().map(|b| (b.d.to_bits(), b.sum.to_bits(), b.qs, b.half_sums)).collect::<Vec<_>>();
+                assert_eq!(bits(&assembled), bits(&whole), "{format}, {tokens} tokens, {threads} threads");
+                for w in layouts {
+                    let mut want = vec![0.0; tokens * rows];
+                    matmul(&pool, isa, w, &x, tokens, &mut want, &mut MatmulScratch::new(tokens, cols));
+                    let mut y = vec![f32::NAN; tokens * rows];
+                    tessera_kernels::matmul_q8(&pool, isa, w, &assembled, tokens, &mut y);
+                    assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{}, {tokens} tokens, {threads} threads", w.format);
+                    // The jobs form (a MoE layer's experts, each on its run of rows): two
+                    // matrices on the first rows and the rest.
+                    let split = tokens / 2;
+                    let job = |i: usize| RowsJob { w, rows: if i == 0 { 0..split } else { split..tokens }, out: 0 };
+                    let mut jobs_want = vec![f32::NAN; tokens * rows];
+                    tessera_kernels::matmul_jobs(&pool, isa, &x, cols, 2, &job, &mut [&mut jobs_want], &mut MatmulScratch::new(tokens, cols));
+                    let mut jobs_y = vec![f32::NAN; tokens * rows];
+                    tessera_kernels::matmul_jobs_q8(&pool, isa, &assembled, cols, 2, &job, &mut [&mut jobs_y], &mut MatmulScratch::new(tokens, cols));
+                    assert!(jobs_y.iter().zip(&jobs_want).all(|(a, b)| a.to_bits() == b.to_bits()), "jobs: {}, {tokens} tokens, {threads} threads", w.format);
+                }
+            }
+        }
+    }
+}
+
 /// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked into groups of 8 interleaved rows: the same
 /// weights (every row dequantizes identically), the same dot products as the source
 /// rows (scalar and SIMD), and matmul over the repacked matrix (5 tokens: the

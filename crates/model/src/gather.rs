@@ -12,13 +12,19 @@
 use crate::shard::{output_rows, CollGroup, Collectives};
 use crate::step::StepError;
 use std::ops::Range;
+use tessera_kernels::q8::{blocks_as_words_mut, words_as_blocks_mut, BlockQ8, Q8_BLOCK_WORDS, QK};
 
 /// Send and receive buffers of one rank's gathers, grown to the largest step's needs.
 #[derive(Default)]
 pub struct Gather {
     send: Vec<f32>,
     recv: Vec<f32>,
+    /// Whole rows of 8-bit blocks assembled by [`Gather::columns_q8`].
+    pub(crate) blocks: Vec<BlockQ8>,
 }
+
+/// Quantizes `rows × cols` floats into 8-bit blocks: `(x, rows, cols, out)`.
+pub(crate) type Quantize<'a> = dyn Fn(&[f32], usize, usize, &mut [BlockQ8]) + 'a;
 
 /// One gather: which group, where in the step (for errors), and how the columns split.
 pub(crate) struct Columns<'p> {
@@ -45,6 +51,12 @@ impl<'p> Columns<'p> {
         }
     }
 
+    /// Whether every member's columns are whole runs of `values` (and the row too): then
+    /// each member can quantize its own columns into the blocks one node makes of the row.
+    pub(crate) fn whole_blocks(&self, values: usize) -> bool {
+        self.total.is_multiple_of(values) && (0..self.ranks).all(|r| self.part(r).start.is_multiple_of(values) && self.part(r).end.is_multiple_of(values))
+    }
+
     fn width_max(&self) -> usize {
         (0..self.ranks).map(|r| self.part(r).len()).max().unwrap_or(0)
     }
@@ -67,6 +79,33 @@ impl Gather {
         let mine = n * how.part(rank).len();
         self.local(how, n)[..mine].copy_from_slice(&buf[..mine]);
         self.columns(coll, how, n, buf)
+    }
+
+    /// [`Gather::columns`] of 8-bit blocks instead of floats (44 bytes per 32 values, not
+    /// 128): this member's `n × its columns` values of `x` go through `quantize(x, n,
+    /// columns, out)`, every member's blocks are gathered and assembled into
+    /// `self.blocks`, `n` whole rows of `how.total / 32` blocks. The columns must be whole
+    /// blocks of the quantizer's scheme ([`Columns::whole_blocks`]): the rows are then
+    /// bit for bit those one node quantizes from whole rows of floats.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn columns_q8(&mut self, coll: &dyn Collectives, how: &Columns, n: usize, rank: usize, x: &[f32], quantize: &Quantize) -> Result<(), StepError> {
+        assert!(how.whole_blocks(QK), "columns_q8: the columns are not whole blocks");
+        let words = |r: usize| {
+            let p = how.part(r);
+            p.start / QK * Q8_BLOCK_WORDS..p.end / QK * Q8_BLOCK_WORDS
+        };
+        let as_words = Columns { group: how.group, layer: how.layer, what: how.what, ranks: how.ranks, total: how.total / QK * Q8_BLOCK_WORDS, part: Some(&words) };
+        let mine = how.part(rank).len();
+        let local = self.local(&as_words, n);
+        quantize(&x[..n * mine], n, mine, words_as_blocks_mut(&mut local[..n * mine / QK * Q8_BLOCK_WORDS]));
+        let need = n * how.total / QK;
+        let mut blocks = std::mem::take(&mut self.blocks);
+        if blocks.len() < need {
+            blocks.resize(need, BlockQ8::default());
+        }
+        let gathered = self.columns(coll, &as_words, n, blocks_as_words_mut(&mut blocks[..need]));
+        self.blocks = blocks;
+        gathered
     }
 
     /// Every member's block (this one's written through `local`) assembled into `out`:

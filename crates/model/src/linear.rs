@@ -5,7 +5,8 @@ use crate::checkpoint::Checkpoint;
 use crate::memory::WeightBuffer;
 use std::ops::Range;
 use std::sync::Arc;
-use tessera_kernels::{matmul, ops, Isa, MatmulScratch, ThreadPool, WeightFormat, WeightRows};
+use tessera_kernels::q8::BlockQ8;
+use tessera_kernels::{matmul, matmul_q8, ops, Isa, MatmulScratch, ThreadPool, WeightFormat, WeightRows};
 
 /// Where a weight matrix's bytes live.
 #[derive(Clone, Debug)]
@@ -179,6 +180,14 @@ impl Linear {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(&self, pool: &ThreadPool, isa: Isa, ckpt: &Checkpoint, x: &[f32], n: usize, y: &mut [f32], mm: &mut MatmulScratch) {
         matmul(pool, isa, self.weights(ckpt), x, n, y, mm);
+        if let Some(b) = &self.bias {
+            ops::add_bias(y, b);
+        }
+    }
+
+    /// [`Self::forward`] on `n` rows already quantized in its format's activation scheme.
+    pub(crate) fn forward_q8(&self, pool: &ThreadPool, isa: Isa, ckpt: &Checkpoint, xq: &[BlockQ8], n: usize, y: &mut [f32]) {
+        matmul_q8(pool, isa, self.weights(ckpt), xq, n, y);
         if let Some(b) = &self.bias {
             ops::add_bias(y, b);
         }

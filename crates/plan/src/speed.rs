@@ -243,10 +243,18 @@ impl Model<'_> {
                 let (mut msgs, mut bytes) = (0.0f64, 0.0f64);
                 if p.tp > 1 {
                     let q_dim = cfg.mla.as_ref().map_or(cfg.heads * cfg.head_dim, |m| cfg.heads * m.v_dim) as f64;
+                    // Inputs of o and of the down projections travel as 8-bit blocks (44
+                    // bytes per 32 values) where those compute with 8-bit activations.
+                    let int8 = f.bytes_per_token > 0 && 2 * f.int8_bytes_per_token > f.bytes_per_token;
+                    let input = if int8 { 44.0 / 128.0 } else { 1.0 };
+                    let dense_layers = layers - moe_layers;
+                    let routed_width = cfg.moe.as_ref().map_or(0, |m| m.expert_width * m.top_k) as f64;
                     // Per layer: attention's heads before o and o's rows after; the MLP's
-                    // width before down and down's rows after (a MoE layer's experts the same).
+                    // width before down and down's rows after (a MoE layer's experts the
+                    // same, each routed slot's width).
                     msgs += layers as f64 * 4.0;
-                    bytes += layers as f64 * (part(q_dim) + 2.0 * part(h) + part(cfg.intermediate.max(cfg.moe.as_ref().map_or(0, |m| m.expert_width * m.top_k)) as f64));
+                    bytes += layers as f64 * (input * part(q_dim) + 2.0 * part(h))
+                        + input * (dense_layers as f64 * part(cfg.intermediate as f64) + moe_layers as f64 * part(routed_width));
                     if stage == 0 {
                         msgs += 1.0;
                         bytes += 2.0 * part(h);

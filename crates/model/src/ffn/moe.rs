@@ -15,7 +15,8 @@ use crate::profile::ProfileKind;
 use crate::shard::{output_rows, CollGroup, ExpertSplit, ShardSpec};
 use crate::step::{Run, StepError, Workspace};
 use std::ops::Range;
-use tessera_kernels::{matmul_jobs, ops, RowsJob};
+use tessera_kernels::q8::QK;
+use tessera_kernels::{matmul_jobs, matmul_jobs_q8, ops, RowsJob};
 
 /// Expert slots (tokens × top-k) up to which a MoE layer runs all its experts in two
 /// parallel regions (decode and small batches, where per-region costs show); larger
@@ -225,15 +226,19 @@ impl Moe {
             run.gate_rows(slots, width, gate, up);
         }
         let full = run.cfg.moe.as_ref().map_or(0, |m| m.expert_width);
+        let mut q8 = false;
         if width_split {
             // Every member holds every expert's rows `width_part` of the width: gather
             // each slot's whole width before down (`crate::gather`).
             let how = Columns::rows(CollGroup::Moe, layer, "experts width", run.spec.moe_size, full);
-            ws.gather.columns_in_place(run.coll, &how, slots, run.spec.moe_rank, &mut ws.moe_gate)?;
+            q8 = run.gather_input(self.down[0].weights(run.ckpt).format, &mut ws.moe_gate, &how, run.spec.moe_rank, slots, &mut ws.gather)?;
         }
         let down = |i: usize| RowsJob { w: self.down[local(i)].weights(run.ckpt), rows: slots_of(i), out: 0 };
-        if hw > 0 {
-            matmul_jobs(run.pool, run.isa, &ws.moe_gate[..slots * full], full, active.len(), &down, &mut [&mut ws.moe_proj[..slots * hw]], &mut ws.mm);
+        let outs = &mut [&mut ws.moe_proj[..slots * hw]];
+        if q8 && hw > 0 {
+            matmul_jobs_q8(run.pool, run.isa, &ws.gather.blocks[..slots * full / QK], full, active.len(), &down, outs, &mut ws.mm);
+        } else if hw > 0 {
+            matmul_jobs(run.pool, run.isa, &ws.moe_gate[..slots * full], full, active.len(), &down, outs, &mut ws.mm);
         }
         let bytes = (0..active.len()).map(|i| [&self.gate, &self.up, &self.down].iter().map(|ls| ls[local(i)].bytes()).sum::<usize>()).sum();
         Ok((bytes, s0..s1))
@@ -353,8 +358,8 @@ impl Moe {
                 let full = cfg.expert_width;
                 run.gate_up(gate, up, &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.mm);
                 let how = Columns::rows(CollGroup::Moe, layer, "experts width", members, full);
-                ws.gather.columns_in_place(run.coll, &how, cnt, member, &mut ws.gate)?;
-                run.linear(down, &ws.gate[..cnt * full], cnt, &mut ws.proj[..cnt * hw], &mut ws.mm);
+                let q8 = run.gather_input(down.weights(run.ckpt).format, &mut ws.gate, &how, member, cnt, &mut ws.gather)?;
+                run.linear_gathered(down, &ws.gate, q8.then_some(&ws.gather.blocks[..]), cnt, &mut ws.proj[..cnt * hw], &mut ws.mm);
             } else {
                 run.swiglu([gate, up, down], &ws.moe_in[..cnt * h], cnt, &mut ws.gate, &mut ws.up, &mut ws.proj[..cnt * h], &mut ws.mm);
             }
