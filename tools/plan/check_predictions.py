@@ -7,7 +7,9 @@ rates drift), benchmarks single, TP2, PP2 (and EP2 for MoE models) with one thre
 rank, plans each model on the cluster, and also shows each prediction scaled by the host's
 drift (this bench run's own read probe over the doctor file's read rate), and prints predicted beside measured: batch-1 decode
 tok/s and each rank's resident memory (rank 0 from bench's JSON, less its bandwidth
-buffer; the other ranks print theirs at exit). The README's table is this output.
+buffer; the other ranks print theirs at the leader's stop, caches still held). bench runs
+on token ids, so the plan's tokenizer bytes are left out of the prediction it is compared
+with. The README's table is this output.
 
     python3 tools/plan/check_predictions.py [--tessera target/release/tessera] MODEL...
 """
@@ -79,22 +81,24 @@ for model in a.models:
         p = by[name]
         dec, pre, rss, read = measured[(model, name)]
         drift = read / json.load(open(cluster))["nodes"][0]["read_gb_s"]
-        mem = [(n["memory_bytes"], rss.get(n["rank"])) for n in p["nodes"]]
+        # bench runs on token ids: its leader builds no tokenizer, so the plan's is left out.
+        mem = [(n["memory_bytes"] - n["tokenizer_bytes"], rss.get(n["rank"]), n["runtime_bytes"] - n["tokenizer_bytes"], n["memory_bytes"] - n["runtime_bytes"]) for n in p["nodes"]]
         rows.append((os.path.basename(model), name, p["decode_tok_s"], dec, p["prefill_tok_s"], pre, p["bottleneck"], mem, drift))
 
 def ratio(pred, meas):
     return f"{pred / meas:.2f}" if meas else "-"
 
-print("| model | placement | decode predicted | measured | ratio | × this run's read rate ÷ doctor's | ratio then | prefill predicted | measured | bottleneck | memory per rank: predicted / measured MiB (ratio) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| model | placement | decode predicted | measured | ratio | × this run's read rate ÷ doctor's | ratio then | prefill predicted | measured | bottleneck | memory per rank: predicted / measured MiB (ratio) | runtime and headers per rank (tokenizer left out): planned / measured less weights, KV and workspace MiB |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 worst_dec, worst_mem = 0.0, 0.0
 for m, name, pd, md, pp, mp, b, mem, drift in rows:
     worst_dec = max(worst_dec, abs(pd * drift / md - 1))
-    cells = []
-    for pred, meas in mem:
+    cells, runtime = [], []
+    for pred, meas, planned_runtime, model_bytes in mem:
         if meas:
             worst_mem = max(worst_mem, abs(pred / meas - 1))
             cells.append(f"{pred / 2**20:.0f} / {meas / 2**20:.0f} ({pred / meas:.2f})")
-    print(f"| {m} | {name} | {pd:.1f} | {md:.1f} | {ratio(pd, md)} | {drift:.2f} | {ratio(pd * drift, md)} | {pp:.0f} | {mp:.0f} | {b} | {', '.join(cells)} |")
+            runtime.append(f"{planned_runtime / 2**20:.0f} / {(meas - model_bytes) / 2**20:.0f}")
+    print(f"| {m} | {name} | {pd:.1f} | {md:.1f} | {ratio(pd, md)} | {drift:.2f} | {ratio(pd * drift, md)} | {pp:.0f} | {mp:.0f} | {b} | {', '.join(cells)} | {', '.join(runtime)} |")
 print(f"\nlargest decode error, with the drift taken out, {worst_dec * 100:.0f} % (target ±25 %); largest memory error {worst_mem * 100:.0f} % (target ±10 %)")
 print(f"cluster file: {cluster}")

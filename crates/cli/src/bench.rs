@@ -124,9 +124,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let (report, profile) = match crate::engine_for(&model, cluster, &rt, cfg.context_needed(), sequences)? {
         crate::Engine::Follow(rank) => {
             let r = rank.rank();
-            rank.follow()?;
-            // Followers hold their share until here: their resident memory, for `plan`'s check.
-            if let Some(m) = tessera_model::memory::resident() {
+            // Measured at the stop, with the caches and workspace still held: for `plan`'s check.
+            if let Some(m) = rank.follow()? {
                 eprintln!("rank {r}: resident {} bytes ({} anonymous, {} file-backed)", m.bytes, m.anon_bytes, m.file_bytes);
             }
             return Ok(());

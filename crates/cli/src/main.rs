@@ -339,7 +339,7 @@ fn check_memory(ckpt: &Arc<Checkpoint>, cfg: &ModelConfig, spec: tessera_model::
         bail!(
             "{who} needs {:.2} GiB (weights {:.2}, cache {:.2} for {} × {ctx} tokens, workspace {:.2}) and this node has {:.2} GiB available: lower --ctx or the sequences, place the model over more nodes (`tessera plan`), or pass --no-memory-check to load anyway",
             gib(need),
-            gib(f.weights_bytes as u64),
+            gib((f.weights_bytes + f.mapped_bytes) as u64),
             gib(cache),
             fit.sequences,
             gib(f.workspace_bytes as u64),
@@ -461,7 +461,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let leads = cluster.as_ref().is_none_or(|(c, _)| c.rank() == 0);
     let tok = if leads && id_prompts.is_empty() { Some(Tokenizer::from_checkpoint(model.checkpoint())?) } else { None };
     let mut gen = match engine_for(&model, cluster, &a.runtime, min_ctx, sequences)? {
-        Engine::Follow(rank) => return Ok(rank.follow()?),
+        Engine::Follow(rank) => return rank.follow().map(drop).map_err(Into::into),
         Engine::Drive(g) => g,
     };
     if !id_prompts.is_empty() {
@@ -689,7 +689,7 @@ fn generate_text_parallel(gen: &mut Generator, tok: &Tokenizer, prompt: &[u32], 
 fn logits(a: LogitsArgs) -> Result<()> {
     let Loaded { model, cluster } = load_for(&a.model, &a.runtime, Fit { sequences: 1, min_ctx: a.tokens.len() })?;
     let mut gen = match engine_for(&model, cluster, &a.runtime, a.tokens.len(), 1)? {
-        Engine::Follow(rank) => return Ok(rank.follow()?),
+        Engine::Follow(rank) => return rank.follow().map(drop).map_err(Into::into),
         Engine::Drive(g) => g,
     };
     let logits = gen.logits_all(&a.tokens)?;

@@ -95,7 +95,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         for n in &best.nodes {
             println!(
                 "  node {} ({}): layers {}..{}, weights {:.2} GiB, cache {:.2}, workspace {:.2}, runtime {:.2}, reserve {:.2} of {:.2} GiB free",
-                n.node, n.name, n.layers[0], n.layers[1], gib(n.weights_bytes), gib(n.kv_bytes), gib(n.workspace_bytes), gib(n.runtime_bytes), gib(n.reserve_bytes), gib(n.memory_free_bytes)
+                n.node, n.name, n.layers[0], n.layers[1], gib(n.weights_bytes + n.mapped_bytes), gib(n.kv_bytes), gib(n.workspace_bytes), gib(n.runtime_bytes), gib(n.reserve_bytes), gib(n.memory_free_bytes)
             );
         }
     }

@@ -107,7 +107,7 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
     };
     let (tok, template) = if leads { (Some(Tokenizer::from_checkpoint(model.checkpoint())?), template) } else { (None, None) };
     let mut gen = match engine_for(&model, cluster, &a.runtime, 0, a.parallel)? {
-        Engine::Follow(rank) => return Ok(rank.follow()?),
+        Engine::Follow(rank) => return rank.follow().map(drop).map_err(Into::into),
         Engine::Drive(g) => g,
     };
     let server = server.expect("rank 0 serves");

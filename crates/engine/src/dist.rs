@@ -661,8 +661,10 @@ impl<'m> Rank<'m> {
         }
     }
 
-    /// A follower's life: run the leader's plans until it says stop.
-    pub fn follow(mut self) -> Result<(), EngineError> {
+    /// A follower's life: run the leader's plans until it says stop. Returns its
+    /// resident memory at the stop, while it still holds its caches and workspace (what
+    /// `tessera plan` predicts a rank holds; once this returns they are freed).
+    pub fn follow(mut self) -> Result<Option<tessera_model::memory::Resident>, EngineError> {
         assert_ne!(self.rank, 0, "rank 0 leads");
         let fault = crate::faults::Fault::for_rank(self.rank);
         let mut steps = 0u64;
@@ -676,7 +678,7 @@ impl<'m> Rank<'m> {
             steps += 1;
             self.run_plan()?;
             if self.plan[PLAN_OP] == OP_STOP {
-                return Ok(());
+                return Ok(tessera_model::memory::resident());
             }
         }
     }

@@ -47,6 +47,13 @@ pub struct Footprint {
     pub workspace_bytes_per_context_token: f64,
     /// The hidden state one stage passes on per token (f32 values).
     pub stage_output_floats: usize,
+    /// Weights read in place from the file's mapping (a whole model's embedding, by
+    /// rows): not in `weights_bytes`, resident as rows are touched, and reclaimable.
+    pub mapped_bytes: usize,
+    /// The heap the checkpoint's parsed headers hold (on every rank).
+    pub headers_bytes: usize,
+    /// The heap its tokenizer holds (on the rank that tokenizes).
+    pub tokenizer_bytes: usize,
 }
 
 impl Footprint {
@@ -107,6 +114,9 @@ impl Model {
                 (self.new_workspace(wider, threads).bytes() - self.new_workspace(one, threads).bytes()) as f64 / MORE as f64
             },
             stage_output_floats: self.stage_output_width(),
+            mapped_bytes: self.mapped_embedding_bytes(),
+            headers_bytes: self.checkpoint().headers_heap_bytes(),
+            tokenizer_bytes: crate::Tokenizer::heap_bytes_estimate(self.checkpoint(), self.cfg.vocab),
         }
     }
 }

@@ -252,6 +252,27 @@ fn put_string(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(s.as_bytes());
 }
 
+/// What a heap allocation of `bytes` costs with glibc's malloc: its 8-byte header,
+/// rounded to 16, at least 32 (the estimate `tessera plan` counts headers with).
+pub(crate) fn heap_chunk_bytes(bytes: usize) -> usize {
+    if bytes == 0 {
+        0
+    } else {
+        (bytes + 8).next_multiple_of(16).max(32)
+    }
+}
+
+impl GgufValue {
+    /// The heap this value holds beyond its own `size_of` (strings and arrays).
+    pub fn heap_bytes(&self) -> usize {
+        match self {
+            GgufValue::String(s) => heap_chunk_bytes(s.capacity()),
+            GgufValue::Array(items) => heap_chunk_bytes(items.capacity() * std::mem::size_of::<GgufValue>()) + items.iter().map(GgufValue::heap_bytes).sum::<usize>(),
+            _ => 0,
+        }
+    }
+}
+
 fn value_type(v: &GgufValue) -> u32 {
     match v {
         GgufValue::U8(_) => 0,

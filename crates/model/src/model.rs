@@ -231,6 +231,7 @@ impl Model {
         let (weights_arena, arena_bytes) = place_in_arena(moves, &ckpt, huge, dry);
         if !dry {
             ckpt.release_pages();
+            crate::memory::return_free_heap();
         }
         let bytes_loaded = ld.bytes_read.get();
         let floats_bytes = ld.floats_held.get();
@@ -279,6 +280,14 @@ impl Model {
             };
         }
         held
+    }
+
+    /// The embedding's bytes when it is read by rows from the file's mapping, else 0.
+    pub fn mapped_embedding_bytes(&self) -> usize {
+        match self.embed.as_ref().map(|e| &e.storage) {
+            Some(crate::linear::Storage::Mapped { range, .. }) => range.len(),
+            _ => 0,
+        }
     }
 
     pub fn checkpoint(&self) -> &Checkpoint {

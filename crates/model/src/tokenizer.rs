@@ -50,6 +50,26 @@ impl Tokenizer {
         }
     }
 
+    /// The heap the tokenizer of `ckpt` will hold, estimated from its vocabulary and
+    /// merges (a HF directory's from `vocab`, with as many merges), without building it:
+    /// for `tessera plan`, which counts it on the rank that tokenizes. Per entry, both
+    /// copies (`inner`, `inner_plain`) together, measured: 328 bytes per token (a 32k
+    /// byte-level vocabulary with no merges: 10.0 MiB) and 99 per merge (SmolLM2's 49k
+    /// tokens and 49k merges: 20.0 MiB).
+    pub fn heap_bytes_estimate(ckpt: &Checkpoint, vocab: usize) -> usize {
+        const BYTES_PER_TOKEN: usize = 328;
+        const BYTES_PER_MERGE: usize = 99;
+        let count = |key: &str| match ckpt.gguf.as_ref().and_then(|g| g.metadata.get(key)) {
+            Some(GgufValue::Array(items)) => items.len(),
+            _ => 0,
+        };
+        let (tokens, merges) = match ckpt.kind {
+            CheckpointKind::Gguf => (count("tokenizer.ggml.tokens"), count("tokenizer.ggml.merges")),
+            CheckpointKind::HfDir => (vocab, vocab),
+        };
+        tokens * BYTES_PER_TOKEN + merges * BYTES_PER_MERGE
+    }
+
     pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {

@@ -19,14 +19,16 @@ use std::sync::Arc;
 use tessera_engine::Placement;
 use tessera_model::{Checkpoint, Footprint, KvDtype, Model, ModelConfig, StepLimits};
 
-/// What a running rank holds besides its model: the code of the binary it runs, thread
-/// stacks, the allocator's slack (measured on a follower: 7 MB file-backed, 3 MB
-/// anonymous beyond its weights, cache and workspace; docs/performance.md, "plan").
-pub const RUNTIME_BYTES: u64 = 10 << 20;
-/// What rank 0 holds besides: the logits it samples from, the sampler, the step plans,
-/// the tokenizer (measured on `bench`'s leader: 13 MB; a tokenizer of 150k entries adds
-/// about as much again).
-pub const LEADER_BYTES: u64 = 14 << 20;
+/// What a running rank holds besides its model, its parsed headers and its tokenizer:
+/// the binary's code (7.4 MiB file-backed), thread stacks, the stage and comm buffers,
+/// the allocator's slack. Measured with `tools/plan/check_predictions.py` (rank 1 of
+/// SmolLM2 and bench MoE under TP2, PP2, EP2): 0–14 MiB beyond the predicted weights,
+/// cache, workspace and headers (the workspace is an upper bound: pages never touched
+/// are not resident), so the floor, the binary, plus a little.
+pub const RUNTIME_BYTES: u64 = 8 << 20;
+/// What rank 0 holds besides: the logits it samples from, the sampler, the step plans
+/// (its tokenizer is counted apart, from the vocabulary).
+pub const LEADER_BYTES: u64 = 4 << 20;
 /// Kept free on every node: the larger of this and [`RESERVE_FRACTION`] of its free memory.
 pub const RESERVE_BYTES_MIN: u64 = 512 << 20;
 pub const RESERVE_FRACTION: f64 = 0.03;
@@ -65,8 +67,14 @@ pub struct NodePlan {
     pub weights_bytes: u64,
     pub kv_bytes: u64,
     pub workspace_bytes: u64,
+    /// Runtime, parsed headers and (rank 0) the tokenizer.
     pub runtime_bytes: u64,
-    /// Weights, cache, workspace and runtime: what the rank will occupy.
+    /// Of `runtime_bytes`, the tokenizer's (`bench`, which runs on token ids, holds none).
+    pub tokenizer_bytes: u64,
+    /// Weights read in place from the file's mapping (a whole model's embedding), resident
+    /// as they are used.
+    pub mapped_bytes: u64,
+    /// Weights, mapped weights, cache, workspace and runtime: what the rank will occupy.
     pub memory_bytes: u64,
     pub reserve_bytes: u64,
     pub memory_free_bytes: u64,
@@ -157,13 +165,14 @@ pub fn plan(model: &str, ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Clu
 }
 
 /// What a rank of footprint `f` occupies running `sequences` of `ctx` tokens: (weights,
-/// cache or state, workspace and runtime together; the cache and state; the runtime).
-/// The leader (rank 0) holds the logits and the sampler besides.
+/// mapped weights, cache or state, workspace and runtime together; the cache and state;
+/// the runtime). Every rank holds the checkpoint's parsed headers; the leader (rank 0)
+/// holds the logits, the sampler and the tokenizer besides.
 pub fn rank_bytes(f: &Footprint, kv: KvDtype, ctx: usize, sequences: usize, leader: bool) -> (u64, u64, u64) {
     let s = sequences as u64;
     let cache = f.kv_bytes_per_token(kv) as u64 * ctx as u64 * s + f.state_bytes_per_sequence as u64 * s;
-    let runtime = RUNTIME_BYTES + if leader { LEADER_BYTES } else { 0 };
-    (f.weights_bytes as u64 + cache + f.workspace_bytes as u64 + runtime, cache, runtime)
+    let runtime = RUNTIME_BYTES + f.headers_bytes as u64 + if leader { LEADER_BYTES + f.tokenizer_bytes as u64 } else { 0 };
+    (f.weights_bytes as u64 + f.mapped_bytes as u64 + cache + f.workspace_bytes as u64 + runtime, cache, runtime)
 }
 
 fn limits(opts: &PlanOptions, ctx: usize) -> StepLimits {
@@ -195,7 +204,7 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
                     "node {rank} ({}) needs {:.2} GiB (weights {:.2}, cache {:.2} at {} × {} tokens, workspace {:.2}, runtime and reserve {:.2}) and has {:.2} GiB free",
                     node.name,
                     gib(memory + reserve),
-                    gib(f.weights_bytes as u64),
+                    gib(f.weights_bytes as u64 + f.mapped_bytes as u64),
                     gib(kv),
                     opts.sequences,
                     opts.ctx,
@@ -206,7 +215,7 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
             });
         }
         // The longest context whose cache and workspace still fit beside the rest.
-        let fixed = f.weights_bytes as f64 + f.state_bytes_per_sequence as f64 * s as f64 + f.workspace_bytes as f64 - f.workspace_bytes_per_context_token * opts.ctx as f64 + (runtime + reserve) as f64;
+        let fixed = (memory + reserve) as f64 - (f.kv_bytes_per_token(opts.kv) as u64 * opts.ctx as u64 * s) as f64 - f.workspace_bytes_per_context_token * opts.ctx as f64;
         let per_token = f.kv_bytes_per_token(opts.kv) as f64 * s as f64 + f.workspace_bytes_per_context_token;
         let room = node.memory_free_bytes as f64 - fixed;
         let fits = if room <= 0.0 { 0 } else if per_token > 0.0 { (room / per_token) as usize } else { usize::MAX };
@@ -220,6 +229,8 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
             kv_bytes: kv,
             workspace_bytes: f.workspace_bytes as u64,
             runtime_bytes: runtime,
+            tokenizer_bytes: if rank == 0 { f.tokenizer_bytes as u64 } else { 0 },
+            mapped_bytes: f.mapped_bytes as u64,
             memory_bytes: memory,
             reserve_bytes: reserve,
             memory_free_bytes: node.memory_free_bytes,
