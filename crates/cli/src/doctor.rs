@@ -96,11 +96,21 @@ const NODE_PROBE_PASSES: usize = 5;
 /// Bytes of the decode-kernel probes' matrices (past a 480 MiB last-level cache).
 const KERNEL_PROBE_BYTES: usize = 768 << 20;
 /// Facts per node in the exchange.
-const NODE_FACTS: usize = 10;
+const NODE_FACTS: usize = 10 + 1 + 3 * CACHE_PROBES;
+/// Sizes of the decode-kernel probes inside the last-level cache: 1/32, 1/8 and 1/2 of it.
+const CACHE_PROBES: usize = 3;
+
+/// Bytes of the in-cache decode-kernel probes (small models stream from the cache, and
+/// what one rank gets of a shared cache shows as the rate falling with the size); on a
+/// small cache the smaller ones meet at the 4 MiB floor.
+fn cache_probe_bytes(cache_bytes: u64) -> [usize; CACHE_PROBES] {
+    [32, 8, 2].map(|part| ((cache_bytes / part) as usize).clamp(4 << 20, 256 << 20))
+}
 
 /// One node's facts for the cluster file: free memory (MiB), read bandwidth past the caches
 /// (GB/s), int8 and f32 multiply-add ceilings (GMAC/s), cores, and the rates one-token
-/// products stream Q4_0 and BF16 weights through the kernels (GB/s); f32 so one
+/// products stream Q4_0 and BF16 weights through the kernels (GB/s), from memory; then
+/// the last-level cache (MiB), and the same rates at sizes inside it; f32 so one
 /// all-gather moves them. A node is what one rank gets: `threads` of its host's cores (the default threads
 /// of a rank, the host's cores shared by its ranks), measured with that many threads.
 fn measure_node(threads: usize) -> [f32; NODE_FACTS] {
@@ -112,8 +122,21 @@ fn measure_node(threads: usize) -> [f32; NODE_FACTS] {
     let free_mib = tessera_model::memory::available_bytes().map_or(0.0, |b| (b >> 20) as f32);
     let kernel = |f| tessera_engine::bench::decode_kernel(&pool, isa, f, KERNEL_PROBE_BYTES, NODE_PROBE_PASSES);
     let (q4_0, bf16) = (kernel(tessera_kernels::WeightFormat::Q4_0), kernel(tessera_kernels::WeightFormat::Bf16));
+    let cache = tessera_model::memory::last_level_cache_bytes();
+    let mut facts = [0.0f32; NODE_FACTS];
     // Medians: a plan predicts what a typical run sees (bench reports medians).
-    [free_mib, bw.median_gb_s as f32, int8 as f32, f32 as f32, threads as f32, q4_0.gb_s as f32, bf16.gb_s as f32, 0.0, q4_0.matrix_us as f32, bf16.matrix_us as f32]
+    facts[..10].copy_from_slice(&[free_mib, bw.median_gb_s as f32, int8 as f32, f32 as f32, threads as f32, q4_0.gb_s as f32, bf16.gb_s as f32, 0.0, q4_0.matrix_us as f32, bf16.matrix_us as f32]);
+    // Caches too small for the smallest probe get none (their models are past them anyway).
+    if let Some(cache) = cache.filter(|&c| c >= 8 << 20) {
+        facts[10] = (cache >> 20) as f32;
+        for (i, bytes) in cache_probe_bytes(cache).into_iter().enumerate() {
+            let rate = |f| tessera_engine::bench::decode_kernel(&pool, isa, f, bytes, NODE_PROBE_PASSES).gb_s as f32;
+            facts[11 + i] = (bytes >> 20) as f32;
+            facts[11 + CACHE_PROBES + i] = rate(tessera_kernels::WeightFormat::Q4_0);
+            facts[11 + 2 * CACHE_PROBES + i] = rate(tessera_kernels::WeightFormat::Bf16);
+        }
+    }
+    facts
 }
 
 /// Bytes of a host name in the nodes' exchange (longer ones are cut).
@@ -162,6 +185,8 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
         let b = &names[rank * HOSTNAME_BYTES..(rank + 1) * HOSTNAME_BYTES];
         String::from_utf8_lossy(&b[..b.iter().position(|&c| c == 0).unwrap_or(b.len())]).into_owned()
     };
+    // The in-cache probes' sizes (MiB), Q4_0 rates, BF16 rates (empty where the cache is unknown).
+    let cached = |f: &[f32], k: usize| if f[10] > 0.0 { f[11 + k * CACHE_PROBES..11 + (k + 1) * CACHE_PROBES].to_vec() } else { Vec::new() };
     if comm.rank() == 0 {
         if json {
             let mut v: serde_json::Value = serde_json::from_str(&r.to_json())?;
@@ -183,6 +208,10 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
                         "read_gb_s_shared": f[7],
                         "decode_int8_matrix_us": f[8],
                         "decode_f32_matrix_us": f[9],
+                        "cache_bytes": (f[10] > 0.0).then(|| f[10] as u64 * (1 << 20)),
+                        "cache_probe_bytes": cached(f, 0).iter().map(|&m| m as u64 * (1 << 20)).collect::<Vec<_>>(),
+                        "decode_int8_gb_s_cached": cached(f, 1),
+                        "decode_f32_gb_s_cached": cached(f, 2),
                     })
                 })
                 .collect();
@@ -210,6 +239,10 @@ fn report(comm: &Communicator, json: bool, threads: usize) -> Result<()> {
                     f[6],
                     f[9]
                 );
+                if f[10] > 0.0 {
+                    let at = |k| cached(f, 0).iter().zip(cached(f, k)).map(|(mib, r)| format!("{r:.1} ({mib:.0} MiB)")).collect::<Vec<_>>().join(", ");
+                    println!("    inside its {:.0} MiB last-level cache: Q4_0 at {}; BF16 at {}", f[10], at(1), at(2));
+                }
             }
         }
     }

@@ -751,6 +751,14 @@ fn launch_shares_cores_joins_doctor_and_dry_runs() {
             assert!(n[key].as_f64().is_some_and(|x| x > 0.0), "node {key} not measured: {n}");
         }
         assert!(n["host"].as_str().is_some_and(|h| !h.is_empty()), "{n}");
+        // Where the cache's size is known (Linux sysfs), the in-cache rates at three sizes inside it.
+        if let Some(cache) = n["cache_bytes"].as_u64() {
+            let sizes: Vec<u64> = n["cache_probe_bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).collect();
+            assert!(sizes.len() == 3 && sizes.windows(2).all(|w| w[0] <= w[1]) && sizes[2] < cache, "{n}");
+            for key in ["decode_int8_gb_s_cached", "decode_f32_gb_s_cached"] {
+                assert!(n[key].as_array().is_some_and(|r| r.len() == 3 && r.iter().all(|x| x.as_f64().is_some_and(|x| x > 0.0))), "{key}: {n}");
+            }
+        }
     }
     let links = v["links"].as_array().unwrap_or_else(|| panic!("no links: {v}"));
     assert_eq!(links.len(), 1, "{v}");

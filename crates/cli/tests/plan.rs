@@ -144,3 +144,25 @@ fn plan_sizes_kimi_k3_from_its_published_config() {
     let tp4 = by["tp4"]["nodes"][0]["memory_bytes"].as_f64().unwrap() / 1e9;
     assert!((tp4 / 420.8 - 1.0).abs() < 0.1, "TP4 {tp4:.1} GB a node against the seed's 420.8 GB resident");
 }
+
+/// The in-cache decode rates apply where a rank's weights fit in the cache, and nowhere else.
+#[test]
+fn plan_streams_weights_from_the_cache_only_where_they_fit() {
+    let dir = scratch("cache");
+    let plan = |cache_bytes: u64| {
+        let node = serde_json::json!({ "name": "n", "memory_free_bytes": 8u64 << 30, "read_gb_s": 10.0, "int8_gmac_s": 1e6, "f32_gmac_s": 1e6, "cores": 4,
+            "decode_int8_gb_s": 10.0, "decode_f32_gb_s": 10.0, "cache_bytes": cache_bytes, "cache_probe_bytes": [cache_bytes / 2],
+            "decode_int8_gb_s_cached": [40.0], "decode_f32_gb_s_cached": [40.0] });
+        let path = dir.join("cluster.json");
+        std::fs::write(&path, serde_json::json!({ "nodes": [node] }).to_string()).unwrap();
+        let v = json(&["plan", "--model", "tests/fixtures/qwen3_moe", "--cluster", path.to_str().unwrap(), "--ctx", "64", "--json"]);
+        v["placements"].as_array().unwrap().iter().find(|p| p["name"] == "single").unwrap_or_else(|| panic!("{v}")).clone()
+    };
+    let cached = |p: &serde_json::Value| p["terms"].as_array().unwrap().iter().any(|t| t["source"].as_str().unwrap().contains("_gb_s_cached"));
+    let big = plan(1 << 40);
+    let weights = big["nodes"][0]["weights_bytes"].as_u64().unwrap();
+    let small = plan(weights / 2);
+    assert!(cached(&big) && !cached(&small), "{big}\n{small}");
+    // Same machine otherwise: four times the rate, a faster step.
+    assert!(big["decode_tok_s"].as_f64().unwrap() > 2.0 * small["decode_tok_s"].as_f64().unwrap(), "{big}\n{small}");
+}

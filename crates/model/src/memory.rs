@@ -161,6 +161,44 @@ pub fn available_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// The size of this machine's last-level cache in bytes (Linux: sysfs, cpu0's highest
+/// data or unified cache level); `None` where it cannot be read. Weights that fit in it
+/// stream at cache rates, not memory rates (`tessera doctor` probes both).
+pub fn last_level_cache_bytes() -> Option<u64> {
+    let mut best: Option<(u32, u64)> = None;
+    for entry in std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?.flatten() {
+        let dir = entry.path();
+        if !entry.file_name().to_string_lossy().starts_with("index") {
+            continue;
+        }
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).map(|s| s.trim().to_string()).ok();
+        let (Some(level), Some(kind), Some(size)) = (read("level").and_then(|l| l.parse::<u32>().ok()), read("type"), read("size").and_then(|s| cache_size_bytes(&s))) else {
+            continue;
+        };
+        if kind != "Instruction" && best.is_none_or(|(l, _)| level > l) {
+            best = Some((level, size));
+        }
+    }
+    best.map(|(_, size)| size)
+}
+
+/// sysfs's cache sizes: "266240K", "32M", or bytes.
+fn cache_size_bytes(text: &str) -> Option<u64> {
+    let (digits, unit) = match text.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => text.split_at(i),
+        None => (text, ""),
+    };
+    let n: u64 = digits.parse().ok()?;
+    let shift = match unit {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        _ => return None,
+    };
+    n.checked_mul(1 << shift)
+}
+
 /// This process's resident memory (Linux `/proc/self/status`): all, anonymous, file-backed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Resident {
@@ -285,6 +323,16 @@ impl<T: ZeroBits> DerefMut for LazyZeroed<T> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn cache_sizes_read_as_sysfs_writes_them() {
+        assert_eq!(super::cache_size_bytes("266240K"), Some(266240 << 10));
+        assert_eq!(super::cache_size_bytes("32M"), Some(32 << 20));
+        assert_eq!(super::cache_size_bytes("4096"), Some(4096));
+        assert_eq!(super::cache_size_bytes("12Q"), None);
+        assert_eq!(super::cache_size_bytes("K"), None);
+        assert_eq!(super::cache_size_bytes("99999999999999999999G"), None);
+    }
+
     use super::*;
 
     #[test]

@@ -158,8 +158,10 @@ impl Model<'_> {
         let cache = tokens as f64 * (f.kv_bytes_per_token(self.kv) as f64 * ctx + 2.0 * f.state_bytes_per_sequence as f64);
         let bytes = weights + cache;
         let int8 = if f.bytes_per_token > 0 { f.int8_bytes_per_token as f64 / f.bytes_per_token as f64 } else { 0.0 };
-        let (q_rate, _) = node.weights_gb_s(true);
-        let (f_rate, _) = node.weights_gb_s(false);
+        // Weights held within the cache stream from it, at the rate doctor measured at their size.
+        let held = f.weights_bytes as u64;
+        let cached = node.streams_from_cache(held);
+        let (q_rate, f_rate) = (node.weights_gb_s(true, held).0, node.weights_gb_s(false, held).0);
         // Each matrix's kernel call starts up once per step: the dense ones, and the routed
         // experts the step's tokens touch.
         let (mi, mf) = f.matrices_per_token;
@@ -167,7 +169,9 @@ impl Model<'_> {
         let routed_now = if k > 0.0 { f.routed_matrices_per_token / k * touched } else { 0.0 };
         let scale = if per_token > 0.0 { (per_token - f.routed_matrices_per_token + routed_now) / per_token } else { 0.0 };
         let startup = scale * (mi * node.matrix_s(true) + mf * node.matrix_s(false));
-        let memory = (weights * int8 / (q_rate * 1e9) + weights * (1.0 - int8) / (f_rate * 1e9) + cache / (node.read_gb_s * 1e9)) / share + startup;
+        // Weights read from the cache do not share the host's memory bandwidth.
+        let weights_s = (weights * int8 / (q_rate * 1e9) + weights * (1.0 - int8) / (f_rate * 1e9)) / if cached { 1.0 } else { share };
+        let memory = weights_s + cache / (node.read_gb_s * 1e9) / share + startup;
         let tp = self.placement.tp;
         let attn_macs = tokens as f64 * ctx * kv_layers * attention_macs_per_position(self.cfg, tp);
         let kda_macs = self.cfg.kda.as_ref().map_or(0.0, |kd| {
@@ -207,6 +211,9 @@ impl Model<'_> {
             s.memory_s += work_m;
             s.compute_s += work_c;
             if with_terms {
+                let held = self.ranks[r].weights_bytes as u64;
+                let (q_rate, f_rate) = (node.weights_gb_s(true, held), node.weights_gb_s(false, held));
+                let cached = node.streams_from_cache(held);
                 s.terms.push(Term {
                     term: if m >= c { "weights and cache read" } else { "multiply-adds" },
                     seconds: m.max(c),
@@ -214,13 +221,13 @@ impl Model<'_> {
                         "stage {stage}, rank {r} ({}): {} read (weights at {:.1} GB/s {} / {:.1} GB/s {}, caches at {:.1} read_gb_s{}), {:.2} GMAC at {:.0} (int8) / {:.0} (f32) GMAC/s",
                         node.name,
                         Self::gb(bytes),
-                        node.weights_gb_s(true).0,
-                        node.weights_gb_s(true).1,
-                        node.weights_gb_s(false).0,
-                        node.weights_gb_s(false).1,
+                        q_rate.0,
+                        q_rate.1,
+                        f_rate.0,
+                        f_rate.1,
                         node.read_gb_s,
                         if together.iter().any(|&o| o != r && node.host.is_some() && self.cluster.nodes[o].host == node.host) {
-                            format!("; × {:.2} while its host's other ranks stream, read_gb_s_shared", node.shared_factor())
+                            format!("; × {:.2}{} while its host's other ranks stream, read_gb_s_shared", node.shared_factor(), if cached { " on the caches" } else { "" })
                         } else {
                             String::new()
                         },
