@@ -27,17 +27,35 @@ fn answer(g: &Group, r: usize, m: &Manifest) -> Result<std::result::Result<Vec<u
     })
 }
 
-/// Sends the chunks `need` marks, from `files`, through `out`.
+/// Chunks read ahead of the socket: the link stays busy while the next one is read (on
+/// a paced link a pause is lost time; at 4 Gbit/s a 32 MiB read took a sixth of a chunk's
+/// sending). Memory: these, the reader's one, and `WINDOW` in flight.
+const READ_AHEAD: usize = 1;
+
+/// Sends the chunks `need` marks, from `files`, through `out`, a thread reading ahead.
 fn send_chunks(m: &Manifest, files: &[PathBuf], need: &[u8], out: &mut Outbox) -> Result<()> {
     let mut handles = files.iter().map(|p| std::fs::File::open(p).with_context(|| format!("opening {}", p.display()))).collect::<Result<Vec<_>>>()?;
-    for ((f, c), _) in m.chunks().into_iter().zip(need).filter(|(_, &n)| n == 1) {
-        let mut data = vec![0u8; m.chunk_len(f, c) as usize];
-        let h = &mut handles[f];
-        h.seek(SeekFrom::Start(c as u64 * m.chunk_bytes))?;
-        h.read_exact(&mut data).with_context(|| format!("reading {}", files[f].display()))?;
-        out.put(m, f, c, data)?;
-    }
-    out.close(m)
+    let wanted: Vec<(usize, usize)> = m.chunks().into_iter().zip(need).filter(|(_, &n)| n == 1).map(|(fc, _)| fc).collect();
+    std::thread::scope(|scope| {
+        let (to_sender, read) = std::sync::mpsc::sync_channel::<Result<(usize, usize, Vec<u8>)>>(READ_AHEAD);
+        scope.spawn(move || {
+            for (f, c) in wanted {
+                let mut data = vec![0u8; m.chunk_len(f, c) as usize];
+                let h = &mut handles[f];
+                let r = h.seek(SeekFrom::Start(c as u64 * m.chunk_bytes)).and_then(|_| h.read_exact(&mut data)).with_context(|| format!("reading {}", files[f].display()));
+                let failed = r.is_err();
+                // The sender gone (it failed) ends the reading too.
+                if to_sender.send(r.map(|()| (f, c, data))).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        for chunk in read {
+            let (f, c, data) = chunk?;
+            out.put(m, f, c, data)?;
+        }
+        out.close(m)
+    })
 }
 
 fn finished(g: &Group, r: usize) -> Result<std::result::Result<(), String>> {
