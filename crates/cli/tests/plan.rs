@@ -46,7 +46,7 @@ fn plan_lists_placements_with_the_loaders_bytes() {
     let c = cluster(&dir, &[8 << 30, 8 << 30, 8 << 30]);
     let v = json(&["plan", "--model", "tests/fixtures/qwen3_moe", "--cluster", &c, "--ctx", "128", "--sequences", "4", "--json"]);
     let by: std::collections::HashMap<&str, &serde_json::Value> = v["placements"].as_array().unwrap().iter().map(|p| (p["name"].as_str().unwrap(), p)).collect();
-    for name in ["single", "pp2", "pp3", "tp2", "tp3", "ep2", "ep3", "tp2-ep", "tp3-ep"] {
+    for name in ["single", "pp2", "pp3", "tp2", "tp3", "ep2", "ep3", "ep2-dp", "ep3-dp", "tp2-ep", "tp3-ep"] {
         let p = by.get(name).unwrap_or_else(|| panic!("{name} missing: {v}"));
         assert_eq!(p["valid"], true, "{name}: {p}");
         assert!(p["decode_tok_s"].as_f64().unwrap() > 0.0 && p["decode_tok_s_batch"].as_f64().unwrap() >= p["decode_tok_s"].as_f64().unwrap() * 0.99, "{name}: {p}");
@@ -54,7 +54,7 @@ fn plan_lists_placements_with_the_loaders_bytes() {
         assert!(p["ctx_max"].as_u64().unwrap() >= 128, "{p}");
     }
     // Each rank's disk bytes are what a real load of that rank reads.
-    for (name, flags) in [("tp2", vec!["--tp", "2"]), ("ep3", vec!["--ep", "3"]), ("pp2", vec!["--pp", "2"])] {
+    for (name, flags) in [("tp2", vec!["--tp", "2"]), ("ep3", vec!["--ep", "3"]), ("ep3-dp", vec!["--ep", "3", "--dp-attention"]), ("pp2", vec!["--pp", "2"])] {
         let real = json(&[&["inspect", "tests/fixtures/qwen3_moe", "--json"][..], &flags].concat());
         let planned = by[name]["nodes"].as_array().unwrap();
         let ranks = real["ranks"].as_array().unwrap();
@@ -65,6 +65,12 @@ fn plan_lists_placements_with_the_loaders_bytes() {
             assert_eq!(p["layers"], r["layers"], "{name}");
         }
     }
+    // Data-parallel attention deals the 4 sequences' caches round the ranks (2, 1, 1 of
+    // them); without it the leader holds them all.
+    let kv = |name: &str| by[name]["nodes"].as_array().unwrap().iter().map(|n| n["kv_bytes"].as_u64().unwrap()).collect::<Vec<_>>();
+    let whole = kv("ep3")[0];
+    assert!(whole > 0 && kv("ep3-dp") == [whole / 2, whole / 4, whole / 4], "{:?} {:?}", kv("ep3"), kv("ep3-dp"));
+    assert_eq!(by["ep3-dp"]["dp_attention"], true);
     // A pipeline's nodes together hold what one node holds (its split covers every layer).
     let single = by["single"]["nodes"][0]["weights_bytes"].as_u64().unwrap();
     let pp: u64 = by["pp2"]["nodes"].as_array().unwrap().iter().map(|n| n["weights_bytes"].as_u64().unwrap()).sum();

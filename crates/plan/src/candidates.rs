@@ -1,6 +1,7 @@
 //! The placements worth listing for a cluster: one node; pipelines over 2..N nodes with
 //! an even split and with splits in proportion to each node's free memory and read
-//! bandwidth; tensor and expert parallelism over 2..N; and their products. Each is
+//! bandwidth; tensor and expert parallelism over 2..N (expert parallelism with and without
+//! data-parallel attention); and their products. Each is
 //! checked by the engine's own `Placement::new`, as `launch` would check it.
 
 use crate::cluster::Cluster;
@@ -41,31 +42,33 @@ pub fn candidates(cfg: &ModelConfig, cluster: &Cluster) -> Vec<Candidate> {
     let n = cluster.nodes.len();
     let moe = cfg.moe.is_some() && cfg.layer_ffn.contains(&tessera_model::config::FfnKind::Moe);
     let mut out = vec![Candidate { name: "single".into(), placement: Ok(Placement::single(cfg)) }];
-    let mut push = |name: String, world: usize, tp: usize, pp: usize, ep: usize, split: Option<Vec<usize>>| {
-        out.push(Candidate { name, placement: Placement::new(world, tp, pp, ep, split, cfg) });
+    let mut push = |name: String, world: usize, tp: usize, pp: usize, ep: usize, split: Option<Vec<usize>>, dp_attention: bool| {
+        out.push(Candidate { name, placement: Placement::new(world, tp, pp, ep, split, cfg).and_then(|p| p.with_dp_attention(dp_attention)) });
     };
     for pp in 2..=n {
-        push(format!("pp{pp}"), pp, 1, pp, 1, None);
+        push(format!("pp{pp}"), pp, 1, pp, 1, None, false);
         let even = Placement::new(pp, 1, pp, 1, None, cfg).ok().map(|p| p.pp_split);
         let nodes = &cluster.nodes[..pp];
         for (what, weight) in [("memory", nodes.iter().map(|x| x.memory_free_bytes as f64).collect::<Vec<_>>()), ("bandwidth", nodes.iter().map(|x| x.read_gb_s).collect())] {
             if let Some(s) = split_by(cfg.layers, &weight).filter(|s| Some(s) != even.as_ref()) {
-                push(format!("pp{pp}-{what}"), pp, 1, pp, 1, Some(s));
+                push(format!("pp{pp}-{what}"), pp, 1, pp, 1, Some(s), false);
             }
         }
     }
     for g in 2..=n {
-        push(format!("tp{g}"), g, g, 1, 1, None);
+        push(format!("tp{g}"), g, g, 1, 1, None, false);
         if moe {
-            push(format!("ep{g}"), g, 1, 1, g, None);
-            push(format!("tp{g}-ep"), g, g, 1, g, None);
+            push(format!("ep{g}"), g, 1, 1, g, None, false);
+            // Each rank runs its own sequences' attention (the engine's --dp-attention).
+            push(format!("ep{g}-dp"), g, 1, 1, g, None, true);
+            push(format!("tp{g}-ep"), g, g, 1, g, None, false);
         }
     }
     for pp in 2..=n {
         for g in 2..=n / pp {
-            push(format!("pp{pp}-tp{g}"), pp * g, g, pp, 1, None);
+            push(format!("pp{pp}-tp{g}"), pp * g, g, pp, 1, None, false);
             if moe {
-                push(format!("pp{pp}-ep{g}"), pp * g, 1, pp, g, None);
+                push(format!("pp{pp}-ep{g}"), pp * g, 1, pp, g, None, false);
             }
         }
     }

@@ -90,6 +90,8 @@ pub struct PlacementPlan {
     pub pp: usize,
     pub ep: usize,
     pub pp_split: Vec<usize>,
+    /// Expert parallelism with each rank running attention for its own sequences.
+    pub dp_attention: bool,
     pub valid: bool,
     pub nodes: Vec<NodePlan>,
     pub ctx_max: Option<usize>,
@@ -131,6 +133,7 @@ pub fn plan(model: &str, ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Clu
                 pp: p.map_or(0, |p| p.pp),
                 ep: p.map_or(0, |p| p.ep),
                 pp_split: p.map_or(Vec::new(), |p| p.pp_split.clone()),
+                dp_attention: p.is_some_and(|p| p.dp_attention),
                 valid: false,
                 nodes: Vec::new(),
                 ctx_max: None,
@@ -191,8 +194,10 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
     let mut first_short: Option<Refusal> = None;
     for (rank, f) in ranks.iter().enumerate() {
         let node = &cluster.nodes[rank];
-        let s = opts.sequences as u64;
-        let (memory, kv, runtime) = rank_bytes(f, opts.kv, opts.ctx, opts.sequences, rank == 0);
+        // Under data-parallel attention a rank holds the caches of its own sequences only.
+        let sequences = (0..opts.sequences).filter(|&slot| p.slot_owner(slot) == rank % p.stage_size()).count();
+        let s = sequences as u64;
+        let (memory, kv, runtime) = rank_bytes(f, opts.kv, opts.ctx, sequences, rank == 0);
         let reserve = RESERVE_BYTES_MIN.max((node.memory_free_bytes as f64 * RESERVE_FRACTION) as u64);
         if memory + reserve > node.memory_free_bytes && first_short.is_none() {
             first_short = Some(Refusal {
@@ -206,7 +211,7 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
                     gib(memory + reserve),
                     gib(f.weights_bytes as u64 + f.mapped_bytes as u64),
                     gib(kv),
-                    opts.sequences,
+                    sequences,
                     opts.ctx,
                     gib(f.workspace_bytes as u64),
                     gib(runtime + reserve),
@@ -241,7 +246,7 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
     let m = speed::Model { cfg, cluster, placement: p, ranks: &ranks, kv: opts.kv };
     let link = |e: String| refusal("link", None, e);
     let at = opts.decode_at as f64;
-    let (step, _) = m.step(1, at, true, false).map_err(link)?;
+    let (step, _) = m.step(1, 1, at, true, false).map_err(link)?;
     let (batch, bottleneck_batch) = m.decode_tok_s(opts.sequences, at).map_err(link)?;
     let prefill = m.prefill_tok_s(opts.prompt_tokens, opts.prefill_chunk).map_err(link)?;
     Ok(PlacementPlan {
@@ -250,6 +255,7 @@ fn size(ckpt: Arc<Checkpoint>, cfg: &ModelConfig, cluster: &Cluster, opts: &Plan
         pp: p.pp,
         ep: p.ep,
         pp_split: p.pp_split.clone(),
+        dp_attention: p.dp_attention,
         valid: first_short.is_none(),
         nodes,
         ctx_max: Some(ctx_max),

@@ -133,13 +133,29 @@ impl Model<'_> {
         Ok((lat, if bw.is_finite() { bw } else { f64::MAX }))
     }
 
+    /// Of a step's `tokens` (from `sequences` sequences), those rank `r` runs attention for:
+    /// all of them, or under data-parallel attention its own sequences' (slots dealt round
+    /// the stage as the engine deals them, `Placement::slot_owner`).
+    fn own_tokens(&self, r: usize, tokens: usize, sequences: usize) -> usize {
+        let p = self.placement;
+        if !p.dp_attention || sequences == 0 {
+            return tokens;
+        }
+        let position = r % p.stage_size();
+        let mine = (0..sequences).filter(|&s| p.slot_owner(s) == position).count();
+        (tokens * mine).div_ceil(sequences)
+    }
+
     /// Rank `r`'s own work for a step of `tokens` tokens (`seqs` sequences at about `ctx`
     /// positions each): (memory seconds, compute seconds, bytes, MACs). Weights stream at
     /// the node's decode-kernel rate for their format family; caches at its read rate.
     /// `together`: the ranks running at the same time as this one; where some share its
     /// host, its memory rates are those measured while every node of the host streams.
-    fn rank_work(&self, r: usize, tokens: usize, ctx: f64, together: &[usize]) -> (f64, f64, f64, f64) {
+    fn rank_work(&self, r: usize, tokens: usize, sequences: usize, ctx: f64, together: &[usize]) -> (f64, f64, f64, f64) {
         let f = &self.ranks[r];
+        // Under data-parallel attention the rank runs its own sequences' tokens through
+        // everything but the experts, which serve every token of the step.
+        let own = self.own_tokens(r, tokens, sequences);
         let node = &self.cluster.nodes[r];
         let nodes = &self.cluster.nodes;
         let shares = node.host.is_some() && together.iter().any(|&o| o != r && nodes[o].host == node.host);
@@ -152,10 +168,11 @@ impl Model<'_> {
             Some(m) if self.placement.ep > 1 => busiest_share(m.experts, m.top_k, self.placement.stage_size(), tokens),
             _ => 1.0 - (1.0 - k).powi(tokens.min(1 << 20) as i32),
         };
-        let weights = (f.bytes_per_token - f.routed_bytes_per_token) as f64 + f.routed_expert_bytes as f64 * touched;
+        let dense = if own > 0 { (f.bytes_per_token - f.routed_bytes_per_token) as f64 } else { 0.0 };
+        let weights = dense + f.routed_expert_bytes as f64 * touched;
         let layers = f.layers.len() as f64;
         let kv_layers = f.layers.clone().filter(|&l| !self.cfg.is_kda(l)).count() as f64;
-        let cache = tokens as f64 * (f.kv_bytes_per_token(self.kv) as f64 * ctx + 2.0 * f.state_bytes_per_sequence as f64);
+        let cache = own as f64 * (f.kv_bytes_per_token(self.kv) as f64 * ctx + 2.0 * f.state_bytes_per_sequence as f64);
         let bytes = weights + cache;
         let int8 = if f.bytes_per_token > 0 { f.int8_bytes_per_token as f64 / f.bytes_per_token as f64 } else { 0.0 };
         // Weights held within the cache stream from it, at the rate doctor measured at their size.
@@ -173,20 +190,25 @@ impl Model<'_> {
         let weights_s = (weights * int8 / (q_rate * 1e9) + weights * (1.0 - int8) / (f_rate * 1e9)) / if cached { 1.0 } else { share };
         let memory = weights_s + cache / (node.read_gb_s * 1e9) / share + startup;
         let tp = self.placement.tp;
-        let attn_macs = tokens as f64 * ctx * kv_layers * attention_macs_per_position(self.cfg, tp);
+        let attn_macs = own as f64 * ctx * kv_layers * attention_macs_per_position(self.cfg, tp);
         let kda_macs = self.cfg.kda.as_ref().map_or(0.0, |kd| {
             let kda_layers = layers - kv_layers;
-            tokens as f64 * kda_layers * (kd.heads.div_ceil(tp) * kd.head_dim * kd.head_dim) as f64 * 4.0
+            own as f64 * kda_layers * (kd.heads.div_ceil(tp) * kd.head_dim * kd.head_dim) as f64 * 4.0
         });
         let (int8_macs, f32_macs) = f.macs_per_token;
-        let compute = tokens as f64 * (int8_macs as f64 / (node.int8_gmac_s * 1e9) + f32_macs as f64 / (node.f32_gmac_s * 1e9)) + (attn_macs + kda_macs) / (node.f32_gmac_s * 1e9);
-        (memory, compute, bytes, tokens as f64 * (int8_macs + f32_macs) as f64 + attn_macs + kda_macs)
+        // The experts' multiply-adds run for every token, the rest for its own (split as
+        // the bytes a token reads are).
+        let routed = if f.bytes_per_token > 0 { f.routed_bytes_per_token as f64 / f.bytes_per_token as f64 } else { 0.0 };
+        let runs = own as f64 * (1.0 - routed) + tokens as f64 * routed;
+        let compute = runs * (int8_macs as f64 / (node.int8_gmac_s * 1e9) + f32_macs as f64 / (node.f32_gmac_s * 1e9)) + (attn_macs + kda_macs) / (node.f32_gmac_s * 1e9);
+        (memory, compute, bytes, runs * (int8_macs + f32_macs) as f64 + attn_macs + kda_macs)
     }
 
     /// One step of `tokens` tokens over the whole placement, stages in turn (the latency
     /// of one step; pipelining is [`Self::throughput`]'s).
     /// `pipelined`: every stage busy at once (micro-batches), not in turn.
-    pub fn step(&self, tokens: usize, ctx: f64, with_terms: bool, pipelined: bool) -> Result<(Step, Vec<f64>), String> {
+    /// `sequences`: how many sequences the tokens come from (1 for a prompt's chunk).
+    pub fn step(&self, tokens: usize, sequences: usize, ctx: f64, with_terms: bool, pipelined: bool) -> Result<(Step, Vec<f64>), String> {
         let p = self.placement;
         let g = p.stage_size();
         let cfg = self.cfg;
@@ -200,7 +222,7 @@ impl Model<'_> {
             // The slowest rank of the stage sets its pace.
             let mut slowest = (0.0f64, 0.0f64, 0.0f64, 0.0f64, nodes[0]);
             for &r in &nodes {
-                let (m, c, bytes, macs) = self.rank_work(r, tokens, ctx, together);
+                let (m, c, bytes, macs) = self.rank_work(r, tokens, sequences, ctx, together);
                 if m.max(c) >= slowest.0.max(slowest.1) {
                     slowest = (m, c, bytes, macs, r);
                 }
@@ -271,7 +293,21 @@ impl Model<'_> {
                         bytes += part(cfg.vocab as f64);
                     }
                 }
-                if p.ep > 1 {
+                if p.ep > 1 && p.dp_attention {
+                    // Per MoE layer three concurrent all-to-alls (counts, rows, outputs): the
+                    // busiest member's rows go once to each other member holding one of a
+                    // token's experts, and come back as outputs; then the logits of the
+                    // other members' tokens to rank 0.
+                    let m = cfg.moe.as_ref().expect("EP on a MoE model");
+                    let holders = (g - 1) as f64 * (1.0 - (1.0 - 1.0 / g as f64).powi(m.top_k as i32));
+                    let busiest = (stage * g..(stage + 1) * g).map(|r| self.own_tokens(r, tokens, sequences)).max().unwrap_or(0) as f64;
+                    msgs += moe_layers as f64 * 3.0;
+                    bytes += moe_layers as f64 * 2.0 * busiest * holders * h * 4.0;
+                    if stage + 1 == p.pp {
+                        msgs += 1.0;
+                        bytes += (t - self.own_tokens(stage * g, tokens, sequences) as f64) * cfg.vocab as f64 * 4.0;
+                    }
+                } else if p.ep > 1 {
                     // Per MoE layer: a chain through the members, then the last one's
                     // broadcast; shared experts split like an MLP (two gathers).
                     msgs += moe_layers as f64 * (g as f64 + if shared && p.tp == 1 { 2.0 } else { 0.0 });
@@ -318,12 +354,12 @@ impl Model<'_> {
     pub fn decode_tok_s(&self, seqs: usize, ctx: f64) -> Result<(f64, &'static str), String> {
         let p = self.placement;
         if p.pp == 1 {
-            let (s, _) = self.step(seqs, ctx, false, false)?;
+            let (s, _) = self.step(seqs, seqs, ctx, false, false)?;
             return Ok((seqs as f64 / s.seconds(), s.bottleneck()));
         }
         let micro = p.pp.min(seqs);
         let per = seqs.div_ceil(micro);
-        let (s, stages) = self.step(per, ctx, false, micro > 1)?;
+        let (s, stages) = self.step(per, per, ctx, false, micro > 1)?;
         let max = stages.iter().cloned().fold(0.0, f64::max);
         // A round: every micro-batch through every stage; the busiest stage serves all of
         // them, and no round is shorter than one micro-batch's trip.
@@ -341,7 +377,7 @@ impl Model<'_> {
         let mut first = true;
         while done < tokens {
             let c = chunk.min(tokens - done);
-            let (_, stages) = self.step(c, done as f64 + c as f64 / 2.0, false, !first && self.placement.pp > 1)?;
+            let (_, stages) = self.step(c, 1, done as f64 + c as f64 / 2.0, false, !first && self.placement.pp > 1)?;
             total += if first { stages.iter().sum() } else { stages.iter().cloned().fold(0.0, f64::max) };
             first = false;
             done += c;
