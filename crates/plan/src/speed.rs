@@ -298,8 +298,8 @@ impl Model<'_> {
                     // busiest member's rows go once to each other member holding one of a
                     // token's experts, and come back as outputs; then the logits of the
                     // other members' tokens to rank 0.
-                    let m = cfg.moe.as_ref().expect("EP on a MoE model");
-                    let holders = (g - 1) as f64 * (1.0 - (1.0 - 1.0 / g as f64).powi(m.top_k as i32));
+                    let top_k = cfg.moe.as_ref().map_or(1, |m| m.top_k);
+                    let holders = (g - 1) as f64 * (1.0 - (1.0 - 1.0 / g as f64).powi(top_k as i32));
                     let busiest = (stage * g..(stage + 1) * g).map(|r| self.own_tokens(r, tokens, sequences)).max().unwrap_or(0) as f64;
                     msgs += moe_layers as f64 * 3.0;
                     bytes += moe_layers as f64 * 2.0 * busiest * holders * h * 4.0;
