@@ -64,9 +64,6 @@ pub const NOISY_SPREAD: f64 = 1.15;
 /// Bandwidth passes right before and right after each round's batch-1 decode (6 passes
 /// over ~100 MiB: ~30 ms a round at 20 GB/s, against ~1 s of decode).
 pub const ADJACENT_PASSES: usize = 3;
-/// f32 lanes summed independently by the read kernel: 8 vectors of 4 (SSE2) or 4 of 8
-/// (AVX2), enough independent adds to keep two loads per cycle in flight.
-const READ_LANES: usize = 32;
 /// Floats per parallel_for chunk of the read kernel (256 KiB: large enough to amortise
 /// the shared counter, small enough to balance 2–64 threads over 64 MiB).
 const READ_CHUNK_FLOATS: usize = 64 << 10;
@@ -653,12 +650,14 @@ pub fn read_bandwidth(pool: &ThreadPool, buf: &[f32], passes: usize) -> Bandwidt
     // Each chunk's sum is folded into this word, so the reads cannot be optimised away.
     let sink = AtomicU32::new(0);
     let chunks = buf.len() / READ_CHUNK_FLOATS;
+    // The flavour the kernels run (`TESSERA_ISA=scalar`: a read with no prefetch, as theirs).
+    let isa = Isa::detect();
     for _ in 0..passes {
         let data = std::hint::black_box(buf);
         let start = Instant::now();
         pool.parallel_for(chunks, 1, &|_, range| {
             let part = &data[range.start * READ_CHUNK_FLOATS..range.end * READ_CHUNK_FLOATS];
-            sink.fetch_xor(sum_f32(part).to_bits(), Ordering::Relaxed);
+            sink.fetch_xor(isa.read_probe_sum(part).to_bits(), Ordering::Relaxed);
         });
         let secs = start.elapsed().as_secs_f64();
         gb_s.push(std::mem::size_of_val(buf) as f64 / secs / 1e9);
@@ -783,20 +782,6 @@ fn probe_floats(mem: &WeightBuffer) -> &[f32] {
     unsafe { mem.align_to::<f32>() }.1
 }
 
-/// Sum with `READ_LANES` independent accumulators: lane-wise adds vectorise without
-/// reassociation, and the independent chains keep loads, not add latency, the limit.
-#[inline(never)]
-fn sum_f32(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; READ_LANES];
-    let mut blocks = x.chunks_exact(READ_LANES);
-    for b in &mut blocks {
-        for (a, v) in acc.iter_mut().zip(b) {
-            *a += *v;
-        }
-    }
-    acc.iter().sum::<f32>() + blocks.remainder().iter().sum::<f32>()
-}
-
 /// Starts sequence slot `seq` afresh with `prompt`, in steps of at most `chunk_max`
 /// tokens; `logits` takes each step's last row.
 fn prefill(stepper: &mut dyn Stepper, seq: usize, prompt: &[u32], chunk_max: usize, logits: &mut [f32]) -> Result<(), EngineError> {
@@ -862,12 +847,6 @@ mod tests {
         assert_ne!(a, TokenRng(8).ids(1000, 49152));
         assert!(a.iter().all(|&i| i < 49152));
         assert!(TokenRng(1).ids(1000, 3).iter().all(|&i| i < 3));
-    }
-
-    #[test]
-    fn sum_matches_naive() {
-        let x: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
-        assert_eq!(sum_f32(&x), x.iter().sum::<f32>());
     }
 
     fn tiny_config() -> BenchConfig {

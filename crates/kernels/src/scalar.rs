@@ -752,17 +752,6 @@ pub fn attend_stats<E: crate::KvElem>(q: &[f32], k: &[E], v: &[E], stride: usize
     (stats[0], stats[1])
 }
 
-/// `s` becomes exp(s − max(s)) (libm's exp); returns (max, Σ).
-pub fn softmax_unnormalised(s: &mut [f32]) -> (f32, f32) {
-    let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let mut sum = 0.0;
-    for x in s.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
-    }
-    (max, sum)
-}
-
 /// `((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))`: how the x86 kernels reduce a
 /// dot product's 8 lanes (two horizontal adds, then the halves).
 pub(crate) fn lane_tree(a: &[f32; 8]) -> f32 {
@@ -793,20 +782,20 @@ pub fn exp_lane(x: f32) -> f32 {
     y * f32::from_bits(((fx as i32 + 127) as u32) << 23)
 }
 
-/// `s` becomes exp(s − max(s)); returns (max, Σ). The x86 kernels' arithmetic: whole
-/// runs of 8 through `exp_lane`, summed in 8 lanes (`lane_sum`), the rest through
-/// libm's exp, added in order.
+/// `s` becomes exp(s − max(s)), 0 under [`crate::ops::SOFTMAX_DROP_BELOW`]; returns
+/// (max, Σ). The x86 kernels' arithmetic: whole runs of 8 through `exp_lane`, summed in
+/// 8 lanes (`lane_sum`), the rest through libm's exp, added in order.
 pub(crate) fn softmax_lanes(s: &mut [f32]) -> (f32, f32) {
     let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     let whole = s.len() / 8 * 8;
     let mut lanes = [0.0f32; 8];
     for (j, x) in s[..whole].iter_mut().enumerate() {
-        *x = exp_lane(*x - max);
+        *x = crate::ops::softmax_weight(*x - max, exp_lane);
         lanes[j % 8] += *x;
     }
     let mut sum = lane_sum(&lanes);
     for x in &mut s[whole..] {
-        *x = (*x - max).exp();
+        *x = crate::ops::softmax_weight(*x - max, f32::exp);
         sum += *x;
     }
     (max, sum)

@@ -688,6 +688,43 @@ fn attend_simd_matches_scalar() {
     }
 }
 
+/// A key scored more than `ops::SOFTMAX_DROP_BELOW` under the maximum weighs exactly 0
+/// (its weight × value would be a subnormal number, which x86 FMAs take ~100 cycles
+/// over), one just above it does not; on every flavour, f32 and f16 caches, and key counts
+/// in and past the 8-lane runs. The key at the maximum has value 0 and every other 1, so
+/// the output is the other keys' weight alone: 0 when all are dropped.
+#[test]
+fn attention_drops_weights_far_below_the_maximum() {
+    let drop = tessera_kernels::ops::SOFTMAX_DROP_BELOW;
+    let d = 8;
+    for len in [2, 9, 40] {
+        for (below, dropped) in [(drop - 6.0, true), (drop + 4.0, false)] {
+            // q = e0 and k_j = (s_j, 0, …): scores s_0 = 0, the rest `below`.
+            let mut q = vec![0.0f32; d];
+            q[0] = 1.0;
+            let (mut k, mut v) = (vec![0.0f32; len * d], vec![1.0f32; len * d]);
+            for j in 1..len {
+                k[j * d] = below;
+            }
+            v[..d].fill(0.0);
+            let (k16, v16): (Vec<f16>, Vec<f16>) = (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+            for isa in [Isa::detect(), Isa::Scalar] {
+                let (mut scores, mut out, mut out16) = (vec![0.0; len], vec![f32::NAN; d], vec![f32::NAN; d]);
+                isa.attend_group(&q, d, &k, &v, d, len, 1.0, &mut scores, &mut out, None);
+                isa.attend_group(&q, d, &k16, &v16, d, len, 1.0, &mut scores, &mut out16, None);
+                let want = (len - 1) as f64 * (below as f64).exp();
+                for o in out.iter().chain(&out16) {
+                    if dropped {
+                        assert_eq!(*o, 0.0, "{} len {len}: keys {below} under the maximum weigh 0", isa.name());
+                    } else {
+                        assert!((*o as f64 - want).abs() <= 1e-5 * want, "{} len {len}: {o} vs {want}", isa.name());
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Several query heads sharing one kv head (GQA) in one pass, over f32 and f16 caches,
 /// and over two key ranges merged by their stats, against the scalar per-head reference: group sizes 1–9 (past the per-pass maximum), head sizes that
 /// are and are not multiples of 8, lengths around the key tiles.
@@ -981,6 +1018,19 @@ fn mac_probe_simd_matches_scalar() {
         assert!(f > 0.0 && close(f, s, 1e-5), "{} f32 probe, {rounds} rounds: {f} vs {s}", isa.name());
     }
     assert_eq!(isa.mac_probe(MacKind::Int8, 0), 0.0);
+}
+
+/// The read probe sums what it reads, every element once (a flavour that skipped a block
+/// or read past the end would differ), on lengths around its 32-lane blocks.
+#[test]
+fn read_probe_sums_every_element() {
+    for n in [0, 1, 31, 32, 33, 1000, 4096 + 17] {
+        let x: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+        let want: f32 = x.iter().sum();
+        for isa in [Isa::detect(), Isa::Scalar] {
+            assert_eq!(isa.read_probe_sum(&x), want, "{} over {n} floats", isa.name());
+        }
+    }
 }
 
 /// The VNNI kernels compute the same integer sums as the AVX2 ones (PMADDUBSW never

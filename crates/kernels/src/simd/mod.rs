@@ -18,8 +18,11 @@
 //!
 //! Weight streams of batched passes are software-prefetched (x86, `prefetch_ahead`):
 //! 4 KiB ahead in passes of 2–4 tokens, 2 KiB in passes of 8, whose activations crowd
-//! L1; one-token passes of the 4- and 8-bit interleaved layouts leave their in-order
-//! stream to the hardware prefetcher (asking as well ran slower).
+//! L1; one-token passes of the 4- and 8-bit interleaved layouts ask for theirs into L2
+//! `decode_prefetch_bytes` ahead where the CPU's own prefetcher falls behind (Intel:
+//! 1.4–1.5× decode on weights no cache holds), and leave it to that prefetcher elsewhere
+//! (Zen 4: asking as well ran slower). `Isa::read_probe_sum`, the bench's read rate,
+//! prefetches as they do.
 //!
 //! GQA attention takes the query heads of one kv group in one pass (each key and value
 //! row read once for the group; f16 rows widened in registers, `KvQ8` blocks widened and
@@ -33,6 +36,14 @@
 use crate::format::{ActivationBlocks, WeightFormat};
 use crate::q8::{BlockQ8, KvQ8, QK};
 use crate::scalar;
+
+/// f32 lanes [`Isa::read_probe_sum`] sums independently: 8 vectors of 4 (SSE2) or 4 of 8
+/// (AVX2), enough independent adds to keep two loads per cycle in flight; 128 bytes, two
+/// cache lines a block.
+const READ_PROBE_LANES: usize = 32;
+/// How far ahead [`Isa::read_probe_sum`] asks for its lines (4–16 KiB alike on the Xeon VM).
+#[cfg(target_arch = "x86_64")]
+const READ_PROBE_PREFETCH_BYTES: usize = 8192;
 
 /// How a cache stores its values (the SIMD loops are compiled once per kind).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -629,6 +640,28 @@ impl Isa {
             Isa::Neon => unsafe { arm::mac_probe(kind, rounds, &input) },
             _ => scalar_mac_probe(kind, rounds, &input),
         }
+    }
+
+    /// The sum of `x` by the bench's read probe: `READ_PROBE_LANES` independent lanes (adds
+    /// that vectorise without reassociation, so loads, not add latency, are the limit),
+    /// and on x86 each block asked for `READ_PROBE_PREFETCH_BYTES` ahead, as the decode
+    /// kernels ask for their weights (`decode_prefetch_bytes`): a read rate the kernels can
+    /// be held against, not the hardware prefetcher's alone (Xeon VM: 12.9 → 15.6 GB/s a
+    /// thread). Every flavour gives the same sum (the probe's arithmetic is plain f32).
+    pub fn read_probe_sum(self, x: &[f32]) -> f32 {
+        let mut acc = [0.0f32; READ_PROBE_LANES];
+        let mut blocks = x.chunks_exact(READ_PROBE_LANES);
+        for b in &mut blocks {
+            #[cfg(target_arch = "x86_64")]
+            if self != Isa::Scalar {
+                // SAFETY: a prefetch is a hint (any address is safe); SSE is baseline x86-64.
+                unsafe { x86::prefetch_row((b.as_ptr() as *const u8).wrapping_add(READ_PROBE_PREFETCH_BYTES), 4 * READ_PROBE_LANES) };
+            }
+            for (a, v) in acc.iter_mut().zip(b) {
+                *a += *v;
+            }
+        }
+        acc.iter().sum::<f32>() + blocks.remainder().iter().sum::<f32>()
     }
 
     /// Quantize activations to q8 blocks ([`ActivationBlocks::Per32`]).

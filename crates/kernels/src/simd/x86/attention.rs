@@ -127,18 +127,20 @@ unsafe fn attend_tail<L: Load8, const G: usize, const W: usize>(sp: *mut f32, d:
         let mut lanes = [0.0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
         let max = s[j..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let vmax = _mm256_set1_ps(max);
+        let (vmax, drop_below) = (_mm256_set1_ps(max), _mm256_set1_ps(crate::ops::SOFTMAX_DROP_BELOW));
         let mut vsum = _mm256_setzero_ps();
         let mut j = 0;
         while j + 8 <= len {
-            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(j)), vmax));
+            let x = _mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(j)), vmax);
+            // Weights far below the maximum are 0 (`ops::softmax_weight`; a NaN compares false).
+            let e = _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(x, drop_below), exp8(x));
             _mm256_storeu_ps(s.as_mut_ptr().add(j), e);
             vsum = _mm256_add_ps(vsum, e);
             j += 8;
         }
         let mut sum = hsum(vsum);
         for x in &mut s[j..] {
-            *x = (*x - max).exp();
+            *x = crate::ops::softmax_weight(*x - max, f32::exp);
             sum += *x;
         }
         *inv_h = 1.0 / sum;

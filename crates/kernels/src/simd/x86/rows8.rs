@@ -103,13 +103,13 @@ macro_rules! rows8_kernels {
                 let bb = if MIN { 160 } else { 144 } + if FIVE { 32 } else { 0 };
                 assert!(group.len() >= x.len() * bb);
                 let mut acc = _mm256_setzero_ps();
+                // Into L2 where the CPU's own prefetcher falls behind (`decode_prefetch_bytes`).
+                let ahead = decode_prefetch_bytes();
                 for (b, xb) in x.iter().enumerate() {
-                    // No software prefetch in one-token passes: their loads come in
-                    // order fast enough for the hardware prefetcher alone, and asking
-                    // 4 KiB ahead as well ran slower (Zen 4, both cores: SmolLM2
-                    // batch-1 decode 0.94–0.99×, bench MoE 0.95×; the 4-token passes,
-                    // with 4× the work per byte, keep theirs: MoE batch 32 1.01–1.03×).
                     let p = group.as_ptr().add(b * bb);
+                    if ahead != 0 {
+                        prefetch_row_l2(p.wrapping_add(ahead), bb);
+                    }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                     let qp = p.add(if MIN { 32 } else { 16 });
                     let [sum] = $sums::<FIVE, 1>(qp, [xb.qs.as_ptr() as *const i32]);
@@ -133,9 +133,12 @@ macro_rules! rows8_kernels {
                 let (bb, q0) = if MIN { (288, 32) } else { (272, 16) };
                 assert!(group.len() >= x.len() * bb);
                 let mut acc = _mm256_setzero_ps();
+                let ahead = decode_prefetch_bytes();
                 for (b, xb) in x.iter().enumerate() {
-                    // No software prefetch, as in `u4`.
                     let p = group.as_ptr().add(b * bb);
+                    if ahead != 0 {
+                        prefetch_row_l2(p.wrapping_add(ahead), bb);
+                    }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                     let y = xb.qs.as_ptr() as *const i32;
                     let mut sum: $acc = $zero;
