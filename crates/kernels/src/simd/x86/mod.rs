@@ -393,10 +393,10 @@ const PREFETCH_BYTES_MANY: usize = 2048;
 
 /// How far ahead one-token passes of the 4- and 8-bit interleaved layouts ask for their
 /// weights, into L2 (bytes; 0: the hardware prefetcher alone follows their in-order
-/// stream). Intel: 4 KiB. On the Xeon VM (dense-3b Q4_0, weights no cache holds) one
-/// thread streamed 9.8 GB/s without, 14.4 with (T0 hints into L1: 13.3; 2–16 KiB ahead
-/// alike from 4 KiB; two threads 19 → 26–28), against 15.6 for a plain read that prefetches
-/// too. Other vendors: none (Zen 4, T0 4 KiB ahead: SmolLM2 0.94–0.99×, bench MoE 0.95×;
+/// stream). Intel: 8 KiB. On the Xeon VM (dense-3b Q4_0, weights no cache holds) one
+/// thread streamed 9.8 GB/s without, 14.4 with (T0 hints into L1: 13.3; 2 KiB: 12.5;
+/// 4–16 KiB alike, 8 KiB 1.01× 4 KiB's, 6 of 8 pairs on the 3B and moe-3g; two threads
+/// 19 → 26–28), against 15.6 for a plain read that prefetches too. Other vendors: none (Zen 4, T0 4 KiB ahead: SmolLM2 0.94–0.99×, bench MoE 0.95×;
 /// L2 hints not measured there). `TESSERA_DECODE_PREFETCH=BYTES` sets it (0: off).
 pub fn decode_prefetch_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -419,7 +419,7 @@ fn decode_prefetch_default() -> usize {
     let r = unsafe { __cpuid(0) };
     let vendor: Vec<u8> = [r.ebx, r.edx, r.ecx].iter().flat_map(|w| w.to_le_bytes()).collect();
     if vendor == b"GenuineIntel" {
-        4096
+        8192
     } else {
         0
     }
