@@ -449,7 +449,8 @@ unsafe fn prefetch_ahead_t<const T: usize>(p: *const u8, lines: usize) {
 
 
 /// e^x for 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, degree-5
-/// polynomial; ~1 ulp on [-87, 88]; below that, 0).
+/// polynomial; ~1 ulp on [-87, 88]; clamped there, so never 0: attention's softmax drops
+/// its smallest weights itself, `ops::SOFTMAX_DROP_BELOW`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn exp8(x: __m256) -> __m256 {
