@@ -11,14 +11,21 @@ unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
     _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1))
 }
 
-/// Prefetch the cache lines of `bytes` from `p` (a hint: any address is safe).
-/// Plain SSE: inlined into every kernel, whatever its features.
+/// Prefetch the cache lines of `bytes` from `p` into L1 (a hint: any address is safe).
 #[inline(always)]
 pub unsafe fn prefetch_row(p: *const u8, bytes: usize) {
+    prefetch_lines::<_MM_HINT_T0>(p, bytes)
+}
+
+/// Asks for the cache lines of `bytes` from `p` with `HINT` (`_MM_HINT_T0`: into L1,
+/// `_MM_HINT_T1`: into L2; a hint: any address is safe). Plain SSE: inlined into every
+/// kernel, whatever its features.
+#[inline(always)]
+pub unsafe fn prefetch_lines<const HINT: i32>(p: *const u8, bytes: usize) {
     // A plain loop: `step_by`'s iterator cost more than the prefetches (2–4 lines).
     let mut line = 0;
     while line < bytes {
-        _mm_prefetch(p.wrapping_add(line) as *const i8, _MM_HINT_T0);
+        _mm_prefetch::<HINT>(p.wrapping_add(line) as *const i8);
         line += 64;
     }
 }

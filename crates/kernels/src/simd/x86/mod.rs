@@ -417,21 +417,11 @@ fn decode_prefetch_default() -> usize {
     // SAFETY: cpuid leaf 0 (the vendor string) exists on every x86-64 CPU.
     #[allow(unused_unsafe)]
     let r = unsafe { __cpuid(0) };
-    let vendor: Vec<u8> = [r.ebx, r.edx, r.ecx].iter().flat_map(|w| w.to_le_bytes()).collect();
-    if vendor == b"GenuineIntel" {
+    let intel = [r.ebx, r.edx, r.ecx] == [u32::from_le_bytes(*b"Genu"), u32::from_le_bytes(*b"ineI"), u32::from_le_bytes(*b"ntel")];
+    if intel {
         8192
     } else {
         0
-    }
-}
-
-/// Asks for the cache lines of `bytes` from `p` into L2 (a hint: any address is safe).
-#[inline(always)]
-unsafe fn prefetch_row_l2(p: *const u8, bytes: usize) {
-    let mut line = 0;
-    while line < bytes {
-        _mm_prefetch(p.wrapping_add(line) as *const i8, _MM_HINT_T1);
-        line += 64;
     }
 }
 

@@ -108,7 +108,7 @@ macro_rules! rows8_kernels {
                 for (b, xb) in x.iter().enumerate() {
                     let p = group.as_ptr().add(b * bb);
                     if ahead != 0 {
-                        prefetch_row_l2(p.wrapping_add(ahead), bb);
+                        prefetch_lines::<_MM_HINT_T1>(p.wrapping_add(ahead), bb);
                     }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                     let qp = p.add(if MIN { 32 } else { 16 });
@@ -137,7 +137,7 @@ macro_rules! rows8_kernels {
                 for (b, xb) in x.iter().enumerate() {
                     let p = group.as_ptr().add(b * bb);
                     if ahead != 0 {
-                        prefetch_row_l2(p.wrapping_add(ahead), bb);
+                        prefetch_lines::<_MM_HINT_T1>(p.wrapping_add(ahead), bb);
                     }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                     let y = xb.qs.as_ptr() as *const i32;
