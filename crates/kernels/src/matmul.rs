@@ -474,22 +474,12 @@ fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], x_stride: usize, 
 fn run_unit_one(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8], y: Out) {
     let f = w.format;
     let (x, xq) = (if x.is_empty() { x } else { &x[..w.cols] }, if xq.is_empty() { xq } else { &xq[..w.cols / QK] });
-    let put = |r0: usize, v: &[f32]| {
-        // SAFETY: a unit's rows belong to the thread running it alone; `y` holds
-        // `rows` outputs of this token.
-        let out = unsafe { std::slice::from_raw_parts_mut(y.y.ptr().add(r0), v.len()) };
-        if y.add {
-            out.iter_mut().zip(v).for_each(|(o, v)| *o += v);
-        } else {
-            out.copy_from_slice(v);
-        }
-    };
     match f.rows_per_group() {
-        8 => put(8 * u, &isa.dot_q8_rows8(f, w.group8(u), xq)),
-        4 => put(4 * u, &isa.dot_f32_rows4(f, &w.data[4 * u * w.row_stride..4 * (u + 1) * w.row_stride], x)),
-        _ if f.int8_activations() => put(u, &[isa.dot_q8(f, w.row(u), xq)]),
-        _ if stored_float_rows4(w) => put(4 * u, &isa.dot_f32_rows4_stored(f, std::array::from_fn(|k| w.row(4 * u + k)), x)),
-        _ => put(u, &[isa.dot_f32(f, w.row(u), x)]),
+        8 => put_rows(&y, 8 * u, isa.dot_q8_rows8(f, w.group8(u), xq)),
+        4 => put_rows(&y, 4 * u, isa.dot_f32_rows4(f, &w.data[4 * u * w.row_stride..4 * (u + 1) * w.row_stride], x)),
+        _ if f.int8_activations() => put_rows(&y, u, [isa.dot_q8(f, w.row(u), xq)]),
+        _ if stored_float_rows4(w) => put_rows(&y, 4 * u, isa.dot_f32_rows4_stored(f, std::array::from_fn(|k| w.row(4 * u + k)), x)),
+        _ => put_rows(&y, u, [isa.dot_f32(f, w.row(u), x)]),
     }
 }
 
@@ -579,32 +569,35 @@ fn each_token<const P: usize, const R: usize>(
     many: impl Fn(usize) -> [[f32; R]; P],
     one: impl Fn(usize) -> [f32; R],
 ) {
-    let put = |t: usize, v: [f32; R]| {
-        // SAFETY: a unit's rows belong to the thread running it alone.
-        let p = unsafe { y.y.ptr().add(t * rows + r0) };
-        // SAFETY: as above, 16 floats from `p`.
-        if R == 16 && y.stream && unsafe { y.isa.store16_streaming(p, &std::array::from_fn(|k| v[k])) } {
-            return;
-        }
-        for (k, vk) in v.into_iter().enumerate() {
-            // SAFETY: as above.
-            unsafe {
-                if y.add {
-                    *p.add(k) += vk;
-                } else {
-                    *p.add(k) = vk;
-                }
-            }
-        }
-    };
     let mut t = tokens.start;
     while t + P <= tokens.end {
         for (dt, v) in many(t).into_iter().enumerate() {
-            put(t + dt, v);
+            put_rows(&y, (t + dt) * rows + r0, v);
         }
         t += P;
     }
     for t in t..tokens.end {
-        put(t, one(t));
+        put_rows(&y, t * rows + r0, one(t));
+    }
+}
+
+/// `v` to `y`'s outputs `at .. at + R`: stored (streamed past the caches where `y`
+/// asks and a unit fills an aligned line) or added (a panel after the first). One
+/// branch a row, not one per output: inside the copy it kept the copy from being one
+/// (SmolLM2 pp256 0.89× until it was hoisted).
+#[inline(always)]
+fn put_rows<const R: usize>(y: &Out, at: usize, v: [f32; R]) {
+    // SAFETY: a unit's rows belong to the thread running it alone; `y` holds them.
+    let p = unsafe { y.y.ptr().add(at) };
+    // SAFETY: as above, 16 floats from `p`.
+    if R == 16 && y.stream && unsafe { y.isa.store16_streaming(p, &std::array::from_fn(|k| v[k])) } {
+        return;
+    }
+    // SAFETY: as above, R floats from `p`.
+    let out = unsafe { std::slice::from_raw_parts_mut(p, R) };
+    if y.add {
+        out.iter_mut().zip(v).for_each(|(o, v)| *o += v);
+    } else {
+        out.copy_from_slice(&v);
     }
 }
