@@ -25,7 +25,7 @@ def main():
     ap.add_argument("--a", required=True, help="the first build's tessera binary")
     ap.add_argument("--b", required=True, help="the second build's tessera binary")
     ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--placement", default="--tp 2", help="bench flags of a 2-rank placement")
+    ap.add_argument("--placement", default="--tp 2", help="bench flags of a 2-rank placement (\"\": one process, 2 threads)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--link-gbit", type=float)
     ap.add_argument("bench_args", nargs="*", help="after --: tessera bench flags (--pp, --tg, --batch 1, --repeat)")
@@ -50,6 +50,12 @@ def main():
         print(f"{name} ({binary}, {link}): prompt {', '.join(f'{v:.0f}' for v in pp)} (median {statistics.median(pp):.0f}); decode {', '.join(f'{v:.0f}' for v in tg)} (median {statistics.median(tg):.0f})")
     (pa, ta), (pb, tb) = ([statistics.mean(v) for v in zip(*runs[n])] for n in builds)
     print(f"b / a, means: prompt {pb / pa:.2f}, decode {tb / ta:.2f}")
+    # On a noisy host the ratio within a round (the two builds run back to back) varies
+    # less than either build across rounds.
+    ratios = [(b[0] / a[0], b[1] / a[1]) for a, b in zip(runs["a"], runs["b"])]
+    rp, rt = zip(*ratios)
+    print(f"b / a per round: prompt {', '.join(f'{v:.2f}' for v in rp)} (median {statistics.median(rp):.2f}); "
+          f"decode {', '.join(f'{v:.2f}' for v in rt)} (median {statistics.median(rt):.2f})")
 
 
 if __name__ == "__main__":
