@@ -96,6 +96,6 @@ fn main() {
     put("cluster", "m3-ultra-tb5", &read("docs/clusters/m3-ultra-tb5.json"));
     put("cluster", "two-nodes", serde_json::json!({"nodes": [{"name": "a", "memory_free_bytes": 1u64 << 34, "read_gb_s": 30.0, "int8_gmac_s": 200.0, "f32_gmac_s": 50.0, "cores": 2}, {"name": "b", "memory_free_bytes": 1u64 << 34, "read_gb_s": 30.0, "int8_gmac_s": 200.0, "f32_gmac_s": 50.0, "cores": 2}], "links": [{"from": 0, "to": 1, "latency_us": 50.0, "gb_s": 5.0}]}).to_string().as_bytes());
     let h = |c: char| c.to_string().repeat(64);
-    put("share_manifest", "two-files", serde_json::json!({"format": "tessera-share", "version": 1, "chunk_bytes": 1u64 << 25, "files": [{"name": "model.gguf", "bytes": (1u64 << 26) + 7, "sha256": [h('a'), h('b'), h('c')]}, {"name": "empty", "bytes": 0, "sha256": []}]}).to_string().as_bytes());
+    put("share_manifest", "two-files", serde_json::json!({"format": "tessera-share", "version": 2, "chunk_bytes": 1u64 << 25, "files": [{"name": "model.gguf", "bytes": (1u64 << 26) + 7, "blake3": [h('a'), h('b'), h('c')]}, {"name": "empty", "bytes": 0, "blake3": []}]}).to_string().as_bytes());
     eprintln!("wrote the seeds under {}", repo().join("fuzz/corpus").display());
 }

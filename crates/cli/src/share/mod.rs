@@ -2,7 +2,7 @@
 //! reads (a loadable shard, as `tessera shard` writes) or with `--full` the whole model,
 //! sent over the authenticated mesh from the first rank that holds the source.
 //!
-//! The source describes each rank's files in a manifest (sizes, a sha256 per chunk). A
+//! The source describes each rank's files in a manifest (sizes, a BLAKE3 hash per chunk). A
 //! rank compares it with what it holds already (a finished `--out`, or the chunks of an
 //! interrupted share kept in `OUT.partial`), checks its free disk space, and asks for the
 //! rest; each chunk is checked against its hash as it arrives and asked for again when
@@ -151,7 +151,7 @@ fn verify(g: &Group, me: usize, out: &Path) -> Result<()> {
             None => Ok(format!("{} in {} file(s), every chunk matches", human(m.total_bytes()), m.files.len())),
             Some(k) => {
                 let (f, c) = m.chunks()[k];
-                bail!("chunk {c} of {} does not match its sha256 ({} of {} chunks bad): run the share again", m.files[f].name, good.iter().filter(|&&h| !h).count(), good.len())
+                bail!("chunk {c} of {} does not match its hash ({} of {} chunks bad): run the share again", m.files[f].name, good.iter().filter(|&&h| !h).count(), good.len())
             }
         }
     })();

@@ -80,7 +80,7 @@ impl<'g> Outbox<'g> {
             return Ok(());
         }
         if tries + 1 > CHUNK_RESENDS_MAX {
-            bail!("rank {}: chunk {c} of {} failed its sha256 {} times: the link or the disk corrupts data", self.peer, m.files[f].name, CHUNK_RESENDS_MAX + 1);
+            bail!("rank {}: chunk {c} of {} failed its hash {} times: the link or the disk corrupts data", self.peer, m.files[f].name, CHUNK_RESENDS_MAX + 1);
         }
         self.resent += 1;
         self.transmit(f, c, &mut data, false)?;

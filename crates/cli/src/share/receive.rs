@@ -3,7 +3,7 @@
 //! the socket is read), or as a link of the source's chain (`relay`), passing each chunk
 //! on to the next rank as it goes.
 
-use super::manifest::{holdings, finish, open_outputs, sha256, write_chunk, Manifest};
+use super::manifest::{holdings, finish, open_outputs, chunk_hash, write_chunk, Manifest};
 use super::outbox::{Faults, Outbox};
 use super::{human, read_u64s, recv_blob, send_blob, verdict, MANIFEST_BYTES_MAX, WINDOW};
 use anyhow::{bail, Context, Result};
@@ -39,7 +39,7 @@ pub(super) fn receive(g: &Group, source: usize, me: usize, out: &Path) -> Result
         let partial = partial.clone();
         std::thread::spawn(move || -> Result<Vec<std::fs::File>> {
             for (f, c, n, buf) in work {
-                let ok = sha256(&buf[..n]) == m.files[f].sha256[c];
+                let ok = chunk_hash(&buf[..n]) == m.files[f].blake3[c];
                 let wrote = if ok { write_chunk(&m, &mut handles, &partial, f, c, &buf[..n]) } else { Ok(()) };
                 let _ = to_main.send(wrote.map(|()| (ok, f, c, n, buf)));
             }
@@ -56,7 +56,7 @@ pub(super) fn receive(g: &Group, source: usize, me: usize, out: &Path) -> Result
             *got += n as u64;
         } else {
             *expected += 1;
-            eprintln!("rank {me}: chunk {c} of {} failed its sha256: asking for it again", m.files[f].name);
+            eprintln!("rank {me}: chunk {c} of {} failed its hash: asking for it again", m.files[f].name);
         }
         spare.push(buf);
         g.send(&[u8::from(ok)], source, "share: chunk ack")?;
@@ -76,7 +76,7 @@ pub(super) fn receive(g: &Group, source: usize, me: usize, out: &Path) -> Result
             break;
         }
         let (f, c, n) = (f as usize, c as usize, n as usize);
-        if f >= m.files.len() || c >= m.files[f].sha256.len() || n as u64 != m.chunk_len(f, c) {
+        if f >= m.files.len() || c >= m.files[f].blake3.len() || n as u64 != m.chunk_len(f, c) {
             bail!("the source sent chunk {c} of file {f} of {n} bytes, which its manifest does not have");
         }
         let mut buf = spare.pop().expect("a spare buffer");
@@ -129,7 +129,7 @@ pub(super) fn relay(g: &Group, source: usize, prev: usize, next: Option<usize>, 
         send_blob(g, n, &union, "share: chunks wanted")?;
     }
     // Chunk (f, c) is number `first[f] + c` of the share.
-    let first: Vec<usize> = m.files.iter().scan(0, |at, f| Some(std::mem::replace(at, *at + f.sha256.len()))).collect();
+    let first: Vec<usize> = m.files.iter().scan(0, |at, f| Some(std::mem::replace(at, *at + f.blake3.len()))).collect();
     let mut handles = match &prepared {
         Ok((partial, _)) => Some(open_outputs(&m, partial)?),
         Err(_) => None,
@@ -144,16 +144,16 @@ pub(super) fn relay(g: &Group, source: usize, prev: usize, next: Option<usize>, 
             break;
         }
         let (f, c, n) = (f as usize, c as usize, n as usize);
-        if f >= m.files.len() || c >= m.files[f].sha256.len() || n as u64 != m.chunk_len(f, c) {
+        if f >= m.files.len() || c >= m.files[f].blake3.len() || n as u64 != m.chunk_len(f, c) {
             bail!("rank {prev} sent chunk {c} of file {f} of {n} bytes, which the manifest does not have");
         }
         let k = first[f] + c;
         let mut data = vec![0u8; n];
         g.recv(&mut data, prev, "share: chunk")?;
-        let ok = sha256(&data) == m.files[f].sha256[c];
+        let ok = chunk_hash(&data) == m.files[f].blake3[c];
         g.send(&[u8::from(ok)], prev, "share: chunk ack")?;
         if !ok {
-            eprintln!("rank {me}: chunk {c} of {} from rank {prev} failed its sha256: asking for it again", m.files[f].name);
+            eprintln!("rank {me}: chunk {c} of {} from rank {prev} failed its hash: asking for it again", m.files[f].name);
             continue;
         }
         if let (Some(h), Ok((partial, _))) = (handles.as_mut(), &prepared) {
