@@ -10,7 +10,7 @@ medians.
 
     sudo python3 tools/bench/share_link.py --model models/bench-moe.Q4_0.gguf --link-gbit 1 2 [--rounds 3]
 """
-import argparse, json, os, re, secrets, shutil, statistics, subprocess, sys, tempfile
+import argparse, json, os, re, secrets, shutil, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,16 +47,20 @@ def doctor_gb_s(tessera, link):
 
 
 def share_mb_s(tessera, model, link):
+    """Share's own MB/s for the transfer, and the whole command's seconds (manifest and
+    the source's own copy included)."""
     out_dir = Path(tempfile.mkdtemp(prefix="tessera-share-", dir="/dev/shm"))
     try:
+        start = time.monotonic()
         _, err = run_pair(tessera, ["share", "--model", str(model), "--out", f"{out_dir}/r{{rank}}", "--full"], link)
+        wall_s = time.monotonic() - start
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     m = SHARE_RE.search(err)
     if not m:
         raise SystemExit(f"no 'rank 1: sent' line in share's output:\n{err[-2000:]}")
     # Share's own MB/s (its seconds are printed to a tenth).
-    return float(m.group(3))
+    return float(m.group(3)), wall_s
 
 
 def main():
@@ -67,8 +71,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     links = [None] + a.link_gbit
-    print("| link | round | doctor GB/s | share MB/s | share ÷ doctor |")
-    print("|---|---|---|---|---|")
+    print("| link | round | doctor GB/s | share MB/s | share ÷ doctor | whole command s |")
+    print("|---|---|---|---|---|---|")
     summary = []
     for g in links:
         if g is not None:
@@ -77,10 +81,10 @@ def main():
             ratios = []
             for r in range(a.rounds):
                 link_gb_s = doctor_gb_s(a.tessera, g)
-                mb_s = share_mb_s(a.tessera, a.model, g)
+                mb_s, wall_s = share_mb_s(a.tessera, a.model, g)
                 ratios.append(mb_s / 1e3 / link_gb_s)
                 name = "loopback" if g is None else f"{g:g} Gbit/s veth"
-                print(f"| {name} | {r + 1} | {link_gb_s:.3f} | {mb_s:.0f} | {ratios[-1]:.2f} |", flush=True)
+                print(f"| {name} | {r + 1} | {link_gb_s:.3f} | {mb_s:.0f} | {ratios[-1]:.2f} | {wall_s:.2f} |", flush=True)
             summary.append((name, statistics.median(ratios), min(ratios), max(ratios)))
         finally:
             if g is not None:

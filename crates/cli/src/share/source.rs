@@ -68,58 +68,66 @@ fn finished(g: &Group, r: usize) -> Result<std::result::Result<(), String>> {
 
 pub(super) fn send_all(g: &Group, a: &ShareArgs, me: usize, world: usize, out: &Path) -> Result<()> {
     let chunk = (a.chunk_mib << 20) as u64;
+    if !a.full {
+        return send_slices(g, a, me, world, out, chunk);
+    }
+    // The whole model: one manifest for every rank, and the source's own copy written
+    // while the others are sent (not before: the link would wait for a local disk copy).
+    let files = files_of(&a.model)?;
+    let m = manifest_of(&files, chunk)?;
+    std::thread::scope(|scope| {
+        let local = scope.spawn(|| place_local(&m, &files, out));
+        let sent = if world > 2 { send_chain(g, me, world, &m, &files) } else { send_whole(g, me, world, &m, &files) };
+        let have = local.join().map_err(|_| anyhow::anyhow!("rank {me}: writing its own copy panicked"))??;
+        eprintln!("rank {me}: {} in {} file(s) written locally ({have} chunk(s) were already there)", human(m.total_bytes()), m.files.len());
+        sent
+    })
+}
+
+/// `--full` on two ranks: the model's files to the other rank directly.
+fn send_whole(g: &Group, me: usize, world: usize, m: &Manifest, files: &[PathBuf]) -> Result<()> {
+    let mut faults = Some(Faults::from_env());
+    for r in (0..world).filter(|&r| r != me) {
+        send_to(g, r, m, files, faults.take().unwrap_or_default())?;
+    }
+    Ok(())
+}
+
+/// The manifest to rank `r`, then the chunks it asks for; `report`s the rate.
+fn send_to(g: &Group, r: usize, m: &Manifest, files: &[PathBuf], faults: Faults) -> Result<()> {
+    send_blob(g, r, &serde_json::to_vec(m)?, "share: manifest")?;
+    let need = answer(g, r, m)?.map_err(anyhow::Error::msg)?;
+    let start = Instant::now();
+    let mut outbox = Outbox::new(g, r, faults);
+    send_chunks(m, files, &need, &mut outbox)?;
+    finished(g, r)?.map_err(anyhow::Error::msg)?;
+    report(r, m, need.as_slice(), &outbox, start);
+    Ok(())
+}
+
+/// Each rank's slice of the placement, staged on the source's disk one rank at a time.
+fn send_slices(g: &Group, a: &ShareArgs, me: usize, world: usize, out: &Path, chunk: u64) -> Result<()> {
     let mut staging = out.as_os_str().to_owned();
     staging.push(".staging");
     let staging = PathBuf::from(staging);
-    if a.full {
-        let files = files_of(&a.model)?;
-        let m = manifest_of(&files, chunk)?;
-        let have = place_local(&m, &files, out)?;
-        eprintln!("rank {me}: {} in {} file(s) written locally ({have} chunk(s) were already there)", human(m.total_bytes()), m.files.len());
-        if world > 2 {
-            return send_chain(g, me, world, &m, &files);
-        }
-    }
-    let placement = if a.full {
-        None
-    } else {
-        let ckpt = Checkpoint::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
-        let cfg = ModelConfig::from_checkpoint(&ckpt)?;
-        let p = &a.placement;
-        Some(p.placement(world, &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?)
-    };
+    let ckpt = Checkpoint::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
+    let cfg = ModelConfig::from_checkpoint(&ckpt)?;
+    let placement = a.placement.placement(world, &cfg).map_err(|e| anyhow::anyhow!("placement refused: {e}"))?;
     let mut faults = Some(Faults::from_env());
     for r in 0..world {
-        if r == me && a.full {
-            continue;
-        }
         let dir = staging.join(format!("rank{r}"));
-        let files = match &placement {
-            None => files_of(&a.model)?,
-            Some(p) => {
-                let _ = std::fs::remove_dir_all(&dir);
-                crate::shard::write(&a.model, p, r, &dir)?;
-                files_of(&dir)?
-            }
-        };
+        let _ = std::fs::remove_dir_all(&dir);
+        crate::shard::write(&a.model, &placement, r, &dir)?;
+        let files = files_of(&dir)?;
         let m = manifest_of(&files, chunk)?;
         if r == me {
             // The source's own slice: from its staged files, through the same checks.
             let have = place_local(&m, &files, out)?;
             eprintln!("rank {me}: {} in {} file(s) written locally ({have} chunk(s) were already there)", human(m.total_bytes()), m.files.len());
-            let _ = std::fs::remove_dir_all(&dir);
-            continue;
+        } else {
+            send_to(g, r, &m, &files, faults.take().unwrap_or_default())?;
         }
-        send_blob(g, r, &serde_json::to_vec(&m)?, "share: manifest")?;
-        let need = answer(g, r, &m)?.map_err(anyhow::Error::msg)?;
-        let start = Instant::now();
-        let mut outbox = Outbox::new(g, r, faults.take().unwrap_or_default());
-        send_chunks(&m, &files, &need, &mut outbox)?;
-        finished(g, r)?.map_err(anyhow::Error::msg)?;
-        report(r, &m, &need, &outbox, start);
-        if placement.is_some() {
-            let _ = std::fs::remove_dir_all(&dir);
-        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
     let _ = std::fs::remove_dir(&staging);
     Ok(())
