@@ -320,7 +320,14 @@ impl Model<'_> {
                     s.terms.push(Term {
                         term: "collectives in the stage",
                         seconds: msgs * lat + bytes / bw,
-                        source: format!("stage {stage}: {msgs:.0} messages × {:.1} µs + {} at {:.2} GB/s (the group's slowest link)", lat * 1e6, Self::gb(bytes), bw / 1e9),
+                        source: format!(
+                            "stage {stage}: {msgs:.0} messages × {:.1} µs + {} at {:.2} GB/s (the group's slowest link){}",
+                            lat * 1e6,
+                            Self::gb(bytes),
+                            bw / 1e9,
+                            // Exactness's price, where a user weighs TP against PP.
+                            if p.tp > 1 { "; TP's four a layer keep one node's bits, partial sums would take two" } else { "" }
+                        ),
                     });
                 }
             }
