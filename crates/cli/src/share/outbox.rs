@@ -33,12 +33,15 @@ pub(super) struct Outbox<'g> {
     in_flight: VecDeque<(usize, usize, usize, Vec<u8>)>,
     pub(super) bytes: u64,
     pub(super) resent: usize,
+    /// Buffers of acknowledged chunks, for the reader to fill again (a fresh 32 MiB
+    /// buffer costs a page fault and a cleared page per 4 KiB).
+    pub(super) spare: Vec<Vec<u8>>,
     faults: Faults,
 }
 
 impl<'g> Outbox<'g> {
     pub(super) fn new(g: &'g Group, peer: usize, faults: Faults) -> Outbox<'g> {
-        Outbox { g, peer, in_flight: VecDeque::new(), bytes: 0, resent: 0, faults }
+        Outbox { g, peer, in_flight: VecDeque::new(), bytes: 0, resent: 0, spare: Vec::new(), faults }
     }
 
     fn transmit(&mut self, f: usize, c: usize, data: &mut [u8], first: bool) -> Result<()> {
@@ -77,6 +80,7 @@ impl<'g> Outbox<'g> {
         let (f, c, tries, mut data) = self.in_flight.pop_front().expect("a chunk in flight");
         if ack[0] == 1 {
             self.bytes += data.len() as u64;
+            self.spare.push(data);
             return Ok(());
         }
         if tries + 1 > CHUNK_RESENDS_MAX {

@@ -4,7 +4,7 @@
 
 use super::manifest::{files_of, manifest_of, place_local, Manifest};
 use super::outbox::{Faults, Outbox};
-use super::{human, recv_blob, send_blob, ShareArgs};
+use super::{human, recv_blob, send_blob, ShareArgs, WINDOW};
 use anyhow::{bail, Context, Result};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -38,9 +38,12 @@ fn send_chunks(m: &Manifest, files: &[PathBuf], need: &[u8], out: &mut Outbox) -
     let wanted: Vec<(usize, usize)> = m.chunks().into_iter().zip(need).filter(|(_, &n)| n == 1).map(|(fc, _)| fc).collect();
     std::thread::scope(|scope| {
         let (to_sender, read) = std::sync::mpsc::sync_channel::<Result<(usize, usize, Vec<u8>)>>(READ_AHEAD);
+        // Acknowledged chunks' buffers come back to be filled again.
+        let (recycle, recycled) = std::sync::mpsc::sync_channel::<Vec<u8>>(WINDOW + READ_AHEAD + 1);
         scope.spawn(move || {
             for (f, c) in wanted {
-                let mut data = vec![0u8; m.chunk_len(f, c) as usize];
+                let mut data = recycled.try_recv().unwrap_or_default();
+                data.resize(m.chunk_len(f, c) as usize, 0);
                 let h = &mut handles[f];
                 let r = h.seek(SeekFrom::Start(c as u64 * m.chunk_bytes)).and_then(|_| h.read_exact(&mut data)).with_context(|| format!("reading {}", files[f].display()));
                 let failed = r.is_err();
@@ -53,6 +56,9 @@ fn send_chunks(m: &Manifest, files: &[PathBuf], need: &[u8], out: &mut Outbox) -
         for chunk in read {
             let (f, c, data) = chunk?;
             out.put(m, f, c, data)?;
+            for buf in out.spare.drain(..) {
+                let _ = recycle.try_send(buf);
+            }
         }
         out.close(m)
     })
