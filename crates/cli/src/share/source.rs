@@ -85,9 +85,13 @@ pub(super) fn send_all(g: &Group, a: &ShareArgs, me: usize, world: usize, out: &
         let local = scope.spawn(|| place_local(&m, &files, out));
         let sent = if world > 2 { send_chain(g, me, world, &m, &files) } else { send_whole(g, me, world, &m, &files) };
         let have = local.join().map_err(|_| anyhow::anyhow!("rank {me}: writing its own copy panicked"))??;
-        eprintln!("rank {me}: {} in {} file(s) written locally ({have} chunk(s) were already there)", human(m.total_bytes()), m.files.len());
+        placed(me, &m, have);
         sent
     })
+}
+
+fn placed(me: usize, m: &Manifest, have: usize) {
+    eprintln!("rank {me}: {} in {} file(s) written locally ({have} chunk(s) were already there)", human(m.total_bytes()), m.files.len());
 }
 
 /// `--full` on two ranks: the model's files to the other rank directly.
@@ -128,8 +132,7 @@ fn send_slices(g: &Group, a: &ShareArgs, me: usize, world: usize, out: &Path, ch
         let m = manifest_of(&files, chunk)?;
         if r == me {
             // The source's own slice: from its staged files, through the same checks.
-            let have = place_local(&m, &files, out)?;
-            eprintln!("rank {me}: {} in {} file(s) written locally ({have} chunk(s) were already there)", human(m.total_bytes()), m.files.len());
+            placed(me, &m, place_local(&m, &files, out)?);
         } else {
             send_to(g, r, &m, &files, faults.take().unwrap_or_default())?;
         }
