@@ -505,14 +505,21 @@ fn run_unit_many(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], x_stride: us
             let few = isa.has_rows16_few(f);
             let t8 = if few { n_tokens / 8 * 8 } else { 0 };
             each_token::<8, 16>(0..t8, rows, r0, y, |t| rows16_pass::<8>(isa, f, pair, &xq_of, t), one);
-            let t4 = t8 + (n_tokens - t8) / 4 * 4;
-            each_token::<4, 16>(t8..t4, rows, r0, y, |t| isa.dot_q8_rows16_x4(f, pair, q4(t)), one);
-            let tail = t4..n_tokens;
-            match tail.len() {
-                1 if few => each_token::<1, 16>(tail, rows, r0, y, |t| rows16_pass::<1>(isa, f, pair, &xq_of, t), one),
-                2 if few => each_token::<2, 16>(tail, rows, r0, y, |t| rows16_pass::<2>(isa, f, pair, &xq_of, t), one),
-                3 if few => each_token::<3, 16>(tail, rows, r0, y, |t| rows16_pass::<3>(isa, f, pair, &xq_of, t), one),
-                _ => each_token::<1, 16>(tail, rows, r0, y, |t| [one(t)], one),
+            // What eight-token passes leave: one pass of them all where the layout has
+            // a kernel for that many, else fours and the rest.
+            let rest = t8..n_tokens;
+            match rest.len() {
+                1 if few => each_token::<1, 16>(rest, rows, r0, y, |t| rows16_pass::<1>(isa, f, pair, &xq_of, t), one),
+                2 if few => each_token::<2, 16>(rest, rows, r0, y, |t| rows16_pass::<2>(isa, f, pair, &xq_of, t), one),
+                3 if few => each_token::<3, 16>(rest, rows, r0, y, |t| rows16_pass::<3>(isa, f, pair, &xq_of, t), one),
+                5 if few => each_token::<5, 16>(rest, rows, r0, y, |t| rows16_pass::<5>(isa, f, pair, &xq_of, t), one),
+                6 if few => each_token::<6, 16>(rest, rows, r0, y, |t| rows16_pass::<6>(isa, f, pair, &xq_of, t), one),
+                7 if few => each_token::<7, 16>(rest, rows, r0, y, |t| rows16_pass::<7>(isa, f, pair, &xq_of, t), one),
+                _ => {
+                    let t4 = t8 + rest.len() / 4 * 4;
+                    each_token::<4, 16>(t8..t4, rows, r0, y, |t| isa.dot_q8_rows16_x4(f, pair, q4(t)), one);
+                    each_token::<1, 16>(t4..n_tokens, rows, r0, y, |t| [one(t)], one);
+                }
             }
         }
         // Four float rows (one stream), two tokens per pass.
@@ -521,18 +528,31 @@ fn run_unit_many(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], x_stride: us
             // Eight tokens per pass, then four, then the last two or three together where
             // the layout has a kernel for that (each block unpacked once), else one by one.
             let t8 = n_tokens / 8 * 8;
-            let t4 = t8 + (n_tokens - t8) / 4 * 4;
             let q8 = |t: usize| std::array::from_fn(|k| xq_of(t + k));
             let (group, r0) = (unit(8), 8 * u);
             each_token::<8, 8>(0..t8, rows, r0, y, |t| isa.dot_q8_rows8_x8(f, group, q8(t)), |_| unreachable!("whole passes of 8"));
-            each_token::<4, 8>(t8..t4, rows, r0, y, |t| isa.dot_q8_rows8_x4(f, group, q4(t)), |_| unreachable!("whole passes of 4"));
-            let together = match n_tokens - t4 {
-                2 => few_pass::<2>(isa, f, group, &xq_of, t4, rows, r0, y),
-                3 => few_pass::<3>(isa, f, group, &xq_of, t4, rows, r0, y),
+            // Five or seven left: one pass where the ISA's registers hold that many
+            // tokens' sums and the layout has a kernel for it (an expert at batch 32 has
+            // ~4 tokens, often 5–7; the 512 × 1024 Q4_0 matrix of one in L2, one
+            // Zen 4 thread: 5 tokens 1.17×, 7 1.12× a pass of four and the rest; six
+            // in one pass ran at half the speed, so six stay four and two).
+            let together = match n_tokens - t8 {
+                _ if !isa.rows8_passes_to_seven(f) => false,
+                5 => few_pass::<5>(isa, f, group, &xq_of, t8, rows, r0, y),
+                7 => few_pass::<7>(isa, f, group, &xq_of, t8, rows, r0, y),
                 _ => false,
             };
             if !together {
-                each_token::<1, 8>(t4..n_tokens, rows, r0, y, |t| [isa.dot_q8_rows8(f, group, xq_of(t))], |_| unreachable!("passes of one"));
+                let t4 = t8 + (n_tokens - t8) / 4 * 4;
+                each_token::<4, 8>(t8..t4, rows, r0, y, |t| isa.dot_q8_rows8_x4(f, group, q4(t)), |_| unreachable!("whole passes of 4"));
+                let tail = match n_tokens - t4 {
+                    2 => few_pass::<2>(isa, f, group, &xq_of, t4, rows, r0, y),
+                    3 => few_pass::<3>(isa, f, group, &xq_of, t4, rows, r0, y),
+                    _ => false,
+                };
+                if !tail {
+                    each_token::<1, 8>(t4..n_tokens, rows, r0, y, |t| [isa.dot_q8_rows8(f, group, xq_of(t))], |_| unreachable!("passes of one"));
+                }
             }
         }
         _ if f.int8_activations() => each_token::<4, 1>(0..n_tokens, rows, u, y, |t| isa.dot_q8_x4(f, w.row(u), q4(t)).map(|v| [v]), |t| [isa.dot_q8(f, w.row(u), xq_of(t))]),

@@ -115,20 +115,16 @@ fn repack_k4_rows8_into<const FIVE: bool>(rows: usize, cols: usize, data: &[u8],
                 }
             }
             // Sub-block s element l: nibble s % 2 of byte 32·(s / 2) + l of the row's qs
-            // (Q5_K: its fifth bit is bit s of qh[l]).
-            let q = |r: usize, s: usize, l: usize| {
-                let byte = src(r)[qs_at + 32 * (s / 2) + l];
-                if s.is_multiple_of(2) { byte & 0x0F } else { byte >> 4 }
-            };
+            // (Q5_K: its fifth bit is bit s of qh[l]). Word j of a row's chunk packs
+            // elements 4j.. (low nibbles) and 16 + 4j.. (high): four bytes at once.
             let fifth = |r: usize, s: usize, l: usize| (src(r)[16 + l] >> s) & 1;
             for s in 0..8 {
                 let sub = &mut o[160 + sub_bytes * s..160 + sub_bytes * (s + 1)];
+                let base = qs_at + 32 * (s / 2);
                 for j in 0..4 {
                     for r in 0..8 {
-                        for e in 0..4 {
-                            let (a, b) = (4 * j + e, 4 * (j + 4) + e);
-                            sub[32 * j + 4 * r + e] = q(r, s, a) | (q(r, s, b) << 4);
-                        }
+                        let v = nibble_pairs(word(src(r), base + 4 * j), word(src(r), base + 16 + 4 * j), s % 2 == 1);
+                        sub[32 * j + 4 * r..32 * j + 4 * r + 4].copy_from_slice(&v.to_le_bytes());
                     }
                 }
                 if FIVE {
@@ -237,35 +233,54 @@ fn repack_k6_rows8_into(rows: usize, cols: usize, data: &[u8], out: &mut [u8]) {
         for sb in 0..supers {
             let o = chunks.next().expect("sized by the caller");
             let src = |r: usize| &data[((g * 8 + r) * supers + sb) * 210..][..210];
-            // Element n (0..256) of a row's super-block, 0..64 (ggml's Q6_K layout).
-            let q = |r: usize, n: usize| {
-                let b = src(r);
-                let (h, j, l) = (n / 128, (n % 128) / 32, n % 32);
-                let byte = b[64 * h + l + 32 * (j % 2)];
-                let nib = if j < 2 { byte & 0x0F } else { byte >> 4 };
-                nib | (((b[128 + 32 * h + l] >> (2 * j)) & 3) << 4)
-            };
             for r in 0..8 {
                 o[2 * r..2 * r + 2].copy_from_slice(&src(r)[208..210]);
                 for grp in 0..16 {
                     o[16 + 8 * grp + r] = src(r)[192 + grp];
                 }
             }
+            // Sub-block s (elements 32s.., ggml's Q6_K layout): element l's low four bits
+            // are nibble s % 4 / 2 of ql[64·(s / 4) + 32·(s % 2) + l], its high two bits
+            // 2·(s % 4).. of qh[32·(s / 4) + l]. Word j of a row's chunk packs elements
+            // 4j.. and 16 + 4j..: their low bits as nibbles, their high bits beside word
+            // j ^ 1's in the 2-bit plane (bits 4·(j % 2)..).
             for s in 0..8 {
+                let (h, jj) = (s / 4, s % 4);
+                let (ql, qh) = (64 * h + 32 * (jj % 2), 128 + 32 * h);
                 let sub = &mut o[144 + 192 * s..144 + 192 * (s + 1)];
                 sub[128..].fill(0);
                 for j in 0..4 {
                     for r in 0..8 {
-                        for e in 0..4 {
-                            let (a, b) = (q(r, 32 * s + 4 * j + e), q(r, 32 * s + 16 + 4 * j + e));
-                            let p = 4 * r + e;
-                            sub[32 * j + p] = (a & 0x0F) | ((b & 0x0F) << 4);
-                            sub[128 + 32 * (j / 2) + p] |= ((a >> 4) | ((b >> 4) << 2)) << (4 * (j % 2));
-                        }
+                        let b = src(r);
+                        let low = nibble_pairs(word(b, ql + 4 * j), word(b, ql + 16 + 4 * j), jj >= 2);
+                        let (ha, hb) = ((word(b, qh + 4 * j) >> (2 * jj)) & 0x0303_0303, (word(b, qh + 16 + 4 * j) >> (2 * jj)) & 0x0303_0303);
+                        let high = (ha | (hb << 2)) << (4 * (j % 2));
+                        sub[32 * j + 4 * r..32 * j + 4 * r + 4].copy_from_slice(&low.to_le_bytes());
+                        let at = 128 + 32 * (j / 2) + 4 * r;
+                        let was = word(sub, at);
+                        sub[at..at + 4].copy_from_slice(&(was | high).to_le_bytes());
                     }
                 }
             }
         }
+    }
+}
+
+/// The little-endian u32 at `bytes[at..at + 4]`.
+#[inline]
+fn word(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().expect("four bytes"))
+}
+
+/// Four bytes of two 4-bit elements each, from the bytes holding elements `4j..` (`a`)
+/// and `16 + 4j..` (`b`): the low nibbles of both, or (`high`) their high nibbles; `a`'s
+/// in each byte's low half.
+#[inline]
+fn nibble_pairs(a: u32, b: u32, high: bool) -> u32 {
+    if high {
+        ((a >> 4) & 0x0F0F_0F0F) | (b & 0xF0F0_F0F0)
+    } else {
+        (a & 0x0F0F_0F0F) | ((b & 0x0F0F_0F0F) << 4)
     }
 }
 
@@ -311,55 +326,41 @@ fn repack_rows8_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8]
         WeightFormat::Q5_1 => (true, true),
         _ => panic!("repack_rows8: {format} has no interleaved layout"),
     };
-    let eight = format == WeightFormat::Q8_0;
     let (bb, blocks) = (format.block_bytes(), cols / 32);
     assert!(rows.is_multiple_of(8) && cols.is_multiple_of(32) && data.len() == rows * blocks * bb && out.len() == data.len(), "repack_rows8: shape");
-    let mut at = 0;
-    let mut put = |bytes: &[u8]| {
-        out[at..at + bytes.len()].copy_from_slice(bytes);
-        at += bytes.len();
-    };
-    // Where the nibbles start (after d, m and, for Q5, the u32 of fifth bits).
+    // Where the quants start (after d, m and, for Q5, the u32 of fifth bits), and their
+    // 4-byte words: element i of a 4-bit block is the low nibble of byte i (i < 16),
+    // else the high nibble of byte i − 16, so word j of the interleaved chunk (elements
+    // 4j.. and 16 + 4j..) is the source's own bytes 4j..4j + 4; Q8_0's are its bytes.
     let q_at = 2 + 2 * usize::from(min) + 4 * usize::from(five);
-    for g in 0..rows / 8 {
-        for b in 0..blocks {
-            let src = |r: usize| &data[((g * 8 + r) * blocks + b) * bb..][..bb];
-            for r in 0..8 {
-                put(&src(r)[..2]);
-            }
+    let words = (bb - q_at) / 4;
+    for (g, group) in out.chunks_exact_mut(8 * bb * blocks).enumerate() {
+        let rows_of = &data[g * 8 * blocks * bb..][..8 * blocks * bb];
+        for (b, o) in group.chunks_exact_mut(8 * bb).enumerate() {
+            let src: [&[u8]; 8] = std::array::from_fn(|r| &rows_of[(r * blocks + b) * bb..][..bb]);
+            let mut at = 0;
+            let mut put = |bytes: &[u8]| {
+                o[at..at + bytes.len()].copy_from_slice(bytes);
+                at += bytes.len();
+            };
+            src.iter().for_each(|s| put(&s[..2]));
             if min {
-                for r in 0..8 {
-                    put(&src(r)[2..4]);
-                }
+                src.iter().for_each(|s| put(&s[2..4]));
             }
-            if eight {
-                for j in 0..8 {
-                    for r in 0..8 {
-                        put(&src(r)[2 + 4 * j..2 + 4 * j + 4]);
-                    }
-                }
-                continue;
-            }
-            // Element i of a source block: low nibble of byte i (i < 16), else high
-            // nibble of byte i − 16; Q5: its fifth bit is bit i of the u32 before them.
-            let q = |r: usize, i: usize| {
-                let byte = src(r)[q_at + i % 16];
-                if i < 16 { byte & 0x0F } else { byte >> 4 }
-            };
-            let fifth = |r: usize, i: usize| {
-                let qh = &src(r)[q_at - 4..q_at];
-                (u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]) >> i) as u8 & 1
-            };
-            for j in 0..4 {
-                for r in 0..8 {
-                    put(&std::array::from_fn::<u8, 4, _>(|e| q(r, 4 * j + e) | (q(r, 4 * (j + 4) + e) << 4)));
-                }
+            for j in 0..words {
+                src.iter().for_each(|s| put(&s[q_at + 4 * j..q_at + 4 * j + 4]));
             }
             if five {
-                for r in 0..8 {
-                    put(&std::array::from_fn::<u8, 4, _>(|e| (0..4).map(|j| (fifth(r, 4 * j + e) | (fifth(r, 16 + 4 * j + e) << 1)) << (2 * j)).sum()));
+                // Q5: each element's fifth bit (bit i of the u32 before the nibbles)
+                // beside its nibble's: word j's element e holds bits (4j + e, 16 + 4j + e)
+                // at bits 2j, 2j + 1 of byte e.
+                for s in &src {
+                    let qh = u32::from_le_bytes(s[q_at - 4..q_at].try_into().expect("four bytes"));
+                    let bit = |i: usize| (qh >> i) as u8 & 1;
+                    put(&std::array::from_fn::<u8, 4, _>(|e| (0..4).map(|j| (bit(4 * j + e) | (bit(16 + 4 * j + e) << 1)) << (2 * j)).sum()));
                 }
             }
+            debug_assert_eq!(at, 8 * bb);
         }
     }
 }

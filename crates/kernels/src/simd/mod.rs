@@ -340,6 +340,15 @@ impl Isa {
         }
     }
 
+    /// Whether eight-row groups of `format` take five or seven tokens in one
+    /// [`Isa::dot_q8_rows8_few`] pass rather than four and the rest: Q4_0x8 where 32
+    /// vector registers hold their sums (AVX-512; on AVX2's 16 five ran 0.85×; Q4_1x8
+    /// measured no faster).
+    #[inline]
+    pub fn rows8_passes_to_seven(self, format: WeightFormat) -> bool {
+        self == Isa::Avx512Vnni && format == WeightFormat::Q4_0x8
+    }
+
     /// Whether [`Isa::dot_q8_rows16_x4`] is faster than two [`Isa::dot_q8_rows8_x4`]
     /// (so matmul hands out 16-row units to batches of four tokens or more).
     pub fn pairs_groups(self) -> bool {
