@@ -480,6 +480,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
         }
         (None, None) => bail!("give --prompt or --chat"),
     };
+    if prompt_ids.is_empty() {
+        bail!("the prompt encodes to no tokens (this tokenizer adds no BOS token to {:?}): give some text", a.prompt.as_deref().unwrap_or_default());
+    }
     let load_secs = t0.elapsed().as_secs_f64();
     let sampling = sampling_of(&a);
     if let Some(path) = &a.json_schema {

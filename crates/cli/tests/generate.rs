@@ -167,6 +167,17 @@ fn a_run_that_cannot_fit_is_refused_before_loading() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// A prompt that encodes to no tokens (SmolLM2's tokenizer adds no BOS) is refused by
+/// name, not as an engine step's complaint.
+#[test]
+fn an_empty_prompt_is_refused_by_name() {
+    let m = smollm2();
+    let out = tessera(&["generate", "--model", &m.to_string_lossy(), "--prompt", "", "--max-tokens", "1", "--threads", "1"], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("the prompt encodes to no tokens") && err.contains("give some text"), "{err}");
+}
+
 /// A write that fails midway (a full disk; here a file-size limit makes the kernel
 /// refuse the slice's bytes) leaves no half shard behind, neither at `--out` nor beside
 /// it, and says what failed; the same command with room writes the whole slice.

@@ -385,36 +385,56 @@ pub fn repack_mlx(format: WeightFormat, rows: usize, cols: usize, packed: &[u8],
     };
     let row_in = cols * bits / 8;
     assert_eq!(packed.len(), rows * row_in, "repack_mlx: packed size");
-    let mut out = Vec::with_capacity(rows * groups * format.block_bytes());
-    for r in 0..rows {
-        let src = &packed[r * row_in..(r + 1) * row_in];
-        for gi in 0..groups {
-            let at = r * groups + gi;
-            match format {
-                WeightFormat::Mxfp4 => out.push(e8m0[at]),
-                // Two E4M3 scales per 32: MLX's groups are 16 wide.
-                WeightFormat::Nvfp4 => out.extend_from_slice(&e8m0[2 * at..2 * at + 2]),
-                WeightFormat::Fp8 => out.extend(crate::scalar::e8m0(e8m0[at]).to_le_bytes()),
-                _ => {
-                    out.extend(scales[at].to_le_bytes());
-                    out.extend(biases[at].to_le_bytes());
-                }
+    let bb = format.block_bytes();
+    let mut out = vec![0u8; rows * groups * bb];
+    for (at, block) in out.chunks_exact_mut(bb).enumerate() {
+        let src = &packed[at * g * bits / 8..][..g * bits / 8];
+        let header = match format {
+            WeightFormat::Mxfp4 => {
+                block[0] = e8m0[at];
+                1
             }
-            if bits == 8 {
-                out.extend_from_slice(&src[gi * g..(gi + 1) * g]);
-                continue;
+            // Two E4M3 scales per 32: MLX's groups are 16 wide.
+            WeightFormat::Nvfp4 => {
+                block[..2].copy_from_slice(&e8m0[2 * at..2 * at + 2]);
+                2
             }
-            // 4-bit: element i is the low nibble of byte i/2 when i is even.
-            let q = |i: usize| (src[i / 2] >> (4 * (i % 2))) & 0x0F;
-            for sub in 0..g / 32 {
-                let base = gi * g + sub * 32;
-                for j in 0..16 {
-                    out.push(q(base + j) | (q(base + j + 16) << 4));
-                }
+            WeightFormat::Fp8 => {
+                block[..4].copy_from_slice(&crate::scalar::e8m0(e8m0[at]).to_le_bytes());
+                4
             }
+            _ => {
+                block[..4].copy_from_slice(&scales[at].to_le_bytes());
+                block[4..8].copy_from_slice(&biases[at].to_le_bytes());
+                8
+            }
+        };
+        let body = &mut block[header..];
+        if bits == 8 {
+            body.copy_from_slice(src);
+            continue;
+        }
+        // 4-bit: element i is the low nibble of byte i/2 when i is even; a block's byte
+        // j holds elements j and j + 16, which sit in bytes j/2 and 8 + j/2 at the same
+        // parity: the even bytes take both low nibbles, the odd ones both high nibbles.
+        for (sub, o) in src.chunks_exact(16).zip(body.chunks_exact_mut(16)) {
+            let (a, b) = (u64::from_le_bytes(sub[..8].try_into().expect("8 bytes")), u64::from_le_bytes(sub[8..].try_into().expect("8 bytes")));
+            const LOW: u64 = 0x0F0F_0F0F_0F0F_0F0F;
+            let even = (a & LOW) | ((b & LOW) << 4);
+            let odd = ((a >> 4) & LOW) | (b & !LOW);
+            o.copy_from_slice(&(spread_bytes(even) | (spread_bytes(odd) << 8)).to_le_bytes());
         }
     }
     out
+}
+
+/// The bytes of `x` at the even bytes of the result (byte k at byte 2k), zeros between.
+#[inline]
+fn spread_bytes(x: u64) -> u128 {
+    let mut y = x as u128;
+    y = (y | (y << 32)) & 0x0000_0000_FFFF_FFFF_0000_0000_FFFF_FFFF;
+    y = (y | (y << 16)) & 0x0000_FFFF_0000_FFFF_0000_FFFF_0000_FFFF;
+    (y | (y << 8)) & 0x00FF_00FF_00FF_00FF_00FF_00FF_00FF_00FF
 }
 
 /// MLX affine 4-bit rows ([`WeightFormat::A4`]: per group of `group`, an f32 scale and
