@@ -51,7 +51,7 @@ unsafe fn attend_group_rows<L: Load8>(q: &[f32], d: usize, k: *const u8, v: *con
     match q.len() / d {
         1 => attend_group_t::<L, 1, 8, 8>(q, d, k, v, stride, len, scale, scores, out, stats),
         2 => attend_group_t::<L, 2, 4, 4>(q, d, k, v, stride, len, scale, scores, out, stats),
-        3 => attend_group_t::<L, 3, 3, 2>(q, d, k, v, stride, len, scale, scores, out, stats),
+        3 => attend_group_t::<L, 3, 3, 3>(q, d, k, v, stride, len, scale, scores, out, stats),
         4 => attend_group_t::<L, 4, 2, 2>(q, d, k, v, stride, len, scale, scores, out, stats),
         g => unreachable!("attend_group: {g} heads per pass"),
     }
@@ -167,6 +167,11 @@ unsafe fn attend_tail<L: Load8, const G: usize, const W: usize>(sp: *mut f32, d:
             values_tile::<L, G, W>(vp, sp, stride, len, j0..j1, c, op, d);
             c += 8 * W;
         }
+        // What W-wide tiles leave: two vectors at once where that fits, then one.
+        if W > 2 && c + 16 <= d {
+            values_tile::<L, G, 2>(vp, sp, stride, len, j0..j1, c, op, d);
+            c += 16;
+        }
         while c < d {
             values_tile::<L, G, 1>(vp, sp, stride, len, j0..j1, c, op, d);
             c += 8;
@@ -187,7 +192,7 @@ pub unsafe fn attend_tail_q8(scores: &mut [f32], g: usize, d: usize, v: &[KvQ8],
     match g {
         1 => attend_tail::<LoadQ8, 1, 8>(sp, d, vp, stride, len, out, stats),
         2 => attend_tail::<LoadQ8, 2, 4>(sp, d, vp, stride, len, out, stats),
-        3 => attend_tail::<LoadQ8, 3, 2>(sp, d, vp, stride, len, out, stats),
+        3 => attend_tail::<LoadQ8, 3, 3>(sp, d, vp, stride, len, out, stats),
         4 => attend_tail::<LoadQ8, 4, 2>(sp, d, vp, stride, len, out, stats),
         _ => unreachable!("attend_tail_q8: {g} heads per pass"),
     }
