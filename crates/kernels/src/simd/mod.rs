@@ -457,7 +457,9 @@ impl Isa {
             match self {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: see dot_f32; bounds asserted above.
-                Isa::Avx2 | Isa::Avx512Vnni if d.is_multiple_of(8) => unsafe { x86::attend_group(qh, d, k, v, stride, len, scale, scores, oh, st) },
+                Isa::Avx2 if d.is_multiple_of(8) => unsafe { x86::attend_group(qh, d, k, v, stride, len, scale, scores, oh, st) },
+                // SAFETY: as above; Avx512Vnni implies avx512f and avx512vl.
+                Isa::Avx512Vnni if d.is_multiple_of(8) => unsafe { x86::attend_group_wide(qh, d, k, v, stride, len, scale, scores, oh, st) },
                 _ => {
                     for ((qv, o), st) in qh.chunks_exact(d).zip(oh.chunks_exact_mut(d)).zip(st.chunks_exact_mut(2)) {
                         let (max, sum) = match self {

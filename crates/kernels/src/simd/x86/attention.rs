@@ -42,6 +42,35 @@ pub unsafe fn attend_group<E: KvElem>(q: &[f32], d: usize, k: &[E], v: &[E], str
     }
 }
 
+/// [`attend_group`] where AVX-512 gives 32 vector registers (the same 256-bit
+/// arithmetic, so the same bits): wider score tiles fill every lane-sum slot and
+/// need fewer passes over the query.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub unsafe fn attend_group_wide<E: KvElem>(q: &[f32], d: usize, k: &[E], v: &[E], stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
+    let (k, v) = (k.as_ptr() as *const u8, v.as_ptr() as *const u8);
+    match E::KIND {
+        KvKind::F32 => attend_group_rows_wide::<LoadF32>(q, d, k, v, stride, len, scale, scores, out, stats),
+        KvKind::F16 => attend_group_rows_wide::<LoadF16>(q, d, k, v, stride, len, scale, scores, out, stats),
+        KvKind::Q8 => attend_group_rows_wide::<LoadQ8>(q, d, k, v, stride, len, scale, scores, out, stats),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn attend_group_rows_wide<L: Load8>(q: &[f32], d: usize, k: *const u8, v: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
+    // G·KJ accumulators + G query vectors + KJ key vectors within 32 registers, and
+    // KJ a multiple of 4 (each head's whole `hsum4`s, stored as one vector).
+    match q.len() / d {
+        1 => attend_group_t::<L, 1, 12, 8>(q, d, k, v, stride, len, scale, scores, out, stats),
+        2 => attend_group_t::<L, 2, 8, 4>(q, d, k, v, stride, len, scale, scores, out, stats),
+        3 => attend_group_t::<L, 3, 4, 4>(q, d, k, v, stride, len, scale, scores, out, stats),
+        4 => attend_group_t::<L, 4, 4, 4>(q, d, k, v, stride, len, scale, scores, out, stats),
+        g => unreachable!("attend_group_wide: {g} heads per pass"),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -99,18 +128,29 @@ unsafe fn attend_group_t<L: Load8, const G: usize, const KJ: usize, const W: usi
             }
             i += 8;
         }
-        let lanes = G * KJ;
-        let flat = |l: usize| if l < lanes { acc[l / G][l % G] } else { _mm256_setzero_ps() };
-        const { assert!(G * KJ <= 12, "attend_group: lane sums for at most 12 (head, key) pairs") };
-        let mut sums = [0.0f32; 12];
-        let mut l = 0;
-        while l < lanes {
-            _mm_storeu_ps(sums.as_mut_ptr().add(l), hsum4(flat(l), flat(l + 1), flat(l + 2), flat(l + 3)));
-            l += 4;
-        }
-        for r in 0..kj {
+        if KJ.is_multiple_of(4) && kj == KJ {
+            // Whole tiles of 4k keys: each head's sums are 4 consecutive scores, one store.
+            let vscale = _mm_set1_ps(scale);
             for h in 0..G {
-                *sp.add(h * len + j + r) = sums[r * G + h] * scale;
+                for r in (0..KJ).step_by(4) {
+                    let sums = hsum4(acc[r][h], acc[r + 1][h], acc[r + 2][h], acc[r + 3][h]);
+                    _mm_storeu_ps(sp.add(h * len + j + r), _mm_mul_ps(sums, vscale));
+                }
+            }
+        } else {
+            let lanes = G * KJ;
+            let flat = |l: usize| if l < lanes { acc[l / G][l % G] } else { _mm256_setzero_ps() };
+            const { assert!(G * KJ <= 16, "attend_group: lane sums for at most 16 (head, key) pairs") };
+            let mut sums = [0.0f32; 16];
+            let mut l = 0;
+            while l < lanes {
+                _mm_storeu_ps(sums.as_mut_ptr().add(l), hsum4(flat(l), flat(l + 1), flat(l + 2), flat(l + 3)));
+                l += 4;
+            }
+            for r in 0..kj {
+                for h in 0..G {
+                    *sp.add(h * len + j + r) = sums[r * G + h] * scale;
+                }
             }
         }
         j += kj;
