@@ -153,3 +153,27 @@ fn mac_probe(bencher: divan::Bencher, kind: &str) {
         .counter(divan::counter::ItemsCount::new(rounds * tessera_kernels::PROBE_MACS_PER_ROUND as usize))
         .bench_local(|| isa.mac_probe(kind, divan::black_box(rounds)));
 }
+
+/// One layer of the 3B bench model's attention (8 kv groups of 3 query heads × 128, an f16
+/// cache laid out as the model's: each kv head's positions one run, `capacity` apart) over
+/// `len` keys, read cold: 64 MiB are streamed before each call (untimed), as the weights
+/// stream between two layers' attention.
+#[divan::bench(args = [32, 4096], sample_count = 20, sample_size = 1)]
+fn attend_layer_cold(bencher: divan::Bencher, len: usize) {
+    let (d, g, kv_heads, capacity) = (128, 3, 8, 2 * len);
+    let f16s = |n: usize, seed: u64| -> Vec<half::f16> { bytes(n, seed).iter().map(|&b| half::f16::from_f32((b as f32 - 128.0) / 64.0)).collect() };
+    let (k, v) = (f16s(kv_heads * capacity * d, 2), f16s(kv_heads * capacity * d, 3));
+    let q: Vec<f32> = bytes(kv_heads * g * d, 1).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
+    let stream = vec![1u64; 8 << 20];
+    let (mut scores, mut out) = (vec![0.0; g * len], vec![0.0; kv_heads * g * d]);
+    let isa = Isa::detect();
+    bencher
+        .with_inputs(|| stream.iter().step_by(8).fold(0u64, |a, &x| a ^ x))
+        .bench_local_values(|s| {
+            for h in 0..kv_heads {
+                let (at, qh) = (h * capacity * d, h * g * d..(h + 1) * g * d);
+                isa.attend_group(divan::black_box(&q[qh.clone()]), d, &k[at..], &v[at..], d, len, 0.088, &mut scores, &mut out[qh], None);
+            }
+            s
+        });
+}

@@ -458,6 +458,7 @@ impl Isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: see dot_f32; bounds asserted above.
                 Isa::Avx2 if d.is_multiple_of(8) => unsafe { x86::attend_group(qh, d, k, v, stride, len, scale, scores, oh, st) },
+                #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above; Avx512Vnni implies avx512f and avx512vl.
                 Isa::Avx512Vnni if d.is_multiple_of(8) => unsafe { x86::attend_group_wide(qh, d, k, v, stride, len, scale, scores, oh, st) },
                 _ => {
