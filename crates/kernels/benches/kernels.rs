@@ -177,3 +177,70 @@ fn attend_layer_cold(bencher: divan::Bencher, len: usize) {
             s
         });
 }
+
+/// Prefill attention of one kv group (SmolLM2's shape: 3 query heads × 64, an f16 cache)
+/// for a block of 8 consecutive tokens over a 256-key range (the model's unit of long
+/// attention): "rows" is one `attend_rows` call, "tokens" one `attend_group` per token
+/// (the same bits), per block; the range stays in L2 across calls.
+#[divan::bench(args = ["rows", "tokens"], sample_count = 50)]
+fn prefill_block(bencher: divan::Bencher, how: &str) {
+    let (d, g, tokens, len) = (64, 3, 8, 256);
+    let f16s = |n: usize, seed: u64| -> Vec<half::f16> { bytes(n, seed).iter().map(|&b| half::f16::from_f32((b as f32 - 128.0) / 64.0)).collect() };
+    let (k, v) = (f16s(len * d, 2), f16s(len * d, 3));
+    let q: Vec<f32> = bytes(tokens * g * d, 1).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
+    let ends: Vec<usize> = (len - tokens + 1..=len).collect();
+    let (mut scores, mut out, mut stats) = (vec![0.0; tokens * g * len], vec![0.0; tokens * g * d], vec![0.0; tokens * 2 * g]);
+    let isa = Isa::detect();
+    bencher.counter(divan::counter::ItemsCount::new(ends.iter().sum::<usize>() * g)).bench_local(|| {
+        if how == "rows" {
+            isa.attend_rows(divan::black_box(&q), g * d, g, d, &k, &v, d, &ends, 0.125, &mut scores, &mut out, g * d, &mut stats, 2 * g);
+        } else {
+            for (t, &end) in ends.iter().enumerate() {
+                let o = &mut out[t * g * d..(t + 1) * g * d];
+                isa.attend_group(divan::black_box(&q[t * g * d..(t + 1) * g * d]), d, &k, &v, d, end, 0.125, &mut scores, o, Some(&mut stats[t * 2 * g..(t + 1) * 2 * g]));
+            }
+        }
+    });
+}
+
+/// The attention of a 512-token prefill chunk after 3,584 cached tokens for one layer of
+/// SmolLM2's shape (3 kv heads × 3 query heads × 64, an f16 cache: 3 MiB, in L3 at best),
+/// in 256-key ranges (merging left out): "rows" by blocks of 8 tokens, range by range,
+/// one `attend_rows` each; "tokens" token by token, each over all its ranges (one
+/// `attend_group` each), as the model took it before blocks.
+#[divan::bench(args = ["rows", "tokens"], sample_count = 10, sample_size = 1)]
+fn prefill_chunk(bencher: divan::Bencher, how: &str) {
+    let (d, g, kv_heads, pos0, chunk, range) = (64, 3, 3, 3584, 512, 256);
+    let cap = pos0 + chunk;
+    let f16s = |n: usize, seed: u64| -> Vec<half::f16> { bytes(n, seed).iter().map(|&b| half::f16::from_f32((b as f32 - 128.0) / 64.0)).collect() };
+    let (k, v) = (f16s(kv_heads * cap * d, 2), f16s(kv_heads * cap * d, 3));
+    let q: Vec<f32> = bytes(chunk * kv_heads * g * d, 1).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
+    let q_dim = kv_heads * g * d;
+    let block = 8;
+    let (mut scores, mut out, mut stats) = (vec![0.0; block * g * range], vec![0.0; block * g * d], vec![0.0; block * 2 * g]);
+    let isa = Isa::detect();
+    bencher.bench_local(|| {
+        for h in 0..kv_heads {
+            if how == "tokens" {
+                for t in 0..chunk {
+                    let (len, qt) = (pos0 + t + 1, &q[t * q_dim + h * g * d..t * q_dim + (h + 1) * g * d]);
+                    for r0 in (0..len).step_by(range) {
+                        let at = (h * cap + r0) * d;
+                        isa.attend_group(divan::black_box(qt), d, &k[at..], &v[at..], d, (len - r0).min(range), 0.125, &mut scores, &mut out[..g * d], Some(&mut stats[..2 * g]));
+                    }
+                }
+                continue;
+            }
+            for b0 in (0..chunk).step_by(block) {
+                let lens: Vec<usize> = (b0..b0 + block).map(|t| pos0 + t + 1).collect();
+                for r0 in (0..lens[block - 1]).step_by(range) {
+                    let at = (h * cap + r0) * d;
+                    let first = lens.iter().position(|&l| l > r0).unwrap();
+                    let ends: Vec<usize> = lens[first..].iter().map(|&l| l.min(r0 + range) - r0).collect();
+                    let qb = &q[(b0 + first) * q_dim + h * g * d..];
+                    isa.attend_rows(divan::black_box(qb), q_dim, g, d, &k[at..], &v[at..], d, &ends, 0.125, &mut scores, &mut out, g * d, &mut stats, 2 * g);
+                }
+            }
+        }
+    });
+}

@@ -1122,6 +1122,53 @@ fn attention_gives_the_same_bits_on_every_flavour() {
     }
 }
 
+#[test]
+fn attention_of_a_block_of_tokens_is_each_tokens_own_to_the_bit() {
+    // A prefill block (consecutive tokens of one sequence, each over its own prefix)
+    // against `attend_group` token by token, on every flavour: the rows kernel scores all
+    // of the block's heads per key tile, and must keep each row's arithmetic.
+    let mut isas = simd_flavours();
+    isas.push(Isa::Scalar);
+    let mut rng = Rng(29);
+    for d in [64, 128, 36] {
+        for g in [1, 2, 3, 4, 5, 8] {
+            for (first, tokens) in [(1, 1), (1, 9), (5, 3), (29, 8), (61, 5), (200, 8)] {
+                if tokens * g > tessera_kernels::ATTEND_ROWS_MAX {
+                    continue;
+                }
+                let len = first + tokens - 1;
+                let ends: Vec<usize> = (first..=len).collect();
+                let (q_stride, out_stride, stats_stride) = (g * d + 8, g * d + 16, 2 * g + 2);
+                let q = random_vec(&mut rng, tokens * q_stride);
+                let kf = random_vec(&mut rng, len * d);
+                let vf = random_vec(&mut rng, len * d);
+                let (kh, vh): (Vec<f16>, Vec<f16>) = (kf.iter().map(|&x| f16::from_f32(x)).collect(), vf.iter().map(|&x| f16::from_f32(x)).collect());
+                for &isa in &isas {
+                    for cache in ["f32", "f16"] {
+                        let (mut scores, mut out, mut stats) = (vec![0.0f32; tokens * g * len], vec![0.0f32; tokens * out_stride], vec![0.0f32; tokens * stats_stride]);
+                        match cache {
+                            "f16" => isa.attend_rows(&q, q_stride, g, d, &kh, &vh, d, &ends, 0.125, &mut scores, &mut out, out_stride, &mut stats, stats_stride),
+                            _ => isa.attend_rows(&q, q_stride, g, d, &kf, &vf, d, &ends, 0.125, &mut scores, &mut out, out_stride, &mut stats, stats_stride),
+                        }
+                        for (t, &end) in ends.iter().enumerate() {
+                            let (mut sc, mut o, mut st) = (vec![0.0f32; 4 * end], vec![0.0f32; g * d], vec![0.0f32; 2 * g]);
+                            let qt = &q[t * q_stride..t * q_stride + g * d];
+                            match cache {
+                                "f16" => isa.attend_group(qt, d, &kh, &vh, d, end, 0.125, &mut sc, &mut o, Some(&mut st)),
+                                _ => isa.attend_group(qt, d, &kf, &vf, d, end, 0.125, &mut sc, &mut o, Some(&mut st)),
+                            }
+                            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+                            let what = format!("{} {cache}: {g} heads of {d}, token {t} of {tokens} over {end} keys", isa.name());
+                            assert_eq!(bits(&out[t * out_stride..t * out_stride + g * d]), bits(&o), "{what}: outputs differ");
+                            assert_eq!(bits(&stats[t * stats_stride..t * stats_stride + 2 * g]), bits(&st), "{what}: stats differ");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The SIMD flavours this CPU runs (none where it has none): what the "same bits"
 /// tests compare with the scalar reference. AVX2 is forced beside AVX-512 VNNI.
 fn simd_flavours() -> Vec<Isa> {

@@ -9,7 +9,7 @@
 //! ([`crate::ffn`]) → residual) → final norm → LM head. All buffers a step needs live in
 //! a [`Workspace`] sized at load from [`StepLimits`]; a step allocates nothing.
 
-use crate::attention::gqa::{attn_range_slots, Gqa};
+use crate::attention::gqa::{attn_range_slots, attn_scores_per_thread, Gqa};
 use crate::attention::{kda::{self, Kda}, mla::Mla, Attn};
 use crate::attn_res::{self, Blocks, ResMix};
 use crate::checkpoint::Checkpoint;
@@ -27,7 +27,7 @@ use crate::shard::{output_rows, split, CollGroup, Collectives, ExpertSplit, Shar
 use crate::step::{DispatchBuffers, LogitsFor, Run, SeqChunk, StageIo, StageOutput, StepError, StepLimits, Workspace, PER_TOKEN_PARALLEL_MIN};
 use std::ops::Range;
 use std::sync::Arc;
-use tessera_kernels::{matmul_streaming, ops, scalar, Isa, KvElem, KvQ8, MatmulScratch, ThreadPool, WeightFormat, ATTEND_GROUP_MAX, KV_Q8_HEAD_DIM_MAX};
+use tessera_kernels::{matmul_streaming, ops, scalar, Isa, KvElem, KvQ8, MatmulScratch, ThreadPool, WeightFormat, KV_Q8_HEAD_DIM_MAX};
 
 struct Layer {
     attn_norm: Vec<f32>,
@@ -537,7 +537,7 @@ impl Model {
             cos: vec![0.0; t * c.rope.dim / 2],
             sin: vec![0.0; t * c.rope.dim / 2],
             // Per thread: one pass of grouped heads' scores (GQA), or one MLA head's.
-            scores: vec![0.0; threads * limits.context_max * (c.heads / c.kv_heads.max(1)).clamp(1, ATTEND_GROUP_MAX)],
+            scores: vec![0.0; threads * attn_scores_per_thread(limits.context_max, c.heads / c.kv_heads.max(1))],
             threads,
             mm: MatmulScratch::new(t.max(fused_slots), widest),
             head_in: vec![0.0; t * head_in],
@@ -554,8 +554,8 @@ impl Model {
             moe_in: vec![0.0; moe_rows],
             moe_out: vec![0.0; moe_rows],
             moe_latent: vec![0.0; if moe.is_some_and(|m| m.latent.is_some()) { t * c.hidden.max(moe.and_then(|m| m.latent).map_or(0, |l| l.width)) } else { 0 }],
-            attn_part: vec![0.0; if c.mla.is_some() { 0 } else { attn_range_slots(threads, limits.context_max) * (c.heads / c.kv_heads.max(1)).max(1) * c.head_dim }],
-            attn_stats: vec![0.0; if c.mla.is_some() { 0 } else { attn_range_slots(threads, limits.context_max) * 2 * (c.heads / c.kv_heads.max(1)).max(1) }],
+            attn_part: vec![0.0; if c.mla.is_some() { 0 } else { attn_range_slots(threads, limits.context_max, c.heads / c.kv_heads.max(1)) * (c.heads / c.kv_heads.max(1)).max(1) * c.head_dim }],
+            attn_stats: vec![0.0; if c.mla.is_some() { 0 } else { attn_range_slots(threads, limits.context_max, c.heads / c.kv_heads.max(1)) * 2 * (c.heads / c.kv_heads.max(1)).max(1) }],
             moe_gate: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_up: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_proj: vec![0.0; fused_slots * moe_width],
@@ -571,6 +571,7 @@ impl Model {
             kda_states: Vec::with_capacity(if kda_p > 0 { limits.sequences_per_step_max } else { 0 }),
             kda_scratch: vec![0.0; if kda_p > 0 { threads * kda::scratch_per_thread(t, kda_d) } else { 0 }],
             tok_chunk: vec![0; t],
+            attn_blocks: Vec::with_capacity(t + 1),
             tok_pos: vec![0; t],
             chunk_start: vec![0; limits.sequences_per_step_max + 1],
             chunks_max: limits.sequences_per_step_max,

@@ -113,6 +113,8 @@ pub struct Workspace {
     /// Attention split over key ranges: each range's normalised output and stats.
     pub(crate) attn_part: Vec<f32>,
     pub(crate) attn_stats: Vec<f32>,
+    /// First token of each block of the step's attention, and `n` (`attention::gqa`).
+    pub(crate) attn_blocks: Vec<u32>,
     /// Fused experts (`n·top_k ≤ EXPERT_SLOTS_FUSED_MAX`): per slot, gate/up and down.
     pub(crate) moe_gate: Vec<f32>,
     pub(crate) moe_up: Vec<f32>,
@@ -338,6 +340,7 @@ impl Workspace {
             + b(&self.expert_count)
             + b(&self.expert_slots)
             + b(&self.tok_chunk)
+            + self.attn_blocks.capacity() * 4
             + b(&self.tok_pos)
             + b(&self.chunk_start)
             + self.dispatch.as_ref().map_or(0, DispatchBuffers::bytes)

@@ -123,6 +123,10 @@ fn kind32(format: WeightFormat) -> Option<u8> {
 /// Query heads [`Isa::attend_group`] takes in one pass over the keys and values.
 pub const ATTEND_GROUP_MAX: usize = 4;
 
+/// Query rows (tokens × heads) one [`Isa::attend_rows`] call takes at most (their
+/// addresses sit on the stack).
+pub const ATTEND_ROWS_MAX: usize = 64;
+
 /// Scores of keys `j0..` (up to `N`, clipped to `len`) for the heads in `rows`, into
 /// `scores` (one row of `len` per head).
 #[inline]
@@ -475,6 +479,46 @@ impl Isa {
             }
             if let Some(s) = stats.as_deref_mut() {
                 s[2 * h0..2 * h1].copy_from_slice(st);
+            }
+        }
+    }
+
+    /// [`Isa::attend_group`] for a block of one sequence's consecutive tokens (a prefill
+    /// chunk's) and one kv head: token `t`'s `g` query heads at `q[t·q_stride..]` attend
+    /// keys `0..ends[t]` (`ends` non-decreasing, from 1), its outputs go to
+    /// `out[t·out_stride..]` (`g × head_dim`) and its (max, Σ) per head to
+    /// `stats[t·stats_stride..]`. Each token's outputs and stats are, bit for bit, those
+    /// of `attend_group` over its own keys: on x86 every head of the block is scored
+    /// against each tile of keys while the tile is in L1 (a long prefix is read once per
+    /// block, not once per token); other flavours call `attend_group` token by token.
+    /// `scores` holds `ends.len() · g · ends[last]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_rows<E: KvElem>(self, q: &[f32], q_stride: usize, g: usize, head_dim: usize, k: &[E], v: &[E], stride: usize, ends: &[usize], scale: f32, scores: &mut [f32], out: &mut [f32], out_stride: usize, stats: &mut [f32], stats_stride: usize) {
+        let (d, tokens) = (head_dim, ends.len());
+        assert!(tokens > 0 && g > 0 && d > 0, "attend_rows: {tokens} tokens of {g} heads of {d}");
+        assert!(ends[0] > 0 && ends.windows(2).all(|w| w[0] <= w[1]), "attend_rows: key counts {ends:?} are not non-decreasing from 1");
+        assert!(tokens * g <= ATTEND_ROWS_MAX, "attend_rows: {tokens}·{g} query rows (limit {ATTEND_ROWS_MAX})");
+        let len = ends[tokens - 1];
+        assert!(q_stride >= g * d && q.len() >= (tokens - 1) * q_stride + g * d, "attend_rows: {} query floats for {tokens} tokens {q_stride} apart", q.len());
+        assert!(out_stride >= g * d && out.len() >= (tokens - 1) * out_stride + g * d, "attend_rows: {} output floats for {tokens} tokens {out_stride} apart", out.len());
+        assert!(stats_stride >= 2 * g && stats.len() >= (tokens - 1) * stats_stride + 2 * g, "attend_rows: stats hold 2 per head");
+        assert!(d.is_multiple_of(E::VALUES), "attend_rows: head_dim {d} is not whole {}-value elements", E::VALUES);
+        let row = d / E::VALUES;
+        assert!(k.len() >= (len - 1) * stride + row && v.len() >= (len - 1) * stride + row, "attend_rows: caches shorter than {len} positions");
+        assert!(scores.len() >= tokens * g * len, "attend_rows: {} scores for {tokens}·{g} rows of {len}", scores.len());
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_f32; bounds asserted above.
+            Isa::Avx2 if d.is_multiple_of(8) => unsafe { x86::attend_rows(q, q_stride, g, d, k, v, stride, ends, scale, scores, out, out_stride, stats, stats_stride) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above; Avx512Vnni implies avx512f and avx512vl.
+            Isa::Avx512Vnni if d.is_multiple_of(8) => unsafe { x86::attend_rows_wide(q, q_stride, g, d, k, v, stride, ends, scale, scores, out, out_stride, stats, stats_stride) },
+            _ => {
+                for (t, &end) in ends.iter().enumerate() {
+                    let o = &mut out[t * out_stride..t * out_stride + g * d];
+                    let st = &mut stats[t * stats_stride..t * stats_stride + 2 * g];
+                    self.attend_group(&q[t * q_stride..t * q_stride + g * d], d, k, v, stride, end, scale, scores, o, Some(st));
+                }
             }
         }
     }

@@ -13,7 +13,7 @@ use crate::shard::{attention_heads, output_rows};
 use crate::step::{Run, StepError, Workspace, PER_TOKEN_PARALLEL_MIN};
 use std::ops::Range;
 use tessera_kernels::pool::SharedMut;
-use tessera_kernels::{matmul_group, ops, Isa, KvElem, KvQ8, ThreadPool};
+use tessera_kernels::{matmul_group, ops, Isa, KvElem, KvQ8, ThreadPool, ATTEND_GROUP_MAX};
 
 /// One layer's grouped-query attention on this rank.
 pub(crate) struct Gqa {
@@ -114,7 +114,7 @@ impl Gqa {
         let t0 = ws.clock();
         let at = TokenCaches { caches, chunks: run.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
         let shape = HeadShape { q_heads: self.q_heads.clone(), kv_heads: self.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
-        attention(run.pool, run.isa, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim], &mut ws.attn_part, &mut ws.attn_stats);
+        attention(run.pool, run.isa, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim], &mut ws.attn_part, &mut ws.attn_stats, &mut ws.attn_blocks);
         // Each token reads its cached keys and values.
         let row_bytes = caches[0].dtype.key_row_bytes(kv_dim) + caches[0].dtype.value_row_bytes(kv_dim);
         let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * row_bytes).sum();
@@ -157,18 +157,40 @@ fn ranges_of(len: usize) -> usize {
     len.div_ceil(ATTN_RANGE_KEYS).max(1)
 }
 
+/// Query rows (tokens × a kv group's heads) of one block of a prefill chunk's
+/// attention: the block's heads take each tile of keys together, so a long prefix is
+/// read once per block rather than once per token (`Isa::attend_rows`).
+const ATTN_BLOCK_ROWS: usize = 24;
+const _: () = assert!(ATTN_BLOCK_ROWS <= tessera_kernels::ATTEND_ROWS_MAX);
+
+/// Tokens per block at most (their key counts sit on the stack).
+const ATTN_BLOCK_TOKENS_MAX: usize = 16;
+
+/// Tokens per block of a chunk whose kv groups have `group` query heads.
+fn block_tokens(group: usize) -> usize {
+    (ATTN_BLOCK_ROWS / group.max(1)).clamp(1, ATTN_BLOCK_TOKENS_MAX)
+}
+
 /// Range slots (each a kv group's heads' partial outputs) the attention scratch holds
-/// for `threads` threads and contexts up to `context_max`: every thread an item's
-/// ranges, and room to spread a few items' ranges over the threads.
-pub(crate) fn attn_range_slots(threads: usize, context_max: usize) -> usize {
-    threads * ranges_of(context_max).max(2 * ATTN_ITEMS_PER_THREAD)
+/// for `threads` threads, contexts up to `context_max` and kv groups of `group` heads:
+/// every thread a block's tokens' ranges, and room to spread a few items' ranges over
+/// the threads.
+pub(crate) fn attn_range_slots(threads: usize, context_max: usize, group: usize) -> usize {
+    threads * (ranges_of(context_max) * block_tokens(group)).max(2 * ATTN_ITEMS_PER_THREAD)
+}
+
+/// Scores the attention scratch holds per thread: one pass of grouped heads over the
+/// whole context (as MLA's heads take it), or a block's rows over one key range.
+pub(crate) fn attn_scores_per_thread(context_max: usize, group: usize) -> usize {
+    (context_max * group.clamp(1, ATTEND_GROUP_MAX)).max(block_tokens(group) * group * context_max.min(ATTN_RANGE_KEYS))
 }
 
 /// Causal attention of the step's `n` queries, each over its own sequence's cache.
-/// Threads split the (token, kv group) items, or, with few items, their key ranges;
-/// each thread uses its own score row.
+/// Threads split the (block of a chunk's consecutive tokens, kv group) items, or, with
+/// few items, their key ranges; each thread uses its own score row. Every token's
+/// result is the same to the bit however its chunk is cut into blocks.
 #[allow(clippy::too_many_arguments)]
-fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32], part: &mut [f32], stats: &mut [f32]) {
+fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &TokenCaches, n: usize, scores: &mut [f32], out: &mut [f32], part: &mut [f32], stats: &mut [f32], blocks: &mut Vec<u32>) {
     let hd = shape.head_dim;
     let heads = shape.q_heads.len();
     let q_dim = heads * hd;
@@ -252,14 +274,90 @@ fn attention(pool: &ThreadPool, isa: Isa, shape: &HeadShape, q: &[f32], at: &Tok
             }
         }
     };
+    // Tokens `t0..t1` (consecutive in one chunk) of piece `p`, range by range through
+    // `attend_rows` into slots `s0 + i·r_last + k` (token i, range k), then each token's
+    // ranges copied or merged into its output heads.
+    let block = |t0: usize, t1: usize, p: usize, s0: usize, sc: &mut [f32]| {
+        let (_, h0, h1, a0, _) = heads_of(t0 * pieces + p);
+        let (g, nt) = (h1 - h0, t1 - t0);
+        let kvh = h0 / shape.group - shape.kv_heads.start;
+        let (k_cache, v_cache, len_last) = at.of(t1 - 1);
+        let cap = at.capacity(t0);
+        let r_last = ranges_of(len_last);
+        assert!(nt <= ATTN_BLOCK_TOKENS_MAX && nt * r_last <= per_thread, "attention block: {nt} tokens of {r_last} ranges, room for {per_thread} slots");
+        for k in 0..r_last {
+            let k0 = k * ATTN_RANGE_KEYS;
+            // The block's tokens with keys in this range: a suffix (positions ascend).
+            let i0 = (0..nt).find(|&i| at.of(t0 + i).2 > k0).expect("the last token has keys in every range");
+            let mut ends = [0usize; ATTN_BLOCK_TOKENS_MAX];
+            for i in i0..nt {
+                ends[i - i0] = at.of(t0 + i).2.min(k0 + ATTN_RANGE_KEYS) - k0;
+            }
+            let ends = &ends[..nt - i0];
+            let off = (kvh * cap + k0) * hd;
+            let q_at = a0 + i0 * q_dim;
+            let q_len = (nt - i0 - 1) * q_dim + g * hd;
+            let s = s0 + i0 * r_last + k;
+            // SAFETY: slots `s0..s0 + nt·r_last` belong to this thread (asserted above).
+            let (o, st) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(part_ptr.ptr().add(s * slot), (nt - i0 - 1) * r_last * slot + g * hd),
+                    std::slice::from_raw_parts_mut(stats_ptr.ptr().add(s * 2 * piece), (nt - i0 - 1) * r_last * 2 * piece + 2 * g),
+                )
+            };
+            let qb = &q[q_at..q_at + q_len];
+            match (k_cache, v_cache) {
+                (KvStore::F32(kc), KvStore::F32(vc)) => isa.attend_rows(qb, q_dim, g, hd, &kc[off..], &vc[off..], hd, ends, scale, sc, o, r_last * slot, st, r_last * 2 * piece),
+                (KvStore::F16(kc), KvStore::F16(vc)) => isa.attend_rows(qb, q_dim, g, hd, &kc[off..], &vc[off..], hd, ends, scale, sc, o, r_last * slot, st, r_last * 2 * piece),
+                _ => unreachable!("blocks only over f32 and f16 caches"),
+            }
+        }
+        for i in 0..nt {
+            let (t, _, _, a, b) = heads_of((t0 + i) * pieces + p);
+            let r = ranges_of(at.of(t).2);
+            let s = s0 + i * r_last;
+            // SAFETY: the item's output heads and its slots belong to this caller alone.
+            let (o, parts, st) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(out_ptr.ptr().add(a), b - a),
+                    std::slice::from_raw_parts(part_ptr.ptr().add(s * slot) as *const f32, r * slot),
+                    std::slice::from_raw_parts(stats_ptr.ptr().add(s * 2 * piece) as *const f32, r * 2 * piece),
+                )
+            };
+            if r == 1 {
+                o.copy_from_slice(&parts[..b - a]);
+            } else {
+                merge_ranges(o, parts, st, r, g, hd, slot, piece);
+            }
+        }
+    };
     if !spread {
-        pool.parallel_for(items, 1, &|tid, jobs| {
+        // Blocks of a chunk's consecutive tokens, as many as the scratch holds.
+        // (A q8 cache's integer scores go token by token.)
+        let q8 = n > 0 && matches!(at.of(0).0, KvStore::Q8Keys { .. });
+        let per_block = if q8 { 1 } else { block_tokens(piece).min(per_thread / r_max).min(ctx / (piece * len_max.clamp(1, ATTN_RANGE_KEYS))).max(1) };
+        blocks.clear();
+        for t in 0..n {
+            let start = blocks.last().map_or(0, |&b| b as usize);
+            if t == 0 || at.tok_chunk[t] != at.tok_chunk[t - 1] || t - start == per_block {
+                blocks.push(t as u32);
+            }
+        }
+        blocks.push(n as u32);
+        let blocks = &blocks[..];
+        pool.parallel_for((blocks.len() - 1) * pieces, 1, &|tid, jobs| {
             // SAFETY: thread `tid` owns score row `tid` and slots `tid·per_thread..`,
             // and the output heads of the items it is given.
             let sc = unsafe { std::slice::from_raw_parts_mut(scores_ptr.ptr().add(tid * ctx), ctx) };
-            for item in jobs {
-                let r = ranges_of(at.of(heads_of(item).0).2);
-                let s0 = tid * per_thread;
+            let s0 = tid * per_thread;
+            for job in jobs {
+                let (t0, t1) = (blocks[job / pieces] as usize, blocks[job / pieces + 1] as usize);
+                if t1 - t0 > 1 {
+                    block(t0, t1, job % pieces, s0, sc);
+                    continue;
+                }
+                let item = t0 * pieces + job % pieces;
+                let r = ranges_of(at.of(t0).2);
                 for k in 0..r {
                     item_range(item, k, s0 + k, sc);
                 }
@@ -310,5 +408,78 @@ fn merge_ranges(o: &mut [f32], parts: &[f32], stats: &[f32], r: usize, g: usize,
             ops::axpy(oh, w, &parts[k * slot + h * hd..][..hd]);
         }
         oh.iter_mut().for_each(|x| *x /= total);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvDtype;
+    use crate::step::{LogitsFor, SeqChunk};
+
+    /// A prefill chunk's attention, cut into blocks of tokens and each token's keys into
+    /// 256-key ranges (merged after), is each token's own to the bit: a 600-token chunk
+    /// after 100 cached positions (tokens whose keys end in one, two and three ranges,
+    /// blocks that straddle range ends) against every token alone, over f32 and f16
+    /// caches, on 1 and 2 threads.
+    #[test]
+    fn blocks_give_each_tokens_own_attention() {
+        let (kv_heads, group, hd, p0, n) = (2, 3, 64, 100, 600);
+        let (cap, q_dim) = (p0 + n, kv_heads * group * hd);
+        let mut seed = 7u64;
+        let mut random = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+                })
+                .collect()
+        };
+        let q = random(n * q_dim);
+        let (keys, values) = (random(cap * kv_heads * hd), random(cap * kv_heads * hd));
+        let shape = HeadShape { q_heads: 0..kv_heads * group, kv_heads: 0..kv_heads, group, head_dim: hd };
+        let isa = Isa::detect();
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let mut cache = KvCache {
+                k: vec![KvStore::new(dtype, cap * kv_heads * hd)],
+                v: vec![KvStore::new(dtype, cap * kv_heads * hd)],
+                dtype,
+                len: p0,
+                capacity: cap,
+                k_row: kv_heads * hd,
+                v_row: kv_heads * hd,
+                heads: kv_heads,
+                head_dim: hd,
+                recurrent: vec![],
+            };
+            cache.k[0].write_heads(0, &keys, kv_heads, hd, cap);
+            cache.v[0].write_heads(0, &values, kv_heads, hd, cap);
+            let caches = std::slice::from_ref(&cache);
+            // Tokens `pos0..pos0 + len` as one chunk, on `threads` threads.
+            let run = |threads: usize, pos0: usize, len: usize| -> Vec<f32> {
+                let pool = ThreadPool::new(threads);
+                let slots = attn_range_slots(threads, cap, group);
+                let (mut scores, mut part, mut stats) = (vec![0.0; threads * attn_scores_per_thread(cap, group)], vec![0.0; slots * group * hd], vec![0.0; slots * 2 * group]);
+                let (mut out, mut blocks) = (vec![0.0; len * q_dim], Vec::with_capacity(len + 1));
+                let tokens = vec![0u32; len];
+                let chunks = [SeqChunk { cache: 0, tokens: &tokens, logits: LogitsFor::Last }];
+                let (tok_chunk, tok_pos) = (vec![0u32; len], (pos0 as u32..(pos0 + len) as u32).collect::<Vec<_>>());
+                let at = TokenCaches { caches, chunks: &chunks, tok_chunk: &tok_chunk, tok_pos: &tok_pos, layer: 0 };
+                let qs = &q[(pos0 - p0) * q_dim..(pos0 - p0 + len) * q_dim];
+                attention(&pool, isa, &shape, qs, &at, len, &mut scores, &mut out, &mut part, &mut stats, &mut blocks);
+                out
+            };
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            let alone: Vec<f32> = (p0..cap).flat_map(|pos| run(1, pos, 1)).collect();
+            for threads in [1, 2] {
+                let chunk = run(threads, p0, n);
+                for t in 0..n {
+                    let (got, want) = (&chunk[t * q_dim..(t + 1) * q_dim], &alone[t * q_dim..(t + 1) * q_dim]);
+                    assert_eq!(bits(got), bits(want), "{dtype:?}, {threads} threads: token {t} of the chunk (position {}) differs from itself alone", p0 + t);
+                }
+            }
+        }
     }
 }

@@ -92,70 +92,110 @@ unsafe fn attend_group_rows<L: Load8>(q: &[f32], d: usize, k: *const u8, v: *con
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_group_t<L: Load8, const G: usize, const KJ: usize, const W: usize>(q: &[f32], d: usize, kp: *const u8, vp: *const u8, stride: usize, len: usize, scale: f32, scores: &mut [f32], out: &mut [f32], stats: &mut [f32]) {
     let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
+    let qs: [*const f32; G] = std::array::from_fn(|h| qp.add(h * d));
+    let ss: [*mut f32; G] = std::array::from_fn(|h| sp.add(h * len));
     // Element offsets become byte offsets.
-    let (stride, row_bytes) = (stride * L::ELEM_BYTES, L::row_bytes(d));
-    // The loops below prefetch a fixed distance ahead, so the first keys and the
-    // first block of values would each wait on memory in turn: ask for them now.
-    let (ahead_l1, ahead_l2) = ((AHEAD_L1_BYTES / row_bytes).max(1), (AHEAD_L2_BYTES / row_bytes).max(1));
-    for r in 0..ahead_l1.min(len) {
-        prefetch_row(kp.wrapping_add(r * stride), row_bytes);
-    }
-    for r in 0..VALUES_BLOCK.min(len) {
-        prefetch_row(vp.wrapping_add(r * stride), row_bytes);
-    }
+    let stride = stride * L::ELEM_BYTES;
+    let ahead = Ahead::new::<L>(kp, vp, stride, d, len);
     // Scores: s[h][j] = scale · q_h · k_j.
     let mut j = 0;
     while j < len {
         let kj = KJ.min(len - j);
-        // A kv head's run of keys is short (8 KiB at 32 positions of 128 f16) and
-        // starts cold, where the hardware prefetchers barely ramp up: ask for keys a
-        // little ahead into L1, and for keys and values far ahead into L2, whose miss
-        // queue is deeper (past this call's keys is the next range's, or spare cache).
-        for r in 0..KJ {
-            prefetch_row(kp.wrapping_add((j + ahead_l1 + r) * stride), row_bytes);
-            prefetch_lines::<_MM_HINT_T1>(kp.wrapping_add((j + ahead_l2 + r) * stride), row_bytes);
-            prefetch_lines::<_MM_HINT_T1>(vp.wrapping_add((j + ahead_l2 + r) * stride), row_bytes);
-        }
-        let mut acc = [[_mm256_setzero_ps(); G]; KJ];
-        let mut i = 0;
-        while i < d {
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                // Past the last key, reread it: the lanes are dropped below.
-                let kv = L::load_at(kp.add((j + r.min(kj - 1)) * stride), i);
-                for (h, a) in acc_r.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * d + i)), kv, *a);
-                }
-            }
-            i += 8;
-        }
-        if KJ.is_multiple_of(4) && kj == KJ {
-            // Whole tiles of 4k keys: each head's sums are 4 consecutive scores, one store.
-            let vscale = _mm_set1_ps(scale);
-            for h in 0..G {
-                for r in (0..KJ).step_by(4) {
-                    let sums = hsum4(acc[r][h], acc[r + 1][h], acc[r + 2][h], acc[r + 3][h]);
-                    _mm_storeu_ps(sp.add(h * len + j + r), _mm_mul_ps(sums, vscale));
-                }
-            }
-        } else {
-            let lanes = G * KJ;
-            let flat = |l: usize| if l < lanes { acc[l / G][l % G] } else { _mm256_setzero_ps() };
-            const { assert!(G * KJ <= 16, "attend_group: lane sums for at most 16 (head, key) pairs") };
-            let mut sums = [0.0f32; 16];
-            let mut l = 0;
-            while l < lanes {
-                _mm_storeu_ps(sums.as_mut_ptr().add(l), hsum4(flat(l), flat(l + 1), flat(l + 2), flat(l + 3)));
-                l += 4;
-            }
-            for r in 0..kj {
-                for h in 0..G {
-                    *sp.add(h * len + j + r) = sums[r * G + h] * scale;
-                }
-            }
-        }
+        ahead.tile::<KJ>(j);
+        scores_tile::<L, G, KJ>(&qs, d, kp, stride, j, kj, scale, &ss);
         j += kj;
     }
     attend_tail::<L, G, W>(sp, d, vp, stride, len, out, stats);
+}
+
+/// The scores pass's prefetches. The loops prefetch a fixed distance ahead, so the
+/// first keys and the first block of values would each wait on memory in turn: they
+/// are asked for at the start.
+#[derive(Clone, Copy)]
+pub(super) struct Ahead {
+    kp: *const u8,
+    vp: *const u8,
+    stride: usize,
+    row_bytes: usize,
+    l1_rows: usize,
+    l2_rows: usize,
+}
+
+impl Ahead {
+    /// `stride` in bytes; asks for the first keys and values now.
+    #[inline(always)]
+    pub(super) unsafe fn new<L: Load8>(kp: *const u8, vp: *const u8, stride: usize, d: usize, len: usize) -> Ahead {
+        let row_bytes = L::row_bytes(d);
+        let (l1_rows, l2_rows) = ((AHEAD_L1_BYTES / row_bytes).max(1), (AHEAD_L2_BYTES / row_bytes).max(1));
+        for r in 0..l1_rows.min(len) {
+            prefetch_row(kp.wrapping_add(r * stride), row_bytes);
+        }
+        for r in 0..VALUES_BLOCK.min(len) {
+            prefetch_row(vp.wrapping_add(r * stride), row_bytes);
+        }
+        Ahead { kp, vp, stride, row_bytes, l1_rows, l2_rows }
+    }
+
+    /// Before the score tile of keys `j ..`: a kv head's run of keys is short (8 KiB at
+    /// 32 positions of 128 f16) and starts cold, where the hardware prefetchers barely
+    /// ramp up: ask for keys a little ahead into L1, and for keys and values far ahead
+    /// into L2, whose miss queue is deeper (past this call's keys is the next range's,
+    /// or spare cache).
+    #[inline(always)]
+    pub(super) unsafe fn tile<const KJ: usize>(&self, j: usize) {
+        for r in 0..KJ {
+            prefetch_row(self.kp.wrapping_add((j + self.l1_rows + r) * self.stride), self.row_bytes);
+            prefetch_lines::<_MM_HINT_T1>(self.kp.wrapping_add((j + self.l2_rows + r) * self.stride), self.row_bytes);
+            prefetch_lines::<_MM_HINT_T1>(self.vp.wrapping_add((j + self.l2_rows + r) * self.stride), self.row_bytes);
+        }
+    }
+}
+
+/// Scores of keys `j .. j + kj` (`kj ≤ KJ`; rows `stride` bytes apart from `kp`) for
+/// `G` query rows `qs`: `ss[h][j + r] = scale · qs[h] · k_{j+r}`. Each score is one
+/// 8-lane FMA chain over the row, its lanes summed as `hsum4` sums them, then scaled:
+/// the same bits whatever the tile.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn scores_tile<L: Load8, const G: usize, const KJ: usize>(qs: &[*const f32; G], d: usize, kp: *const u8, stride: usize, j: usize, kj: usize, scale: f32, ss: &[*mut f32; G]) {
+    let mut acc = [[_mm256_setzero_ps(); G]; KJ];
+    let mut i = 0;
+    while i < d {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // Past the last key, reread it: the lanes are dropped below.
+            let kv = L::load_at(kp.add((j + r.min(kj - 1)) * stride), i);
+            for (h, a) in acc_r.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(qs[h].add(i)), kv, *a);
+            }
+        }
+        i += 8;
+    }
+    if KJ.is_multiple_of(4) && kj == KJ {
+        // Whole tiles of 4k keys: each head's sums are 4 consecutive scores, one store.
+        let vscale = _mm_set1_ps(scale);
+        for h in 0..G {
+            for r in (0..KJ).step_by(4) {
+                let sums = hsum4(acc[r][h], acc[r + 1][h], acc[r + 2][h], acc[r + 3][h]);
+                _mm_storeu_ps(ss[h].add(j + r), _mm_mul_ps(sums, vscale));
+            }
+        }
+    } else {
+        let lanes = G * KJ;
+        let flat = |l: usize| if l < lanes { acc[l / G][l % G] } else { _mm256_setzero_ps() };
+        const { assert!(G * KJ <= 16, "attend_group: lane sums for at most 16 (head, key) pairs") };
+        let mut sums = [0.0f32; 16];
+        let mut l = 0;
+        while l < lanes {
+            _mm_storeu_ps(sums.as_mut_ptr().add(l), hsum4(flat(l), flat(l + 1), flat(l + 2), flat(l + 3)));
+            l += 4;
+        }
+        for r in 0..kj {
+            for (h, s) in ss.iter().enumerate() {
+                *s.add(j + r) = sums[r * G + h] * scale;
+            }
+        }
+    }
 }
 
 /// After the scores: softmax per head over `sp` (`G` rows of `len`), then each head's
@@ -165,65 +205,85 @@ unsafe fn attend_group_t<L: Load8, const G: usize, const KJ: usize, const W: usi
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_tail<L: Load8, const G: usize, const W: usize>(sp: *mut f32, d: usize, vp: *const u8, stride: usize, len: usize, out: &mut [f32], stats: &mut [f32]) {
-    // Softmax per head, unnormalised: exp(s − max); 1/Σ applies to the output.
     let mut inv = [0.0f32; G];
+    let ps: [*const f32; G] = std::array::from_fn(|h| sp.add(h * len) as *const f32);
     for (h, inv_h) in inv.iter_mut().enumerate() {
-        let s = std::slice::from_raw_parts_mut(sp.add(h * len), len);
-        let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
-        let mut j = 0;
-        while j + 8 <= len {
-            vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s.as_ptr().add(j)));
-            j += 8;
-        }
-        let mut lanes = [0.0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
-        let max = s[j..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let (vmax, drop_below) = (_mm256_set1_ps(max), _mm256_set1_ps(crate::ops::SOFTMAX_DROP_BELOW));
-        let mut vsum = _mm256_setzero_ps();
-        let mut j = 0;
-        while j + 8 <= len {
-            let x = _mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(j)), vmax);
-            // Weights far below the maximum are 0 (`ops::softmax_weight`; a NaN compares false).
-            let e = _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(x, drop_below), exp8(x));
-            _mm256_storeu_ps(s.as_mut_ptr().add(j), e);
-            vsum = _mm256_add_ps(vsum, e);
-            j += 8;
-        }
-        let mut sum = hsum(vsum);
-        for x in &mut s[j..] {
-            *x = crate::ops::softmax_weight(*x - max, f32::exp);
-            sum += *x;
-        }
+        let (max, sum) = softmax_row(sp.add(h * len), len);
         *inv_h = 1.0 / sum;
         stats[2 * h] = max;
         stats[2 * h + 1] = sum;
     }
-    // Values: out[h] = Σ_j p[h][j]·v_j, in blocks of VALUES_BLOCK keys whose rows
-    // stay in L1 across the column tiles (W vectors wide, then 1): each row comes
-    // from memory once, not once per tile.
     let op = out.as_mut_ptr();
+    let os: [*mut f32; G] = std::array::from_fn(|h| op.add(h * d));
     out.fill(0.0);
     let mut j0 = 0;
     while j0 < len {
         let j1 = (j0 + VALUES_BLOCK).min(len);
-        let mut c = 0;
-        while c + 8 * W <= d {
-            values_tile::<L, G, W>(vp, sp, stride, len, j0..j1, c, op, d);
-            c += 8 * W;
-        }
-        // What W-wide tiles leave: two vectors at once where that fits, then one.
-        if W > 2 && c + 16 <= d {
-            values_tile::<L, G, 2>(vp, sp, stride, len, j0..j1, c, op, d);
-            c += 16;
-        }
-        while c < d {
-            values_tile::<L, G, 1>(vp, sp, stride, len, j0..j1, c, op, d);
-            c += 8;
-        }
+        values_block::<L, G, W>(vp, stride, &ps, j0..j1, d, &os);
         j0 = j1;
     }
     for (h, o) in out.chunks_exact_mut(d).enumerate() {
         o.iter_mut().for_each(|x| *x *= inv[h]);
+    }
+}
+
+/// Softmax of the `len` scores at `s`, unnormalised: exp(s − max) in place (1/Σ applies
+/// to the output); returns (max, Σ).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn softmax_row(s: *mut f32, len: usize) -> (f32, f32) {
+    let s = std::slice::from_raw_parts_mut(s, len);
+    let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut j = 0;
+    while j + 8 <= len {
+        vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s.as_ptr().add(j)));
+        j += 8;
+    }
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
+    let max = s[j..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let (vmax, drop_below) = (_mm256_set1_ps(max), _mm256_set1_ps(crate::ops::SOFTMAX_DROP_BELOW));
+    let mut vsum = _mm256_setzero_ps();
+    let mut j = 0;
+    while j + 8 <= len {
+        let x = _mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(j)), vmax);
+        // Weights far below the maximum are 0 (`ops::softmax_weight`; a NaN compares false).
+        let e = _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(x, drop_below), exp8(x));
+        _mm256_storeu_ps(s.as_mut_ptr().add(j), e);
+        vsum = _mm256_add_ps(vsum, e);
+        j += 8;
+    }
+    let mut sum = hsum(vsum);
+    for x in &mut s[j..] {
+        *x = crate::ops::softmax_weight(*x - max, f32::exp);
+        sum += *x;
+    }
+    (max, sum)
+}
+
+/// Values of keys `js` (at most [`VALUES_BLOCK`], whose rows stay in L1 across the
+/// column tiles) added into `G` output rows `os`: `os[h] += Σ_j ps[h][j]·v_j`, column
+/// tiles `W` vectors wide, then 2, then 1. Each output value is one FMA chain over the
+/// keys in order: the same bits whatever the tiles.
+///
+/// Not a `target_feature` function, so that it can be `inline(always)`: its callers
+/// hold the features (AVX-512 ones 32 registers; left out of line, as LLVM left it
+/// under `attend_rows_wide`, it is built for 16 and spills, 2.5× slower).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn values_block<L: Load8, const G: usize, const W: usize>(vp: *const u8, stride: usize, ps: &[*const f32; G], js: std::ops::Range<usize>, d: usize, os: &[*mut f32; G]) {
+    let mut c = 0;
+    while c + 8 * W <= d {
+        values_tile::<L, G, W>(vp, ps, stride, js.clone(), c, os, d);
+        c += 8 * W;
+    }
+    if W > 2 && c + 16 <= d {
+        values_tile::<L, G, 2>(vp, ps, stride, js.clone(), c, os, d);
+        c += 16;
+    }
+    while c < d {
+        values_tile::<L, G, 1>(vp, ps, stride, js.clone(), c, os, d);
+        c += 8;
     }
 }
 
@@ -251,16 +311,15 @@ const AHEAD_L1_BYTES: usize = 2 << 10;
 const AHEAD_L2_BYTES: usize = 16 << 10;
 
 /// Keys per block of the values pass: 32 rows of up to 128 f32 = 16 KiB, in L1.
-const VALUES_BLOCK: usize = 32;
+pub(super) const VALUES_BLOCK: usize = 32;
 
-/// Adds keys `js`' weighted values into columns `c..c + 8·W` of every head's output.
+/// Adds keys `js`' weighted values into columns `c..c + 8·W` of every row's output.
 /// The first tile of a block also prefetches the next block's rows.
 #[allow(clippy::too_many_arguments)]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn values_tile<L: Load8, const G: usize, const W: usize>(vp: *const u8, sp: *const f32, stride: usize, len: usize, js: std::ops::Range<usize>, c: usize, op: *mut f32, d: usize) {
+#[inline(always)]
+unsafe fn values_tile<L: Load8, const G: usize, const W: usize>(vp: *const u8, ps: &[*const f32; G], stride: usize, js: std::ops::Range<usize>, c: usize, os: &[*mut f32; G], d: usize) {
     // `stride` in bytes; `c` in elements.
-    let mut acc: [[__m256; W]; G] = std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(op.add(h * d + c + 8 * w))));
+    let mut acc: [[__m256; W]; G] = std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(os[h].add(c + 8 * w))));
     for j in js {
         if c == 0 {
             prefetch_row(vp.wrapping_add((j + VALUES_BLOCK) * stride), L::row_bytes(d));
@@ -268,7 +327,7 @@ unsafe fn values_tile<L: Load8, const G: usize, const W: usize>(vp: *const u8, s
         let row = vp.add(j * stride);
         let vv: [__m256; W] = std::array::from_fn(|w| L::load_at(row, c + 8 * w));
         for (h, acc_h) in acc.iter_mut().enumerate() {
-            let p = _mm256_broadcast_ss(&*sp.add(h * len + j));
+            let p = _mm256_broadcast_ss(&*ps[h].add(j));
             for (a, x) in acc_h.iter_mut().zip(&vv) {
                 *a = _mm256_fmadd_ps(p, *x, *a);
             }
@@ -276,7 +335,7 @@ unsafe fn values_tile<L: Load8, const G: usize, const W: usize>(vp: *const u8, s
     }
     for (h, acc_h) in acc.iter().enumerate() {
         for (w, a) in acc_h.iter().enumerate() {
-            _mm256_storeu_ps(op.add(h * d + c + 8 * w), *a);
+            _mm256_storeu_ps(os[h].add(c + 8 * w), *a);
         }
     }
 }

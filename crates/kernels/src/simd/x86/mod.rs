@@ -7,11 +7,13 @@ use super::*;
 use std::arch::x86_64::*;
 
 mod attention;
+mod attention_rows;
 mod rows;
 mod rows8;
 mod zmm;
 
 pub use attention::*;
+pub use attention_rows::*;
 pub use rows::*;
 pub use rows8::*;
 pub use zmm::*;
