@@ -421,11 +421,12 @@ mod tests {
     /// 256-key ranges (merged after), is each token's own to the bit: a 600-token chunk
     /// after 100 cached positions (tokens whose keys end in one, two and three ranges,
     /// blocks that straddle range ends) against every token alone, over f32 and f16
-    /// caches, on 1 and 2 threads.
+    /// caches, on 1 and 2 threads, with whole kv groups and with a TP rank's heads that
+    /// cut them (heads 1..5 of groups of 3).
     #[test]
     fn blocks_give_each_tokens_own_attention() {
         let (kv_heads, group, hd, p0, n) = (2, 3, 64, 100, 600);
-        let (cap, q_dim) = (p0 + n, kv_heads * group * hd);
+        let cap = p0 + n;
         let mut seed = 7u64;
         let mut random = |len: usize| -> Vec<f32> {
             (0..len)
@@ -437,11 +438,12 @@ mod tests {
                 })
                 .collect()
         };
-        let q = random(n * q_dim);
+        let q = random(n * kv_heads * group * hd);
         let (keys, values) = (random(cap * kv_heads * hd), random(cap * kv_heads * hd));
-        let shape = HeadShape { q_heads: 0..kv_heads * group, kv_heads: 0..kv_heads, group, head_dim: hd };
         let isa = Isa::detect();
-        for dtype in [KvDtype::F32, KvDtype::F16] {
+        for (dtype, q_heads) in [(KvDtype::F32, 0..kv_heads * group), (KvDtype::F16, 0..kv_heads * group), (KvDtype::F16, 1..5)] {
+            let shape = HeadShape { q_heads: q_heads.clone(), kv_heads: 0..kv_heads, group, head_dim: hd };
+            let q_dim = q_heads.len() * hd;
             let mut cache = KvCache {
                 k: vec![KvStore::new(dtype, cap * kv_heads * hd)],
                 v: vec![KvStore::new(dtype, cap * kv_heads * hd)],
@@ -477,7 +479,7 @@ mod tests {
                 let chunk = run(threads, p0, n);
                 for t in 0..n {
                     let (got, want) = (&chunk[t * q_dim..(t + 1) * q_dim], &alone[t * q_dim..(t + 1) * q_dim]);
-                    assert_eq!(bits(got), bits(want), "{dtype:?}, {threads} threads: token {t} of the chunk (position {}) differs from itself alone", p0 + t);
+                    assert_eq!(bits(got), bits(want), "{dtype:?}, heads {q_heads:?}, {threads} threads: token {t} of the chunk (position {}) differs from itself alone", p0 + t);
                 }
             }
         }
