@@ -235,7 +235,7 @@ fn prefill_chunk(bencher: divan::Bencher, how: &str) {
                 let lens: Vec<usize> = (b0..b0 + block).map(|t| pos0 + t + 1).collect();
                 for r0 in (0..lens[block - 1]).step_by(range) {
                     let at = (h * cap + r0) * d;
-                    let first = lens.iter().position(|&l| l > r0).unwrap();
+                    let first = lens.iter().position(|&l| l > r0).expect("the block's last token has keys in every range");
                     let ends: Vec<usize> = lens[first..].iter().map(|&l| l.min(r0 + range) - r0).collect();
                     let qb = &q[(b0 + first) * q_dim + h * g * d..];
                     isa.attend_rows(divan::black_box(qb), q_dim, g, d, &k[at..], &v[at..], d, &ends, 0.125, &mut scores, &mut out, g * d, &mut stats, 2 * g);

@@ -340,7 +340,7 @@ impl Workspace {
             + b(&self.expert_count)
             + b(&self.expert_slots)
             + b(&self.tok_chunk)
-            + self.attn_blocks.capacity() * 4
+            + self.attn_blocks.capacity() * std::mem::size_of::<u32>()
             + b(&self.tok_pos)
             + b(&self.chunk_start)
             + self.dispatch.as_ref().map_or(0, DispatchBuffers::bytes)
