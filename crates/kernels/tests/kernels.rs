@@ -373,6 +373,34 @@ fn matmul_streaming_equals_matmul() {
     }
 }
 
+/// `matmul_group_ahead` (a matmul that also asks for the caller's next reads) gives
+/// `matmul_group`'s outputs bit for bit, whatever it is asked for: nothing, empty and
+/// odd-sized regions, more than `AHEAD_REGIONS_MAX` of them, more bytes than it asks for.
+#[test]
+fn matmul_group_ahead_equals_matmul_group() {
+    let isa = Isa::detect();
+    let mut rng = Rng(27);
+    let (cols, tokens) = (64, 5);
+    let shapes = [(WeightFormat::Q4_0, 48), (WeightFormat::Q8_0, 16)];
+    let datas: Vec<Vec<u8>> = shapes.iter().map(|&(f, rows)| tessera_kernels::repack_interleaved(f, rows, cols, &(0..rows).flat_map(|_| random_row(&mut rng, f, cols)).collect::<Vec<u8>>())).collect();
+    let ws: Vec<WeightRows> = shapes.iter().zip(&datas).map(|(&(f, rows), d)| WeightRows::new(f.interleaved().unwrap(), rows, cols, d).unwrap()).collect();
+    let x = random_vec(&mut rng, tokens * cols);
+    let big = vec![7u8; 3 << 20];
+    let odd: Vec<&[u8]> = (0..100).map(|i| &big[i * 13..i * 13 + i % 7]).collect();
+    let asks: [&[&[u8]]; 4] = [&[], &[&big[..0], &big[5..70]], &odd, &[&big[..], &big[1..]]];
+    for threads in [1, 2, 3] {
+        let pool = ThreadPool::new(threads);
+        let mut scratch = MatmulScratch::new(tokens, cols);
+        let (mut a0, mut a1) = (vec![0.0; tokens * 48], vec![0.0; tokens * 16]);
+        tessera_kernels::matmul_group(&pool, isa, &ws, &x, tokens, &mut [&mut a0, &mut a1], &mut scratch);
+        for ahead in asks {
+            let (mut b0, mut b1) = (vec![f32::NAN; tokens * 48], vec![f32::NAN; tokens * 16]);
+            tessera_kernels::matmul_group_ahead(&pool, isa, &ws, &x, tokens, &mut [&mut b0, &mut b1], &mut scratch, ahead);
+            assert!(a0.iter().chain(&a1).zip(b0.iter().chain(&b1)).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} threads, {} regions", ahead.len());
+        }
+    }
+}
+
 /// Columns split at their scheme's block boundaries (32 values; 256 for the K-quants)
 /// and quantized apart assemble into the whole rows' blocks, bit for bit, and
 /// `matmul_q8` / `matmul_jobs_q8` on them give `matmul`'s / `matmul_jobs`' outputs: what a rank that gathers others'

@@ -168,20 +168,31 @@ impl KvStore {
             KvStore::Q8(_) => KvQ8::VALUES,
             _ => 1,
         };
-        let (heads, span) = match (self, l.heads) {
-            (_, _) if n == 0 || pos.is_empty() => (0, 0..0),
-            (KvStore::Q8Keys { groups_per_head, group_bytes, .. }, h) => {
-                let (gph, gb) = (*groups_per_head, *group_bytes);
-                return (0..h).map(move |h| (h * gph + pos.start / 8) * gb..(h * gph + pos.end.div_ceil(8)) * gb).collect::<Vec<_>>().into_iter();
-            }
+        // (heads, elements from one head to the next, the span within a head)
+        let (heads, head, span) = match (self, l.heads) {
+            (_, _) if n == 0 || pos.is_empty() => (0, 0, 0..0),
+            (KvStore::Q8Keys { groups_per_head, group_bytes, .. }, h) => (h, groups_per_head * group_bytes, pos.start / 8 * group_bytes..pos.end.div_ceil(8) * group_bytes),
             (_, 0) => {
                 let row = n * per_elem / l.capacity;
-                (1, pos.start * row / per_elem..pos.end * row / per_elem)
+                (1, 0, pos.start * row / per_elem..pos.end * row / per_elem)
             }
-            (_, h) => (h, pos.start * l.head_dim / per_elem..pos.end * l.head_dim / per_elem),
+            (_, h) => (h, l.capacity * l.head_dim / per_elem, pos.start * l.head_dim / per_elem..pos.end * l.head_dim / per_elem),
         };
-        let head = l.capacity * l.head_dim / per_elem;
-        (0..heads).map(move |h| h * head + span.start..h * head + span.end).collect::<Vec<_>>().into_iter()
+        (0..heads).map(move |h| h * head + span.start..h * head + span.end)
+    }
+
+    /// The bytes of elements `r`.
+    fn bytes(&self, r: Range<usize>) -> &[u8] {
+        fn of<T>(v: &[T]) -> &[u8] {
+            // SAFETY: plain data (floats, f16, q8 blocks, bytes) seen as the bytes it is.
+            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+        }
+        match self {
+            KvStore::F32(v) => of(&v[r]),
+            KvStore::F16(v) => of(&v[r]),
+            KvStore::Q8(v) => of(&v[r]),
+            KvStore::Q8Keys { bytes, .. } => &bytes[r],
+        }
     }
 
     fn elements(&self) -> usize {
@@ -362,6 +373,13 @@ impl KvCache {
         self.recurrent.iter().map(Recurrent::bytes).sum()
     }
 
+    /// The bytes layer `layer`'s keys and values for positions `pos` lie in: a run per
+    /// store and head (what attention reads, for [`tessera_kernels::matmul_group_ahead`]).
+    pub(crate) fn layer_runs(&self, layer: usize, pos: Range<usize>) -> impl Iterator<Item = &[u8]> {
+        let l = self.layout();
+        [&self.k[layer], &self.v[layer]].into_iter().flat_map(move |s| s.runs(pos.clone(), l).map(move |r| s.bytes(r)))
+    }
+
     fn layout(&self) -> Layout {
         Layout { heads: self.heads, head_dim: self.head_dim, capacity: self.capacity }
     }
@@ -406,5 +424,61 @@ impl TokenCaches<'_> {
     #[inline]
     pub(crate) fn capacity(&self, t: usize) -> usize {
         self.caches[self.chunks[self.tok_chunk[t] as usize].cache].capacity
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-layer GQA cache of `heads` kv heads × `head_dim`, positions `0..len`
+    /// written with value `h·1000 + pos·10 + i` (keys) and its negation (values).
+    fn cache(dtype: KvDtype, heads: usize, head_dim: usize, capacity: usize, len: usize) -> KvCache {
+        let row = heads * head_dim;
+        let k = match dtype {
+            KvDtype::Q8 => KvStore::q8_keys(capacity, heads, head_dim),
+            _ => KvStore::new(dtype, capacity * row),
+        };
+        let mut c = KvCache { k: vec![k], v: vec![KvStore::new(dtype, capacity * row)], dtype, len: 0, capacity, k_row: row, v_row: row, heads, head_dim, recurrent: vec![Recurrent::new(0, 0)] };
+        let x: Vec<f32> = (0..len).flat_map(|p| (0..heads).flat_map(move |h| (0..head_dim).map(move |i| (h * 1000 + p * 10 + i) as f32))).collect();
+        let neg: Vec<f32> = x.iter().map(|v| -v).collect();
+        c.k[0].write_heads(0, &x, heads, head_dim, capacity);
+        c.v[0].write_heads(0, &neg, heads, head_dim, capacity);
+        c.len = len;
+        c
+    }
+
+    /// `layer_runs` gives each head's keys then each head's values for the positions
+    /// asked, as the stores hold them: the bytes attention reads and no others.
+    #[test]
+    fn layer_runs_are_each_heads_cached_rows() {
+        let (heads, hd, cap) = (3, 32, 40);
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+            let c = cache(dtype, heads, hd, cap, 20);
+            for pos in [0..20, 0..9, 4..9, 0..0] {
+                let runs: Vec<&[u8]> = c.layer_runs(0, pos.clone()).collect();
+                if pos.is_empty() {
+                    assert!(runs.is_empty(), "{dtype:?}");
+                    continue;
+                }
+                assert_eq!(runs.len(), 2 * heads, "{dtype:?}");
+                for (i, r) in runs.iter().enumerate() {
+                    let (h, key) = (i % heads, i < heads);
+                    let want = match (dtype, key) {
+                        (KvDtype::F32, _) => pos.len() * hd * 4,
+                        (KvDtype::F16, _) => pos.len() * hd * 2,
+                        (KvDtype::Q8, true) => (pos.end.div_ceil(8) - pos.start / 8) * 8 * hd / 32 * WeightFormat::Q8_0.block_bytes(),
+                        (KvDtype::Q8, false) => pos.len() * hd / KvQ8::VALUES * std::mem::size_of::<KvQ8>(),
+                    };
+                    assert_eq!(r.len(), want, "{dtype:?} head {h} key {key} {pos:?}");
+                    if dtype == KvDtype::F32 {
+                        let vals: Vec<f32> = r.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+                        let sign = if key { 1.0 } else { -1.0 };
+                        let expect: Vec<f32> = pos.clone().flat_map(|p| (0..hd).map(move |e| sign * (h * 1000 + p * 10 + e) as f32)).collect();
+                        assert_eq!(vals, expect, "head {h} key {key} {pos:?}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -13,7 +13,7 @@ use crate::shard::{attention_heads, output_rows};
 use crate::step::{Run, StepError, Workspace, PER_TOKEN_PARALLEL_MIN};
 use std::ops::Range;
 use tessera_kernels::pool::SharedMut;
-use tessera_kernels::{matmul_group, ops, Isa, KvElem, KvQ8, ThreadPool, ATTEND_GROUP_MAX};
+use tessera_kernels::{matmul_group_ahead, ops, AHEAD_REGIONS_MAX, Isa, KvElem, KvQ8, ThreadPool, ATTEND_GROUP_MAX};
 
 /// One layer's grouped-query attention on this rank.
 pub(crate) struct Gqa {
@@ -75,7 +75,14 @@ impl Gqa {
         // q, k and v share their input: one region, one activation quantization.
         let (wq, wk, wv) = (self.q.weights(run.ckpt), self.k.weights(run.ckpt), self.v.weights(run.ckpt));
         let (q, k, v) = (&mut ws.q[..n * q_dim], &mut ws.k[..n * kv_dim], &mut ws.v[..n * kv_dim]);
-        matmul_group(run.pool, run.isa, &[wq, wk, wv], xn, n, &mut [&mut *q, &mut *k, &mut *v], &mut ws.mm);
+        // What attention reads next, asked for among the projection's weights.
+        let mut ahead: [&[u8]; AHEAD_REGIONS_MAX] = [&[]; AHEAD_REGIONS_MAX];
+        let mut regions = 0;
+        for (slot, run) in ahead.iter_mut().zip(run.chunks.iter().flat_map(|ch| caches[ch.cache].layer_runs(li, 0..caches[ch.cache].len))) {
+            *slot = run;
+            regions += 1;
+        }
+        matmul_group_ahead(run.pool, run.isa, &[wq, wk, wv], xn, n, &mut [&mut *q, &mut *k, &mut *v], &mut ws.mm, &ahead[..regions]);
         if let Some(b) = &self.v.bias {
             ops::add_bias(v, b);
         }
