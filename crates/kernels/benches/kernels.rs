@@ -244,3 +244,41 @@ fn prefill_chunk(bencher: divan::Bencher, how: &str) {
         }
     });
 }
+
+/// A MoE router at batch 32 (the bench MoE's: 64 experts × 1024, F32), one thread, hot.
+#[divan::bench(args = [1, 4, 32], sample_count = 50)]
+fn router(bencher: divan::Bencher, tokens: usize) {
+    let (rows, cols) = (64, 1024);
+    let data: Vec<u8> = bytes(rows * cols, 5).iter().flat_map(|&b| ((b as f32 - 128.0) / 512.0).to_le_bytes()).collect();
+    let w = WeightRows::new(WeightFormat::F32, rows, cols, &data).expect("matrix shape");
+    let x: Vec<f32> = bytes(tokens * cols, 3).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
+    let mut y = vec![0.0; tokens * rows];
+    let mut scratch = MatmulScratch::new(tokens, cols);
+    let pool = ThreadPool::new(1);
+    let isa = Isa::detect();
+    bencher.counter(divan::counter::ItemsCount::new(rows * cols * tokens)).bench_local(|| {
+        matmul(&pool, isa, w, divan::black_box(&x), tokens, &mut y, &mut scratch);
+    });
+}
+
+/// A MoE expert's 512 × 1024 Q4_0 matrix, in L2, against `tokens` tokens, one thread:
+/// the kernels' own arithmetic per token count (an expert at batch 32 sees ~4 tokens),
+/// to set against `mac_probe`'s int8 ceiling.
+#[divan::bench(args = [1, 2, 3, 4, 5, 7, 8], sample_count = 50)]
+fn expert_hot(bencher: divan::Bencher, tokens: usize) {
+    let (rows, cols) = (512, 1024);
+    let mut src = bytes(rows * WeightFormat::Q4_0.row_bytes(cols).expect("whole blocks"), 9);
+    for block in src.chunks_exact_mut(WeightFormat::Q4_0.block_bytes()) {
+        block[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+    }
+    let data = tessera_kernels::repack_interleaved(WeightFormat::Q4_0, rows, cols, &src);
+    let w = WeightRows::new(WeightFormat::Q4_0x8, rows, cols, &data).expect("matrix shape");
+    let x: Vec<f32> = bytes(tokens * cols, 3).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
+    let mut y = vec![0.0; tokens * rows];
+    let mut scratch = MatmulScratch::new(tokens, cols);
+    let pool = ThreadPool::new(1);
+    let isa = Isa::detect();
+    bencher.counter(divan::counter::ItemsCount::new(rows * cols * tokens)).bench_local(|| {
+        matmul(&pool, isa, w, divan::black_box(&x), tokens, &mut y, &mut scratch);
+    });
+}
