@@ -105,12 +105,17 @@ fn matrix(format: WeightFormat) -> Vec<u8> {
 fn run(bencher: divan::Bencher, format: WeightFormat, tokens: usize) {
     let data = matrix(format);
     let w = WeightRows::new(format, ROWS, COLS, &data).expect("matrix shape");
-    let x: Vec<f32> = bytes(tokens * COLS, 3).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
-    let mut y = vec![0.0; tokens * ROWS];
-    let mut scratch = MatmulScratch::new(tokens, COLS);
+    run_matmul(bencher.counter(divan::counter::BytesCount::new(data.len())), w, tokens);
+}
+
+/// `matmul` of `w` against `tokens` random tokens on one thread, per call.
+fn run_matmul(bencher: divan::Bencher, w: WeightRows<'_>, tokens: usize) {
+    let x: Vec<f32> = bytes(tokens * w.cols, 3).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
+    let mut y = vec![0.0; tokens * w.rows];
+    let mut scratch = MatmulScratch::new(tokens, w.cols);
     let pool = ThreadPool::new(1);
     let isa = Isa::detect();
-    bencher.counter(divan::counter::BytesCount::new(data.len())).bench_local(|| {
+    bencher.bench_local(|| {
         matmul(&pool, isa, w, divan::black_box(&x), tokens, &mut y, &mut scratch);
     });
 }
@@ -251,14 +256,7 @@ fn router(bencher: divan::Bencher, tokens: usize) {
     let (rows, cols) = (64, 1024);
     let data: Vec<u8> = bytes(rows * cols, 5).iter().flat_map(|&b| ((b as f32 - 128.0) / 512.0).to_le_bytes()).collect();
     let w = WeightRows::new(WeightFormat::F32, rows, cols, &data).expect("matrix shape");
-    let x: Vec<f32> = bytes(tokens * cols, 3).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
-    let mut y = vec![0.0; tokens * rows];
-    let mut scratch = MatmulScratch::new(tokens, cols);
-    let pool = ThreadPool::new(1);
-    let isa = Isa::detect();
-    bencher.counter(divan::counter::ItemsCount::new(rows * cols * tokens)).bench_local(|| {
-        matmul(&pool, isa, w, divan::black_box(&x), tokens, &mut y, &mut scratch);
-    });
+    run_matmul(bencher.counter(divan::counter::ItemsCount::new(rows * cols * tokens)), w, tokens);
 }
 
 /// A MoE expert's 512 × 1024 Q4_0 matrix, in L2, against `tokens` tokens, one thread:
@@ -273,12 +271,5 @@ fn expert_hot(bencher: divan::Bencher, tokens: usize) {
     }
     let data = tessera_kernels::repack_interleaved(WeightFormat::Q4_0, rows, cols, &src);
     let w = WeightRows::new(WeightFormat::Q4_0x8, rows, cols, &data).expect("matrix shape");
-    let x: Vec<f32> = bytes(tokens * cols, 3).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
-    let mut y = vec![0.0; tokens * rows];
-    let mut scratch = MatmulScratch::new(tokens, cols);
-    let pool = ThreadPool::new(1);
-    let isa = Isa::detect();
-    bencher.counter(divan::counter::ItemsCount::new(rows * cols * tokens)).bench_local(|| {
-        matmul(&pool, isa, w, divan::black_box(&x), tokens, &mut y, &mut scratch);
-    });
+    run_matmul(bencher.counter(divan::counter::ItemsCount::new(rows * cols * tokens)), w, tokens);
 }
