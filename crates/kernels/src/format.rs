@@ -58,10 +58,10 @@
 //!   scales less 32 as i8 (byte 16 + 8·g + r, as Q6_Kx8), then per sub-block 96 bytes:
 //!   Q2_Kx8's 64 of low bits and 32 of third bits in Q5_0x8's order (bit 2j: chunk j's
 //!   low-nibble element, 2j + 1: its high one). w = d·scale_g·(q − 4).
-//! - F16x4 / BF16x4 (F16 / BF16 repacked at load on x86, groups of 4 rows): per
-//!   16-column piece, the 4 rows' 16 values one row after another (128 bytes). A
-//!   group is one stream of memory instead of four rows read one after another; same
-//!   bytes per row as the source.
+//! - F16x4 / BF16x4 / F32x4 (F16 / BF16 / F32 repacked at load on x86, groups of 4
+//!   rows): per 16-column piece, the 4 rows' 16 values one row after another (128
+//!   bytes; 256 for F32x4). A group is one stream of memory instead of four rows read
+//!   one after another; same bytes per row as the source.
 //! - A4 / A8 (MLX affine, repacked at load): per group of g weights an f32 scale s, an
 //!   f32 bias b, then the quantized values (4-bit: per 32 values 16 bytes in the Q4_0
 //!   nibble order; 8-bit: one byte each); w = s·q + b.
@@ -169,9 +169,10 @@ pub enum WeightFormat {
     /// nibbles being elements 0..16), taken with MXFP4's doubled levels and d = scale / 2,
     /// so w = d·level is the NVFP4 weight exactly. 18 bytes per row and 32, as the source.
     Nvfp4x8,
-    /// F16 / BF16 interleaved by groups of 4 rows in 16-column pieces (module docs).
+    /// F16 / BF16 / F32 interleaved by groups of 4 rows in 16-column pieces (module docs).
     F16x4,
     Bf16x4,
+    F32x4,
     /// MLX affine 4-bit with `group` elements per scale/bias (32, 64 or 128).
     A4 { group: u16 },
     /// MLX affine 8-bit.
@@ -262,6 +263,7 @@ impl WeightFormat {
             WeightFormat::Q3Kx8 => "Q3_Kx8",
             WeightFormat::F16x4 => "F16x4",
             WeightFormat::Bf16x4 => "BF16x4",
+            WeightFormat::F32x4 => "F32x4",
             WeightFormat::Mxfp4 => "MXFP4",
             WeightFormat::Q4K => "Q4_K",
             WeightFormat::Q5K => "Q5_K",
@@ -336,7 +338,7 @@ impl WeightFormat {
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 => 8,
             WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Mxfp4x8 | WeightFormat::Nvfp4x8 | WeightFormat::A8x8 => 8,
             WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 8,
-            WeightFormat::F16x4 | WeightFormat::Bf16x4 => 4,
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::F32x4 => 4,
             _ => 1,
         }
     }
@@ -380,7 +382,7 @@ impl WeightFormat {
     /// bytes decide [`WeightFormat::panels`]; itself for the others.
     pub fn source(self) -> WeightFormat {
         use WeightFormat::*;
-        [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K, Iq4Nl, Q2K, Q3K, Iq4Xs, F16, Bf16].into_iter().find(|f| f.interleaved() == Some(self)).unwrap_or(self)
+        [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K, Iq4Nl, Q2K, Q3K, Iq4Xs, F16, Bf16, F32].into_iter().find(|f| f.interleaved() == Some(self)).unwrap_or(self)
     }
 
     /// The interleaved layout this format is repacked into at load, if it has one.
@@ -400,6 +402,7 @@ impl WeightFormat {
             WeightFormat::Iq4Xs => Some(WeightFormat::Iq4Xsx8),
             WeightFormat::F16 => Some(WeightFormat::F16x4),
             WeightFormat::Bf16 => Some(WeightFormat::Bf16x4),
+            WeightFormat::F32 => Some(WeightFormat::F32x4),
             _ => None,
         }
     }
@@ -410,7 +413,7 @@ impl WeightFormat {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 1,
             WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Mxfp4 | WeightFormat::Fp8 | WeightFormat::Nvfp4 | WeightFormat::Iq4Nl => 32,
             WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Iq4Nlx8 | WeightFormat::Mxfp4x8 | WeightFormat::Nvfp4x8 | WeightFormat::A8x8 => 32,
-            WeightFormat::F16x4 | WeightFormat::Bf16x4 => 16,
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::F32x4 => 16,
             WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 => 256,
             WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Iq4Xs | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 => 256,
             WeightFormat::A4 { group } | WeightFormat::A8 { group } => group as usize,
@@ -423,6 +426,7 @@ impl WeightFormat {
             WeightFormat::F32 => 4,
             WeightFormat::F16 | WeightFormat::Bf16 => 2,
             WeightFormat::F16x4 | WeightFormat::Bf16x4 => 32,
+            WeightFormat::F32x4 => 64,
             WeightFormat::Q8_0 | WeightFormat::Q8_0x8 => 34,
             WeightFormat::Q4_0 | WeightFormat::Q4_0x8 => 18,
             WeightFormat::Q4_1 | WeightFormat::Q4_1x8 => 20,
@@ -450,7 +454,7 @@ impl WeightFormat {
     }
 
     pub fn is_quantized(self) -> bool {
-        self.block_elems() > 1 && !matches!(self, WeightFormat::F16x4 | WeightFormat::Bf16x4)
+        self.block_elems() > 1 && !matches!(self, WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::F32x4)
     }
 
     /// Bytes of one row of `cols` elements, or an error when `cols` is not a whole

@@ -535,7 +535,7 @@ fn unit_rows(isa: Isa, w: &WeightRows<'_>, n_tokens: usize) -> usize {
     }
 }
 
-/// Plain float rows as stored (an F32 MoE router, F16/BF16 rows not interleaved), whose
+/// Plain float rows as stored (F32 / F16 / BF16 rows not interleaved: an MoE router off x86), whose
 /// one-token units are four rows ([`Isa::dot_f32_rows4_stored`]).
 fn stored_float_rows4(w: &WeightRows<'_>) -> bool {
     matches!(w.format, WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16) && w.rows.is_multiple_of(4)

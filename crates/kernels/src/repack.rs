@@ -76,15 +76,17 @@ fn repack_whole_into(format: WeightFormat, rows: usize, cols: usize, data: &[u8]
         WeightFormat::Iq4Xs => repack_iq4xs_rows8_into(rows, cols, data, out),
         WeightFormat::Q2K => repack_k23_rows8_into::<false>(rows, cols, data, out),
         WeightFormat::Q3K => repack_k23_rows8_into::<true>(rows, cols, data, out),
-        WeightFormat::F16 | WeightFormat::Bf16 => {
-            assert!(rows.is_multiple_of(4) && cols.is_multiple_of(16) && data.len() == rows * cols * 2, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
-            let row_bytes = cols * 2;
-            let mut pieces = out.chunks_exact_mut(32);
+        WeightFormat::F16 | WeightFormat::Bf16 | WeightFormat::F32 => {
+            // A row's 16-column piece: 32 bytes (64 for F32).
+            let (esize, piece_row) = (format.block_bytes(), 16 * format.block_bytes());
+            assert!(rows.is_multiple_of(4) && cols.is_multiple_of(16) && data.len() == rows * cols * esize, "repack_interleaved: {format} {rows}×{cols} in {} bytes", data.len());
+            let row_bytes = cols * esize;
+            let mut pieces = out.chunks_exact_mut(piece_row);
             for g in 0..rows / 4 {
                 for piece in 0..cols / 16 {
                     for r in 0..4 {
-                        let at = (4 * g + r) * row_bytes + 32 * piece;
-                        pieces.next().expect("sized above").copy_from_slice(&data[at..at + 32]);
+                        let at = (4 * g + r) * row_bytes + piece_row * piece;
+                        pieces.next().expect("sized above").copy_from_slice(&data[at..at + piece_row]);
                     }
                 }
             }

@@ -157,7 +157,7 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
         | WeightFormat::Mxfp4x8
         | WeightFormat::Nvfp4x8
         | WeightFormat::A8x8 => panic!("{format} interleaves 8 rows: see dequantize_rows8"),
-        WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
+        WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::F32x4 => panic!("{format} interleaves 4 rows: see dequantize_rows4"),
         WeightFormat::Q4K | WeightFormat::Q5K => {
             let five = format == WeightFormat::Q5K;
             let bb = format.block_bytes();
@@ -836,36 +836,38 @@ pub fn attend_tail<E: crate::KvElem>(scores: &mut [f32], g: usize, d: usize, v: 
     }
 }
 
-/// The plain float format an interleaved 4-row group stores (F16x4 → F16, BF16x4 → BF16).
+/// The plain float format an interleaved 4-row group stores (F16x4 → F16, BF16x4 →
+/// BF16, F32x4 → F32).
 fn rows4_source(format: WeightFormat) -> WeightFormat {
     match format {
         WeightFormat::F16x4 => WeightFormat::F16,
         WeightFormat::Bf16x4 => WeightFormat::Bf16,
+        WeightFormat::F32x4 => WeightFormat::F32,
         _ => panic!("{format} does not interleave 4 rows"),
     }
 }
 
-/// The 4 rows of one group of `F16x4` / `BF16x4` as f32, `out[r·cols + c]`.
+/// The 4 rows of one group of `F16x4` / `BF16x4` / `F32x4` as f32, `out[r·cols + c]`.
 pub fn dequantize_rows4(format: WeightFormat, group: &[u8], out: &mut [f32]) {
     let src = rows4_source(format);
-    let cols = out.len() / 4;
-    for (piece, bytes) in group.chunks_exact(128).take(cols / 16).enumerate() {
+    let (cols, piece_row) = (out.len() / 4, format.block_bytes());
+    for (piece, bytes) in group.chunks_exact(4 * piece_row).take(cols / 16).enumerate() {
         for r in 0..4 {
-            dequantize_row(src, &bytes[32 * r..32 * (r + 1)], &mut out[r * cols + 16 * piece..r * cols + 16 * (piece + 1)]);
+            dequantize_row(src, &bytes[piece_row * r..piece_row * (r + 1)], &mut out[r * cols + 16 * piece..r * cols + 16 * (piece + 1)]);
         }
     }
 }
 
-/// Dot products of the 4 rows of one `F16x4` / `BF16x4` group with f32 activations,
-/// each summed in order (the reference for the SIMD kernels).
+/// Dot products of the 4 rows of one `F16x4` / `BF16x4` / `F32x4` group with f32
+/// activations, each summed in order (the reference for the SIMD kernels).
 pub fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f32; 4] {
     // Each row as `dot_f32` computes it (its columns come 16 at a time, no tail).
-    let src = rows4_source(format);
+    let (src, piece_row) = (rows4_source(format), format.block_bytes());
     let mut w = [0.0f32; 16];
     let mut lanes = [[0.0f32; 8]; 4];
-    for (bytes, xs) in group.chunks_exact(128).zip(x.chunks_exact(16)) {
+    for (bytes, xs) in group.chunks_exact(4 * piece_row).zip(x.chunks_exact(16)) {
         for (r, l) in lanes.iter_mut().enumerate() {
-            dequantize_row(src, &bytes[32 * r..32 * (r + 1)], &mut w);
+            dequantize_row(src, &bytes[piece_row * r..piece_row * (r + 1)], &mut w);
             for (i, (wi, xi)) in w.iter().zip(xs).enumerate() {
                 l[i % 8] = wi.mul_add(*xi, l[i % 8]);
             }

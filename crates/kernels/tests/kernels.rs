@@ -709,14 +709,14 @@ fn group_pairs_equal_single_groups() {
     }
 }
 
-/// F16 / BF16 repacked into 4-row groups: the groups dequantize to the source rows, the
+/// F16 / BF16 / F32 repacked into 4-row groups: the groups dequantize to the source rows, the
 /// one- and two-token kernels match the scalar reference, and matmul over the repacked
 /// matrix (1, 2, 3 and 5 tokens: pairs and a single tail) matches matmul over the source.
 #[test]
 fn interleaved_float_rows_are_the_source_rows() {
     let isa = Isa::detect();
     let mut rng = Rng(13);
-    for format in [WeightFormat::F16, WeightFormat::Bf16] {
+    for format in [WeightFormat::F16, WeightFormat::Bf16, WeightFormat::F32] {
         let packed_format = format.interleaved().unwrap();
         for (rows, cols) in [(4, 16), (8, 48), (12, 1024)] {
             let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
@@ -1306,7 +1306,8 @@ fn wide_rows_are_the_sum_of_their_panels() {
 
 /// Plain float rows as stored run four at a time for one token (four FMA chains at once):
 /// each row's bits are its scalar dot's, with and without a tail of fewer than 8
-/// columns, against the scalar kernel one row at a time.
+/// columns, against the scalar kernel one row at a time. Widths of one panel in every
+/// one of these formats (an F32 row of 2,048 columns is two: its 4-row layout's group).
 #[test]
 fn four_float_rows_at_once_give_each_rows_bits() {
     let mut rng = Rng(28);
@@ -1314,7 +1315,8 @@ fn four_float_rows_at_once_give_each_rows_bits() {
     isas.extend(simd_flavours());
     let pool = ThreadPool::new(2);
     for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Bf16] {
-        for (rows, cols) in [(12, 576), (16, 583), (64, 2048)] {
+        for (rows, cols) in [(12, 576), (16, 583), (64, 1024)] {
+            assert_eq!(format.panels(cols), 1, "{format} {cols}");
             let data: Vec<u8> = (0..rows).flat_map(|_| random_row(&mut rng, format, cols)).collect();
             let x = random_vec(&mut rng, cols);
             let w = WeightRows::new(format, rows, cols, &data).unwrap();

@@ -79,7 +79,7 @@ impl Linear {
     }
 
     /// The interleaved layout this matrix takes at load: the GGUF block formats into
-    /// the 8-row ones the kernels run fastest, F16 / BF16 into the 4-row one, where `isa`
+    /// the 8-row ones the kernels run fastest, F16 / BF16 / F32 into the 4-row one, where `isa`
     /// has kernels for it. Matrices whose rows (or columns) do not come in whole groups
     /// (pieces) keep their format.
     pub(crate) fn interleaved(&self, isa: Isa) -> Option<WeightFormat> {

@@ -46,8 +46,15 @@ fn huge_page_arena_gives_the_same_logits() {
         let (arena_off, _) = off.weights_arena_bytes();
         assert!(huge_on <= arena_on, "{rel}: {huge_on} huge-page bytes in a {arena_on}-byte arena");
         if cfg!(target_os = "linux") && huge_pages {
-            // Every streamed matrix moved, not only the repacked ones.
-            assert!(arena_on > arena_off, "{rel}: arena {arena_on} bytes with huge pages, {arena_off} without");
+            // Every streamed matrix moved, not only the repacked ones: with nothing
+            // repacked the arena is as large (and without huge pages there is none).
+            std::env::set_var("TESSERA_REPACK", "0");
+            let plain_off = load_model(&path).unwrap().weights_arena_bytes().0;
+            std::env::set_var("TESSERA_HUGEPAGES", "1");
+            let plain_on = load_model(&path).unwrap().weights_arena_bytes().0;
+            std::env::remove_var("TESSERA_REPACK");
+            assert!(arena_on >= arena_off, "{rel}: arena {arena_on} bytes with huge pages, {arena_off} without");
+            assert_eq!((plain_on, plain_off), (arena_on, 0), "{rel}: arena bytes with huge pages and nothing repacked, and without either");
         }
         let (a, b) = (run(&on), run(&off));
         assert_eq!(a.len(), b.len());

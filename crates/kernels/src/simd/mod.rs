@@ -365,7 +365,7 @@ impl Isa {
     /// their rows would go through the scalar reference).
     pub fn runs_interleaved(self, interleaved: WeightFormat) -> bool {
         match interleaved {
-            WeightFormat::F16x4 | WeightFormat::Bf16x4 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
+            WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::F32x4 => matches!(self, Isa::Avx2 | Isa::Avx512Vnni),
             _ => true,
         }
     }

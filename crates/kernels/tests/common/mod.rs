@@ -88,7 +88,7 @@ pub fn random_row(rng: &mut Rng, format: WeightFormat, cols: usize) -> Vec<u8> {
                 (0..per).for_each(|_| out.push(rng.byte()));
             }
         }
-        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 | WeightFormat::Mxfp4x8 | WeightFormat::Nvfp4x8 | WeightFormat::A8x8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 => panic!("interleaved formats are made by repack_interleaved (MXFP4x8, NVFP4x8 and MLX-A8x8 by mxfp4_as_levels, nvfp4_as_levels and a8_as_rows8)"),
+        WeightFormat::Q4_0x8 | WeightFormat::Q4_1x8 | WeightFormat::Q5_0x8 | WeightFormat::Q5_1x8 | WeightFormat::Q8_0x8 | WeightFormat::Q4Kx8 | WeightFormat::Q5Kx8 | WeightFormat::Q6Kx8 | WeightFormat::Iq4Nlx8 | WeightFormat::Iq4Xsx8 | WeightFormat::Q2Kx8 | WeightFormat::Q3Kx8 | WeightFormat::Mxfp4x8 | WeightFormat::Nvfp4x8 | WeightFormat::A8x8 | WeightFormat::F16x4 | WeightFormat::Bf16x4 | WeightFormat::F32x4 => panic!("interleaved formats are made by repack_interleaved (MXFP4x8, NVFP4x8 and MLX-A8x8 by mxfp4_as_levels, nvfp4_as_levels and a8_as_rows8)"),
         WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
             for _ in 0..cols / 32 {
                 out.extend(f16::from_f32(rng.f32() * 0.05).to_le_bytes());

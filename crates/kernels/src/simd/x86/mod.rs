@@ -534,16 +534,18 @@ pub unsafe fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn t<L: Load8>(group: &[u8], x: &[f32]) -> [f32; 4] {
         let n = x.len();
-        assert!(n.is_multiple_of(16) && group.len() >= 8 * n, "rows4: {n} columns, {} bytes", group.len());
+        // A row's 16-column piece, and half of it.
+        let (row, half) = (16 * L::ELEM_BYTES, 8 * L::ELEM_BYTES);
+        assert!(n.is_multiple_of(16) && group.len() >= 4 * L::ELEM_BYTES * n, "rows4: {n} columns, {} bytes", group.len());
         let (gp, xp) = (group.as_ptr(), x.as_ptr());
         // One chain per row, as `dot_float_t` (four rows: four chains in flight).
         let mut acc = [_mm256_setzero_ps(); 4];
         for piece in 0..n / 16 {
-            let p = gp.add(128 * piece);
-            prefetch_ahead(p, 2);
+            let p = gp.add(4 * row * piece);
+            prefetch_ahead(p, 4 * row / 64);
             let (x0, x1) = (_mm256_loadu_ps(xp.add(16 * piece)), _mm256_loadu_ps(xp.add(16 * piece + 8)));
             for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(L::load8(p.add(32 * r + 16)), x1, _mm256_fmadd_ps(L::load8(p.add(32 * r)), x0, *a));
+                *a = _mm256_fmadd_ps(L::load8(p.add(row * r + half)), x1, _mm256_fmadd_ps(L::load8(p.add(row * r)), x0, *a));
             }
         }
         acc.map(|a| hsum(a))
@@ -551,6 +553,7 @@ pub unsafe fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f
     match format {
         WeightFormat::F16x4 => t::<LoadF16>(group, x),
         WeightFormat::Bf16x4 => t::<LoadBf16>(group, x),
+        WeightFormat::F32x4 => t::<LoadF32>(group, x),
         _ => unreachable!("{format} does not interleave 4 float rows"),
     }
 }
@@ -563,15 +566,16 @@ pub unsafe fn dot_f32_rows4_x2(format: WeightFormat, group: &[u8], xs: [&[f32]; 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn t<L: Load8>(group: &[u8], xs: [&[f32]; 2]) -> [[f32; 4]; 2] {
         let n = xs[0].len();
-        assert!(n.is_multiple_of(16) && group.len() >= 8 * n && xs[1].len() == n, "rows4: {n} columns, {} bytes", group.len());
+        let (row, half) = (16 * L::ELEM_BYTES, 8 * L::ELEM_BYTES);
+        assert!(n.is_multiple_of(16) && group.len() >= 4 * L::ELEM_BYTES * n && xs[1].len() == n, "rows4: {n} columns, {} bytes", group.len());
         let gp = group.as_ptr();
         let mut acc = [[_mm256_setzero_ps(); 4]; 2];
         for piece in 0..n / 16 {
-            let p = gp.add(128 * piece);
-            prefetch_ahead(p, 2);
+            let p = gp.add(4 * row * piece);
+            prefetch_ahead(p, 4 * row / 64);
             let x: [[__m256; 2]; 2] = std::array::from_fn(|t| [_mm256_loadu_ps(xs[t].as_ptr().add(16 * piece)), _mm256_loadu_ps(xs[t].as_ptr().add(16 * piece + 8))]);
             for r in 0..4 {
-                let (w0, w1) = (L::load8(p.add(32 * r)), L::load8(p.add(32 * r + 16)));
+                let (w0, w1) = (L::load8(p.add(row * r)), L::load8(p.add(row * r + half)));
                 for t in 0..2 {
                     acc[t][r] = _mm256_fmadd_ps(w1, x[t][1], _mm256_fmadd_ps(w0, x[t][0], acc[t][r]));
                 }
@@ -588,6 +592,7 @@ pub unsafe fn dot_f32_rows4_x2(format: WeightFormat, group: &[u8], xs: [&[f32]; 
     match format {
         WeightFormat::F16x4 => t::<LoadF16>(group, xs),
         WeightFormat::Bf16x4 => t::<LoadBf16>(group, xs),
+        WeightFormat::F32x4 => t::<LoadF32>(group, xs),
         _ => unreachable!("{format} does not interleave 4 float rows"),
     }
 }
