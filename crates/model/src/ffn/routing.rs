@@ -14,14 +14,36 @@ fn argmax_where(v: &[f32], allowed: impl Fn(usize) -> bool) -> usize {
     best
 }
 
-/// Top-k indices of `v` (descending), written to `out` (len k). `taken` is scratch
-/// of len `v.len()`.
-fn top_k(v: &[f32], out: &mut [u32], taken: &mut [bool]) {
-    taken.iter_mut().for_each(|t| *t = false);
-    for slot in out.iter_mut() {
-        let i = argmax_where(v, |i| !taken[i]);
-        taken[i] = true;
-        *slot = i as u32;
+/// Top-k indices of `v` (descending; the first index on ties), written to `out` (len
+/// k ≤ `v.len()`): one pass keeping the best k so far in order, where k passes of an
+/// argmax took k·E comparisons (Zen 4, `route` per token and layer, top 8: Kimi K2's
+/// 384 sigmoid experts 4.1 → 2.9 µs, the rest the sigmoids; 64 softmax experts 0.73 →
+/// 0.60; it runs on one thread at every batch size). A NaN counts as below every number.
+fn top_k(v: &[f32], out: &mut [u32]) {
+    let k = out.len();
+    assert!(k <= v.len(), "top-{k} of {} values", v.len());
+    if k == 0 {
+        return;
+    }
+    let key = |i: u32| {
+        let x = v[i as usize];
+        if x.is_nan() { f32::NEG_INFINITY } else { x }
+    };
+    let mut n = 0;
+    for i in 0..v.len() as u32 {
+        let x = key(i);
+        if n == k && x <= key(out[k - 1]) {
+            continue;
+        }
+        // After every kept value ≥ x: those came first (earlier indices win ties).
+        let mut p = n.min(k - 1);
+        while p > 0 && key(out[p - 1]) < x {
+            p -= 1;
+        }
+        let end = n.min(k - 1);
+        out.copy_within(p..end, p + 1);
+        out[p] = i;
+        n = (n + 1).min(k);
     }
 }
 
@@ -29,9 +51,7 @@ fn top_k(v: &[f32], out: &mut [u32], taken: &mut [bool]) {
 pub struct RouteScratch {
     scores: Vec<f32>,
     choice: Vec<f32>,
-    taken: Vec<bool>,
     group_score: Vec<f32>,
-    group_taken: Vec<bool>,
     group_idx: Vec<u32>,
 }
 
@@ -40,9 +60,7 @@ impl RouteScratch {
         RouteScratch {
             scores: vec![0.0; cfg.experts],
             choice: vec![0.0; cfg.experts],
-            taken: vec![false; cfg.experts],
             group_score: vec![0.0; cfg.n_group],
-            group_taken: vec![false; cfg.n_group],
             group_idx: vec![0; cfg.n_group],
         }
     }
@@ -56,7 +74,7 @@ pub fn route(cfg: &MoeConfig, logits: &[f32], bias: Option<&[f32]>, s: &mut Rout
     assert!(logits.len() == e && ids.len() == k && weights.len() == k);
     match cfg.routing {
         Routing::TopKSoftmax => {
-            top_k(logits, ids, &mut s.taken);
+            top_k(logits, ids);
             let max = logits[ids[0] as usize];
             let mut sum = 0.0;
             for (w, &i) in weights.iter_mut().zip(ids.iter()) {
@@ -73,7 +91,7 @@ pub fn route(cfg: &MoeConfig, logits: &[f32], bias: Option<&[f32]>, s: &mut Rout
                 sum += *p;
             }
             s.scores.iter_mut().for_each(|p| *p /= sum);
-            top_k(&s.scores, ids, &mut s.taken);
+            top_k(&s.scores, ids);
             for (w, &i) in weights.iter_mut().zip(ids.iter()) {
                 *w = s.scores[i as usize];
             }
@@ -95,7 +113,7 @@ pub fn route(cfg: &MoeConfig, logits: &[f32], bias: Option<&[f32]>, s: &mut Rout
                     let b = argmax_where(grp, |i| i != a);
                     s.group_score[g] = grp[a] + grp[b];
                 }
-                top_k(&s.group_score, &mut s.group_idx[..cfg.topk_group], &mut s.group_taken);
+                top_k(&s.group_score, &mut s.group_idx[..cfg.topk_group]);
                 // mlx sets the choice scores of dropped groups to 0.0 (HF uses -inf).
                 for g in 0..cfg.n_group {
                     if !s.group_idx[..cfg.topk_group].contains(&(g as u32)) {
@@ -103,7 +121,7 @@ pub fn route(cfg: &MoeConfig, logits: &[f32], bias: Option<&[f32]>, s: &mut Rout
                     }
                 }
             }
-            top_k(&s.choice, ids, &mut s.taken);
+            top_k(&s.choice, ids);
             for (w, &i) in weights.iter_mut().zip(ids.iter()) {
                 *w = s.scores[i as usize];
             }
@@ -140,6 +158,43 @@ mod tests {
         let (mut ids, mut w) = (vec![0; c.top_k], vec![0.0; c.top_k]);
         route(c, logits, bias, &mut s, &mut ids, &mut w);
         (ids, w)
+    }
+
+    /// `top_k` is k argmax passes (first index on ties) on inputs full of ties, k from 0
+    /// to the whole length; NaNs come after every number.
+    #[test]
+    fn top_k_is_repeated_argmax() {
+        let naive = |v: &[f32], k: usize| {
+            let mut taken = vec![false; v.len()];
+            (0..k)
+                .map(|_| {
+                    let i = argmax_where(v, |i| !taken[i]);
+                    taken[i] = true;
+                    i as u32
+                })
+                .collect::<Vec<u32>>()
+        };
+        let mut seed = 7u64;
+        for len in [1usize, 2, 5, 8, 9, 64, 384] {
+            for round in 0..20 {
+                let v: Vec<f32> = (0..len)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        // Few distinct values (ties everywhere) or many.
+                        let r = (seed >> 33) as u32;
+                        if round % 2 == 0 { (r % 5) as f32 - 2.0 } else { r as f32 / 1e5 - 2e4 }
+                    })
+                    .collect();
+                for k in [0, 1, 2, len / 2, len.saturating_sub(1), len].into_iter().filter(|&k| k <= len) {
+                    let mut out = vec![u32::MAX; k];
+                    top_k(&v, &mut out);
+                    assert_eq!(out, naive(&v, k), "len {len} k {k}: {v:?}");
+                }
+            }
+        }
+        let mut out = [0u32; 4];
+        top_k(&[f32::NAN, 1.0, f32::NAN, -3.0, f32::NEG_INFINITY], &mut out);
+        assert_eq!(out, [1, 3, 0, 2]);
     }
 
     fn close(a: &[f32], b: &[f32]) -> bool {
@@ -192,3 +247,4 @@ mod tests {
         assert!(close(&w, &[0.5, 0.5]));
     }
 }
+
