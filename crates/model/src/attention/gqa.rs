@@ -78,8 +78,8 @@ impl Gqa {
         // What attention reads next, asked for among the projection's weights.
         let mut ahead: [&[u8]; AHEAD_REGIONS_MAX] = [&[]; AHEAD_REGIONS_MAX];
         let mut regions = 0;
-        for (slot, run) in ahead.iter_mut().zip(run.chunks.iter().flat_map(|ch| caches[ch.cache].layer_runs(li, 0..caches[ch.cache].len))) {
-            *slot = run;
+        for (slot, bytes) in ahead.iter_mut().zip(run.chunks.iter().flat_map(|ch| caches[ch.cache].layer_runs(li, 0..caches[ch.cache].len))) {
+            *slot = bytes;
             regions += 1;
         }
         matmul_group_ahead(run.pool, run.isa, &[wq, wk, wv], xn, n, &mut [&mut *q, &mut *k, &mut *v], &mut ws.mm, &ahead[..regions]);
