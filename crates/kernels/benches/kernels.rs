@@ -264,12 +264,62 @@ fn router(bencher: divan::Bencher, tokens: usize) {
 /// to set against `mac_probe`'s int8 ceiling.
 #[divan::bench(args = [1, 2, 3, 4, 5, 7, 8], sample_count = 50)]
 fn expert_hot(bencher: divan::Bencher, tokens: usize) {
-    let (rows, cols) = (512, 1024);
+    let (rows, cols) = EXPERT_SHAPE;
+    let data = expert_matrix();
+    let w = WeightRows::new(WeightFormat::Q4_0x8, rows, cols, &data).expect("matrix shape");
+    run_matmul(bencher.counter(divan::counter::ItemsCount::new(rows * cols * tokens)), w, tokens);
+}
+
+/// The bench MoE's expert matrices: 512 × 1024.
+const EXPERT_SHAPE: (usize, usize) = (512, 1024);
+
+/// A random Q4_0 expert matrix (block scales 0.01), repacked as the model runs it (Q4_0x8).
+fn expert_matrix() -> Vec<u8> {
+    let (rows, cols) = EXPERT_SHAPE;
     let mut src = bytes(rows * WeightFormat::Q4_0.row_bytes(cols).expect("whole blocks"), 9);
     for block in src.chunks_exact_mut(WeightFormat::Q4_0.block_bytes()) {
         block[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
     }
-    let data = tessera_kernels::repack_interleaved(WeightFormat::Q4_0, rows, cols, &src);
-    let w = WeightRows::new(WeightFormat::Q4_0x8, rows, cols, &data).expect("matrix shape");
-    run_matmul(bencher.counter(divan::counter::ItemsCount::new(rows * cols * tokens)), w, tokens);
+    tessera_kernels::repack_interleaved(WeightFormat::Q4_0, rows, cols, &src)
+}
+
+/// A MoE layer's gate and up at batch 32, as the model runs them: 64 experts' 512 × 1024
+/// Q4_0 matrices in one `matmul_jobs` region on two threads, 256 slots dealt at random
+/// (~4 tokens an expert, 0–12). "dram": each call on the next of 8 layers' matrices
+/// (302 MB in all), so the weights come from memory as a batch-32 step's do; "cache":
+/// every job on one matrix, which stays in L2, the same work otherwise. Counted in
+/// multiply-adds, to set against `mac_probe` (one thread; two run twice its rate): the
+/// gap between the two is what streaming the weights costs the arithmetic.
+#[divan::bench(args = ["dram", "cache"], sample_count = 16, sample_size = 1)]
+fn experts_batch32(bencher: divan::Bencher, weights: &str) {
+    let ((rows, cols), experts, layers, slots) = (EXPERT_SHAPE, 64, 8, 256);
+    let one = expert_matrix();
+    // Every matrix its own copy, so no cache holds the next call's.
+    let arena: Vec<u8> = (0..layers * experts * 2).flat_map(|_| one.iter().copied()).collect();
+    let matrix = |i: usize| WeightRows::new(WeightFormat::Q4_0x8, rows, cols, &arena[i * one.len()..(i + 1) * one.len()]).expect("matrix shape");
+    // Slots per expert from random choices (each slot's expert a random byte mod 64).
+    let mut starts = vec![0usize; experts + 1];
+    for b in bytes(slots, 11) {
+        starts[b as usize % experts + 1] += 1;
+    }
+    for e in 0..experts {
+        starts[e + 1] += starts[e];
+    }
+    let x: Vec<f32> = bytes(slots * cols, 3).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
+    let (mut gate, mut up) = (vec![0.0; slots * rows], vec![0.0; slots * rows]);
+    let mut scratch = MatmulScratch::new(slots, cols);
+    let pool = ThreadPool::new(2);
+    let isa = Isa::detect();
+    let active: Vec<usize> = (0..experts).filter(|&e| starts[e] < starts[e + 1]).collect();
+    let layer = std::cell::Cell::new(0);
+    bencher.counter(divan::counter::ItemsCount::new(slots * rows * cols * 2)).bench_local(|| {
+        let l = layer.get();
+        layer.set((l + 1) % layers);
+        let job = |i: usize| {
+            let e = active[i / 2];
+            let m = if weights == "dram" { (l * experts + e) * 2 + i % 2 } else { 0 };
+            tessera_kernels::RowsJob { w: matrix(m), rows: starts[e]..starts[e + 1], out: i % 2 }
+        };
+        tessera_kernels::matmul_jobs(&pool, isa, divan::black_box(&x), cols, 2 * active.len(), &job, &mut [&mut gate[..], &mut up[..]], &mut scratch);
+    });
 }
