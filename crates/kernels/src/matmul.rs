@@ -234,13 +234,20 @@ fn matmul_inputs(pool: &ThreadPool, isa: Isa, ws: &[WeightRows<'_>], x: &[f32], 
         let total = unit_starts[ws.len()];
         let stream = stream && panels == 1;
         let ahead = Ahead::new(if p == 0 { ahead } else { &[] }, total);
+        let asks_from = ahead.asks_from();
         pool.parallel_for(total, pool.grain(total, 8, min_units), &|_, chunk| {
-            for g in chunk {
-                ahead.ask(isa, g);
+            let mut g = chunk.start;
+            while g < chunk.end {
                 let i = (0..ws.len()).rfind(|&i| unit_starts[i] <= g).expect("unit in range");
                 let v = views[i].expect("a matrix with units has this panel");
+                // A run of this matrix's units in one call; the units that ask for
+                // attention's bytes one at a time, each asking before it runs.
+                let end = chunk.end.min(unit_starts[i + 1]);
+                let end = if g < asks_from { end.min(asks_from) } else { g + 1 };
+                ahead.ask(isa, g);
                 let (x, xq) = panel_inputs(x, xq, p * v.cols);
-                run_unit(isa, &v, g - unit_starts[i], x, cols, xq, cols / QK, n_tokens, Out { y: outs[i], isa, stream, add: p > 0 });
+                run_units(isa, &v, g - unit_starts[i]..end - unit_starts[i], x, cols, xq, cols / QK, n_tokens, Out { y: outs[i], isa, stream, add: p > 0 });
+                g = end;
             }
             if stream {
                 isa.streaming_fence();
@@ -287,6 +294,15 @@ impl<'a> Ahead<'a> {
         }
         let askers = (units / AHEAD_UNITS_SHARE).clamp(1, units.max(1));
         Ahead { regions, starts, per_region, first: units - askers.min(units), askers }
+    }
+
+    /// The first unit that asks for anything (none: `usize::MAX`).
+    fn asks_from(&self) -> usize {
+        if self.starts[self.regions.len()] == 0 {
+            usize::MAX
+        } else {
+            self.first
+        }
     }
 
     /// Asks for unit `g`'s share.
@@ -487,18 +503,22 @@ fn jobs_on_inputs<'w>(
                 }
             };
             head_of_next(i);
-            for g in chunk {
+            let mut g = chunk.start;
+            while g < chunk.end {
                 while g >= starts[i + 1] {
                     i += 1;
                     j = job(i);
                     head_of_next(i);
                 }
+                // This job's units in the chunk, in one call.
+                let end = chunk.end.min(starts[i + 1]);
                 let (v, r) = (j.w.panel(p), j.rows.clone());
                 let col0 = r.start * cols + p * v.cols;
                 let (x, xq) = panel_inputs(x, xq, col0);
                 // SAFETY: the output pointer is offset inside ys[j.out] (bounds asserted above).
                 let y = SharedMut(unsafe { outs[j.out].ptr().add(r.start * j.w.rows) });
-                run_unit(isa, &v, g - starts[i], x, cols, xq, blocks, r.len(), Out { y, isa, stream: false, add: p > 0 });
+                run_units(isa, &v, g - starts[i]..end - starts[i], x, cols, xq, blocks, r.len(), Out { y, isa, stream: false, add: p > 0 });
+                g = end;
             }
         });
     }
@@ -547,15 +567,28 @@ fn stored_float_rows4(w: &WeightRows<'_>) -> bool {
 /// of a wider input), `w.cols` of each.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-fn run_unit(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], x_stride: usize, xq: &[BlockQ8], xq_stride: usize, n_tokens: usize, y: Out) {
+fn run_units(isa: Isa, w: &WeightRows<'_>, units: std::ops::Range<usize>, x: &[f32], x_stride: usize, xq: &[BlockQ8], xq_stride: usize, n_tokens: usize, y: Out) {
     if n_tokens == 1 {
-        run_unit_one(isa, w, u, x, xq, y);
+        for u in units {
+            run_unit_one(isa, w, u, x, xq, y);
+        }
     } else {
+        run_units_many(isa, w, units, x, x_stride, xq, xq_stride, n_tokens, y);
+    }
+}
+
+/// [`run_unit_many`] over a run of units in one call: at batch 32 an expert's 8-row
+/// units take ~4 tokens each, and a call per unit stalled at its entry on the stack
+/// arguments it reloads.
+#[allow(clippy::too_many_arguments)]
+#[inline(never)]
+fn run_units_many(isa: Isa, w: &WeightRows<'_>, units: std::ops::Range<usize>, x: &[f32], x_stride: usize, xq: &[BlockQ8], xq_stride: usize, n_tokens: usize, y: Out) {
+    for u in units {
         run_unit_many(isa, w, u, x, x_stride, xq, xq_stride, n_tokens, y);
     }
 }
 
-/// [`run_unit`] for one token (decode): a small frame of its own. The many-token
+/// [`run_units`] for one unit and one token (decode): a small frame of its own. The many-token
 /// passes' frame is 2 KiB of stack, and whatever the unit touches beside its weights
 /// and activations crowds L1 between one group and the next: where a group's
 /// weights and the activations they reuse together exceed L1 (rows of 6,144 columns
@@ -576,6 +609,7 @@ fn run_unit_one(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], xq: &[BlockQ8
 }
 
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn run_unit_many(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], x_stride: usize, xq: &[BlockQ8], xq_stride: usize, n_tokens: usize, y: Out) {
     let (rows, cols, f) = (w.rows, w.cols, w.format);
     let blocks = cols / QK;
