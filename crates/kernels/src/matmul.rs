@@ -561,7 +561,7 @@ fn stored_float_rows4(w: &WeightRows<'_>) -> bool {
     matches!(w.format, WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16) && w.rows.is_multiple_of(4)
 }
 
-/// One work unit of `w` (see [`unit_rows`]) for `n_tokens` tokens: `y[t·rows + r]`
+/// Work units `units` of `w` (see [`unit_rows`]) for `n_tokens` tokens: `y[t·rows + r]`
 /// from `x` (f32) or `xq` (its q8 blocks).
 /// Token t's inputs are `x[t·x_stride ..]` and `xq[t·xq_stride ..]` (a panel's columns
 /// of a wider input), `w.cols` of each.
