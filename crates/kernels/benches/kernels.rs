@@ -17,7 +17,11 @@ fn main() {
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
-const FORMATS: [WeightFormat; 22] = [
+const FORMATS: [WeightFormat; 26] = [
+    WeightFormat::Q2K,
+    WeightFormat::Q2Kx8,
+    WeightFormat::Q3K,
+    WeightFormat::Q3Kx8,
     WeightFormat::Q4_0,
     WeightFormat::Q4_1,
     WeightFormat::Q4_0x8,
@@ -62,7 +66,7 @@ fn matrix(format: WeightFormat) -> Vec<u8> {
         return tessera_kernels::nvfp4_as_levels(ROWS, COLS, &matrix(WeightFormat::Nvfp4)).expect("no NaN scale");
     }
     if format.rows_per_group() > 1 {
-        let source = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::F16, WeightFormat::Bf16].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
+        let source = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::Q2K, WeightFormat::Q3K, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K, WeightFormat::F16, WeightFormat::Bf16].into_iter().find(|f| f.interleaved() == Some(format)).expect("a source");
         return tessera_kernels::repack_interleaved(source, ROWS, COLS, &matrix(source));
     }
     let row = format.row_bytes(COLS).expect("COLS fits every block size");
@@ -81,6 +85,12 @@ fn matrix(format: WeightFormat) -> Vec<u8> {
                         b[2..4].copy_from_slice(&f16);
                     }
                     WeightFormat::Q6K => b[bb - 2..].copy_from_slice(&f16),
+                    // d and dmin after 16 scale bytes and 64 of quants.
+                    WeightFormat::Q2K => {
+                        b[80..82].copy_from_slice(&f16);
+                        b[82..84].copy_from_slice(&f16);
+                    }
+                    WeightFormat::Q3K => b[bb - 2..].copy_from_slice(&f16),
                     WeightFormat::Mxfp4 => b[0] = 127,
                     // E4M3 1.0 for both halves.
                     WeightFormat::Nvfp4 => b[..2].copy_from_slice(&[0x38, 0x38]),

@@ -77,20 +77,30 @@ macro_rules! rows8_kernels {
             out
         }
 
-        /// One `Q6_Kx8` sub-block's 8 rows against one token: `q` from `k6_quants`,
-        /// `y` the token's q8 words for the block, `sc` the two 16-column groups'
-        /// scales (`k6_scales`). Scaled by the group scales, not yet by d or x.d.
+        /// One sub-block's 8 rows against one token, as `Q6_Kx8` / `Q2_Kx8` / `Q3_Kx8`
+        /// lay them out: `q` the codes (the values plus `bias`, unsigned bytes) in
+        /// `k6_quants`'s chunk order, `y` the token's q8 words for the block, `sc` the
+        /// two 16-column groups' scales (`k6_scales`), `halves` the token's
+        /// `BlockQ8::half_sums`. The codes multiply as they are and `bias`·Σx_q of each
+        /// 16-column half comes off the integer sums: the values' sums, exactly, without
+        /// the sign trick's two operations per product (Q6_K's one-token pass from memory
+        /// 1.25–1.28×). Scaled by the group scales, not yet by d or x.d.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn $k6_dot(q: &[__m256i; 8], y: *const i32, sc: [__m256; 2]) -> __m256 {
+        unsafe fn $k6_dot(q: &[__m256i; 8], y: *const i32, sc: [__m256; 2], bias: i32, halves: [i16; 2]) -> __m256 {
             let yb = |k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(y.add(k)));
             let (mut sum_a, mut sum_b): ($acc, $acc) = ($zero, $zero);
             for jj in [0, 2] {
                 let (l0, l1, h0, h1) = (q[2 * jj], q[2 * jj + 2], q[2 * jj + 1], q[2 * jj + 3]);
-                sum_a = $i8_pair(sum_a, _mm256_sign_epi8(l0, l0), _mm256_sign_epi8(yb(jj), l0), _mm256_sign_epi8(l1, l1), _mm256_sign_epi8(yb(jj + 1), l1));
-                sum_b = $i8_pair(sum_b, _mm256_sign_epi8(h0, h0), _mm256_sign_epi8(yb(4 + jj), h0), _mm256_sign_epi8(h1, h1), _mm256_sign_epi8(yb(5 + jj), h1));
+                sum_a = $i8_pair(sum_a, l0, yb(jj), l1, yb(jj + 1));
+                sum_b = $i8_pair(sum_b, h0, yb(4 + jj), h1, yb(5 + jj));
             }
-            _mm256_fmadd_ps(sc[0], _mm256_cvtepi32_ps($sum_i8(sum_a)), _mm256_mul_ps(sc[1], _mm256_cvtepi32_ps($sum_i8(sum_b))))
+            let (mut a, mut b) = ($sum_i8(sum_a), $sum_i8(sum_b));
+            if bias != 0 {
+                a = _mm256_sub_epi32(a, _mm256_set1_epi32(bias * halves[0] as i32));
+                b = _mm256_sub_epi32(b, _mm256_set1_epi32(bias * halves[1] as i32));
+            }
+            _mm256_fmadd_ps(sc[0], _mm256_cvtepi32_ps(a), _mm256_mul_ps(sc[1], _mm256_cvtepi32_ps(b)))
         }
 
         /// 8 interleaved rows against one token (see `rows8_kernels!`).
@@ -186,9 +196,9 @@ macro_rules! rows8_kernels {
                 std::mem::transmute::<__m256, [f32; 8]>(_mm256_sub_ps(acc, acc_m))
             }
 
-            /// Q6_Kx8: per 32-column sub-block, the 6-bit quants rebuilt from their
-            /// nibbles and high bits, less 32, as signed bytes (the Q8 sign trick),
-            /// summed separately for the two 16-column scale groups.
+            /// Q6_Kx8: per 32-column sub-block, the 6-bit codes rebuilt from their
+            /// nibbles and high bits (unsigned, the value plus 32: `k6_dot` takes
+            /// 32·Σx_q off), summed separately for the two 16-column scale groups.
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn k6(group: &[u8], x: &[BlockQ8]) -> [f32; 8] {
@@ -201,7 +211,7 @@ macro_rules! rows8_kernels {
                     for (s, xb) in x[8 * sb..8 * sb + 8].iter().enumerate() {
                         let qp = p.add(144 + 192 * s);
                         prefetch_ahead(qp, 3);
-                        let v = $k6_dot(&k6_quants(qp), xb.qs.as_ptr() as *const i32, k6_scales(p, s));
+                        let v = $k6_dot(&k6_quants(qp), xb.qs.as_ptr() as *const i32, k6_scales(p, s), K6_BIAS, xb.half_sums);
                         acc_s = _mm256_fmadd_ps(v, _mm256_set1_ps(xb.d), acc_s);
                     }
                     acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), acc_s, acc);
@@ -263,10 +273,10 @@ macro_rules! rows8_kernels {
                         let y = xb.qs.as_ptr() as *const i32;
                         let q = k23_quants::<THREE>(qp);
                         if THREE {
-                            acc_s = _mm256_fmadd_ps($k6_dot(&q, y, k6_scales(p, s)), _mm256_set1_ps(xb.d), acc_s);
+                            acc_s = _mm256_fmadd_ps($k6_dot(&q, y, k6_scales(p, s), k23_bias::<THREE>(), xb.half_sums), _mm256_set1_ps(xb.d), acc_s);
                         } else {
                             let (sc, mn) = k2_scales_mins(p, s);
-                            acc_s = _mm256_fmadd_ps($k6_dot(&q, y, sc), _mm256_set1_ps(xb.d), acc_s);
+                            acc_s = _mm256_fmadd_ps($k6_dot(&q, y, sc, k23_bias::<THREE>(), xb.half_sums), _mm256_set1_ps(xb.d), acc_s);
                             let [ha, hb] = xb.half_sums;
                             acc_ms = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(ha as f32 * xb.d), _mm256_fmadd_ps(mn[1], _mm256_set1_ps(hb as f32 * xb.d), acc_ms));
                         }
@@ -534,7 +544,7 @@ macro_rules! rows8_kernels {
                         prefetch_ahead(p.add(144 + 192 * s), 3);
                         let (q, sc) = (k6_quants(p.add(144 + 192 * s)), k6_scales(p, s));
                         for t in 0..4 {
-                            let v = $k6_dot(&q, ys[t].add(b * STRIDE + QS), sc);
+                            let v = $k6_dot(&q, ys[t].add(b * STRIDE + QS), sc, K6_BIAS, xs[t][b].half_sums);
                             acc_s[t] = _mm256_fmadd_ps(v, _mm256_set1_ps(xs[t][b].d), acc_s[t]);
                         }
                     }
@@ -612,7 +622,7 @@ macro_rules! rows8_kernels {
                         for t in 0..4 {
                             let y = ys[t].add(b * STRIDE + QS);
                             let xd = xs[t][b].d;
-                            acc_s[t] = _mm256_fmadd_ps($k6_dot(&q, y, sc), _mm256_set1_ps(xd), acc_s[t]);
+                            acc_s[t] = _mm256_fmadd_ps($k6_dot(&q, y, sc, k23_bias::<THREE>(), xs[t][b].half_sums), _mm256_set1_ps(xd), acc_s[t]);
                             if !THREE {
                                 let [ha, hb] = xs[t][b].half_sums;
                                 acc_ms[t] = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(ha as f32 * xd), _mm256_fmadd_ps(mn[1], _mm256_set1_ps(hb as f32 * xd), acc_ms[t]));
@@ -736,7 +746,10 @@ unsafe fn k6_scales(p: *const u8, s: usize) -> [__m256; 2] {
     [group(16), group(24)]
 }
 
-/// One `Q6_Kx8` sub-block's quants less 32 as signed bytes, in chunk order: for
+/// What [`k6_quants`] adds to Q6_K's values (−32..=31): they stay 6-bit codes, unsigned.
+const K6_BIAS: i32 = 32;
+
+/// One `Q6_Kx8` sub-block's 6-bit codes (the values plus [`K6_BIAS`]) as bytes, in chunk order: for
 /// chunk j, `[2j]` its low-nibble elements (columns 4j + e), `[2j + 1]` its
 /// high-nibble ones (16 + 4j + e). The high bits of chunks 2i and 2i + 1 share
 /// vector i (format module docs); 16-bit shifts are safe as every result is masked
@@ -744,17 +757,17 @@ unsafe fn k6_scales(p: *const u8, s: usize) -> [__m256; 2] {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn k6_quants(qp: *const u8) -> [__m256i; 8] {
-    let (low, high, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30), _mm256_set1_epi8(32));
+    let (low, high) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
     let mut q = [_mm256_setzero_si256(); 8];
     for i in 0..2 {
         let hv = _mm256_loadu_si256(qp.add(128 + 32 * i) as *const __m256i);
         let (c0, c1) = (_mm256_loadu_si256(qp.add(64 * i) as *const __m256i), _mm256_loadu_si256(qp.add(64 * i + 32) as *const __m256i));
         // Bits 0–1, 2–3, 4–5, 6–7 of hv moved to 4–5.
         let h = [_mm256_slli_epi16(hv, 4), _mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 2)].map(|v| _mm256_and_si256(v, high));
-        q[4 * i] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c0, low), h[0]), m32);
-        q[4 * i + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c0, 4), low), h[1]), m32);
-        q[4 * i + 2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c1, low), h[2]), m32);
-        q[4 * i + 3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), h[3]), m32);
+        q[4 * i] = _mm256_or_si256(_mm256_and_si256(c0, low), h[0]);
+        q[4 * i + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c0, 4), low), h[1]);
+        q[4 * i + 2] = _mm256_or_si256(_mm256_and_si256(c1, low), h[2]);
+        q[4 * i + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), h[3]);
     }
     q
 }
@@ -770,16 +783,16 @@ unsafe fn rows8_less_mins(acc: [__m256; 4], acc_m: [__m256; 4]) -> [[f32; 8]; 4]
     std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(out)
 }
 
-/// One `Q2_Kx8` (`Q3_Kx8` when `THREE`) sub-block's values as signed bytes in
-/// `k6_quants`'s chunk order (`[2j]` chunk j's low-nibble elements, `[2j + 1]` its
-/// high-nibble ones): the two low bits from vector j / 2 at bits 4·(j % 2) (+2 for
-/// the high-nibble element); Q3_K adds its third bit (bit 2j, 2j + 1 of the vector at
-/// `qp + 64`) and takes 4 off. 16-bit shifts are safe: every result is masked to bits
-/// that came from its own byte.
+/// One `Q2_Kx8` (`Q3_Kx8` when `THREE`) sub-block's codes (the values plus
+/// [`k23_bias`]) as bytes in `k6_quants`'s chunk order (`[2j]` chunk j's low-nibble
+/// elements, `[2j + 1]` its high-nibble ones): the two low bits from vector j / 2 at
+/// bits 4·(j % 2) (+2 for the high-nibble element); Q3_K adds its third bit (bit 2j,
+/// 2j + 1 of the vector at `qp + 64`). 16-bit shifts are safe: every result is masked
+/// to bits that came from its own byte.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn k23_quants<const THREE: bool>(qp: *const u8) -> [__m256i; 8] {
-    let (three, one, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1), _mm256_set1_epi8(4));
+    let (three, one) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
     let shifted = |v: __m256i, k: i32| _mm256_srl_epi16(v, _mm_cvtsi32_si128(k));
     let hb = if THREE { _mm256_loadu_si256(qp.add(64) as *const __m256i) } else { _mm256_setzero_si256() };
     let mut q = [_mm256_setzero_si256(); 8];
@@ -791,7 +804,7 @@ unsafe fn k23_quants<const THREE: bool>(qp: *const u8) -> [__m256i; 8] {
                 let low = _mm256_and_si256(shifted(v, (4 * half + 2 * k) as i32), three);
                 q[slot] = if THREE {
                     let bit = _mm256_and_si256(shifted(hb, (2 * j + k) as i32), one);
-                    _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(bit, 2)), four)
+                    _mm256_or_si256(low, _mm256_slli_epi16(bit, 2))
                 } else {
                     low
                 };
@@ -799,6 +812,17 @@ unsafe fn k23_quants<const THREE: bool>(qp: *const u8) -> [__m256i; 8] {
         }
     }
     q
+}
+
+/// What [`k23_quants`] adds to the values: Q3_K's are −4..=3 (its codes 0..=7), Q2_K's
+/// 0..=3 already.
+#[inline(always)]
+const fn k23_bias<const THREE: bool>() -> i32 {
+    if THREE {
+        4
+    } else {
+        0
+    }
 }
 
 /// `Q2_Kx8` sub-block `s`'s two 16-column groups (2s, 2s + 1) for the 8 rows of the
