@@ -20,7 +20,7 @@ use super::*;
 /// The integer sums are exact either way, so the two ISAs' results are equal bit for
 /// bit (`vnni_kernels_equal_avx2_bit_for_bit`).
 macro_rules! rows8_kernels {
-    ($features:literal, $one:ident, $four:ident, $many:ident, $u4_many:ident, $nv_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+    ($features:literal, $one:ident, $four:ident, $many:ident, $u4_many:ident, $k4_many:ident, $k6_many:ident, $k23_many:ident, $nv_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
         /// The integer sums of one 32-column block of 8 interleaved IQ4 rows (indices at
         /// `qp` in Q4_0x8's order) against `T` tokens: each chunk's indices become int8
         /// levels of `table` (IQ4's, or MXFP4's doubled values) by PSHUFB (once for all tokens), then signed products as in Q8_0x8
@@ -362,6 +362,118 @@ macro_rules! rows8_kernels {
             std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
         }
 
+        /// Q4_Kx8 (Q5_Kx8 when `FIVE`) for `T` tokens (two to four): each sub-block's
+        /// quants unpacked and its scales and mins converted once for all of them.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $k4_many<const FIVE: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
+            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+            let (sup_bytes, sub_bytes) = if FIVE { (1440, 160) } else { (1184, 128) };
+            let blocks = xs[0].len();
+            let supers = blocks / 8;
+            assert!(blocks.is_multiple_of(8) && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
+            let mut acc = [_mm256_setzero_ps(); T];
+            let mut acc_m = [_mm256_setzero_ps(); T];
+            let ys: [*const i32; T] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+            for sb in 0..supers {
+                let p = group.as_ptr().add(sb * sup_bytes);
+                let mut acc_s = [_mm256_setzero_ps(); T];
+                let mut acc_ms = [_mm256_setzero_ps(); T];
+                for s in 0..8 {
+                    let b = 8 * sb + s;
+                    let qp = p.add(160 + sub_bytes * s);
+                    prefetch_ahead(qp, if FIVE { 3 } else { 2 });
+                    let sum = $sums::<FIVE, T>(qp, std::array::from_fn(|t| ys[t].add(b * STRIDE + QS)));
+                    let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(32 + 8 * s) as *const __m128i)));
+                    let min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(96 + 8 * s) as *const __m128i)));
+                    for t in 0..T {
+                        let xb = &xs[t][b];
+                        acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(sum[t]), acc_s[t]);
+                        acc_ms[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.sum), acc_ms[t]);
+                    }
+                }
+                let (d, dmin) = (_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)));
+                for t in 0..T {
+                    acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
+                    acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
+                }
+            }
+            rows8_less_mins(acc, acc_m)
+        }
+
+        /// Q6_Kx8 for `T` tokens (two to four): each sub-block's quants rebuilt once for all of them.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $k6_many<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
+            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+            let blocks = xs[0].len();
+            let supers = blocks / 8;
+            assert!(blocks.is_multiple_of(8) && group.len() >= supers * 1680 && xs.iter().all(|x| x.len() == blocks));
+            let mut acc = [_mm256_setzero_ps(); T];
+            let ys: [*const i32; T] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+            for sb in 0..supers {
+                let p = group.as_ptr().add(sb * 1680);
+                let mut acc_s = [_mm256_setzero_ps(); T];
+                for s in 0..8 {
+                    let b = 8 * sb + s;
+                    prefetch_ahead(p.add(144 + 192 * s), 3);
+                    let (q, sc) = (k6_quants(p.add(144 + 192 * s)), k6_scales(p, s));
+                    for t in 0..T {
+                        let v = $k6_dot(&q, ys[t].add(b * STRIDE + QS), sc, K6_BIAS, xs[t][b].half_sums);
+                        acc_s[t] = _mm256_fmadd_ps(v, _mm256_set1_ps(xs[t][b].d), acc_s[t]);
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                for t in 0..T {
+                    acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
+                }
+            }
+            std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
+        }
+
+        /// Q2_Kx8 / Q3_Kx8 for four tokens: each sub-block's values unpacked and
+        /// its scales (mins) converted once for all four.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $k23_many<const THREE: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
+            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+            let (sup_bytes, head, sub_bytes) = if THREE { (912, 144, 96) } else { (672, 160, 64) };
+            let blocks = xs[0].len();
+            let supers = blocks / 8;
+            assert!(blocks.is_multiple_of(8) && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
+            let (mut acc, mut acc_m) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
+            let ys: [*const i32; T] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+            for sb in 0..supers {
+                let p = group.as_ptr().add(sb * sup_bytes);
+                let (mut acc_s, mut acc_ms) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
+                for s in 0..8 {
+                    let b = 8 * sb + s;
+                    prefetch_ahead(p.add(head + sub_bytes * s), 2);
+                    let q = k23_quants::<THREE>(p.add(head + sub_bytes * s));
+                    let (sc, mn) = if THREE { (k6_scales(p, s), [_mm256_setzero_ps(); 2]) } else { k2_scales_mins(p, s) };
+                    for t in 0..T {
+                        let y = ys[t].add(b * STRIDE + QS);
+                        let xd = xs[t][b].d;
+                        acc_s[t] = _mm256_fmadd_ps($k6_dot(&q, y, sc, k23_bias::<THREE>(), xs[t][b].half_sums), _mm256_set1_ps(xd), acc_s[t]);
+                        if !THREE {
+                            let [ha, hb] = xs[t][b].half_sums;
+                            acc_ms[t] = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(ha as f32 * xd), _mm256_fmadd_ps(mn[1], _mm256_set1_ps(hb as f32 * xd), acc_ms[t]));
+                        }
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                let dmin = if THREE { _mm256_setzero_ps() } else { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) };
+                for t in 0..T {
+                    acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
+                    acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
+                }
+            }
+            rows8_less_mins(acc, acc_m)
+        }
+
         /// NVFP4x8 for `T` tokens: per block, each chunk's codes become MXFP4's doubled
         /// levels plus 12 (0..=24, unsigned: no sign trick) by PSHUFB, once for all
         /// tokens; the low nibbles (elements 0..16) and the high ones (16..32) are summed
@@ -419,12 +531,14 @@ macro_rules! rows8_kernels {
             std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
         }
 
-        /// `T` tokens at once for the 4- and 5-bit block formats, `None` for the other
-        /// layouts. Eight: nibble unpacking shared by eight, 1.08–1.18× two four-token
-        /// passes, alternating in one process on this project's Zen 3; the 32-token
-        /// GEMM bench 5–8 % (the other layouts take [`Isa::dot_q8_rows8_x4`] twice:
-        /// Q5_Kx8 and Q8_0x8 ran slower at eight, their accumulators spill). Two or
-        /// three: the tokens a batch leaves over after its passes of four.
+        /// `T` tokens at once for the 4- and 5-bit block formats, and two or three for
+        /// the K-quants; `None` for the other layouts and counts. Eight: nibble
+        /// unpacking shared by eight, 1.08–1.18× two four-token passes, alternating in
+        /// one process on this project's Zen 3; the 32-token GEMM bench 5–8 % (the
+        /// other layouts take [`Isa::dot_q8_rows8_x4`] twice: Q5_Kx8 and Q8_0x8 ran
+        /// slower at eight, their accumulators spill). Two or three: the tokens a batch
+        /// leaves over after its passes of four, and batches of two or three (a Q4_K
+        /// 3B at batch 2 and 3, one thread: 1.35–1.6× one-token passes per token).
         #[target_feature(enable = $features)]
         pub unsafe fn $many<const T: usize>(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> Option<[[f32; 8]; T]> {
             Some(match format {
@@ -432,6 +546,13 @@ macro_rules! rows8_kernels {
                 WeightFormat::Q4_1x8 => $u4_many::<true, false, T>(group, xs),
                 WeightFormat::Q5_0x8 => $u4_many::<false, true, T>(group, xs),
                 WeightFormat::Q5_1x8 => $u4_many::<true, true, T>(group, xs),
+                // Two or three: at eight the K-quants' accumulators spill (eight are two
+                // passes of four there).
+                WeightFormat::Q4Kx8 if T <= 3 => $k4_many::<false, T>(group, xs),
+                WeightFormat::Q5Kx8 if T <= 3 => $k4_many::<true, T>(group, xs),
+                WeightFormat::Q6Kx8 if T <= 3 => $k6_many::<T>(group, xs),
+                WeightFormat::Q2Kx8 if T <= 3 => $k23_many::<false, T>(group, xs),
+                WeightFormat::Q3Kx8 if T <= 3 => $k23_many::<true, T>(group, xs),
                 _ => return None,
             })
         }
@@ -489,73 +610,6 @@ macro_rules! rows8_kernels {
                 std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
             }
 
-            /// Q4_Kx8 (Q5_Kx8) for four tokens: each sub-block's quants unpacked and
-            /// its scales and mins converted once for all four.
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn k4<const FIVE: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-                let (sup_bytes, sub_bytes) = if FIVE { (1440, 160) } else { (1184, 128) };
-                let blocks = xs[0].len();
-                let supers = blocks / 8;
-                assert!(blocks.is_multiple_of(8) && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let mut acc_m = [_mm256_setzero_ps(); 4];
-                let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-                for sb in 0..supers {
-                    let p = group.as_ptr().add(sb * sup_bytes);
-                    let mut acc_s = [_mm256_setzero_ps(); 4];
-                    let mut acc_ms = [_mm256_setzero_ps(); 4];
-                    for s in 0..8 {
-                        let b = 8 * sb + s;
-                        let qp = p.add(160 + sub_bytes * s);
-                        prefetch_ahead(qp, if FIVE { 3 } else { 2 });
-                        let sum = $sums::<FIVE, 4>(qp, [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)));
-                        let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(32 + 8 * s) as *const __m128i)));
-                        let min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(96 + 8 * s) as *const __m128i)));
-                        for t in 0..4 {
-                            let xb = &xs[t][b];
-                            acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(sum[t]), acc_s[t]);
-                            acc_ms[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.sum), acc_ms[t]);
-                        }
-                    }
-                    let (d, dmin) = (_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)));
-                    for t in 0..4 {
-                        acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
-                        acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
-                    }
-                }
-                rows8_less_mins(acc, acc_m)
-            }
-
-            /// Q6_Kx8 for four tokens: each sub-block's quants rebuilt once for all four.
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn k6(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-                let blocks = xs[0].len();
-                let supers = blocks / 8;
-                assert!(blocks.is_multiple_of(8) && group.len() >= supers * 1680 && xs.iter().all(|x| x.len() == blocks));
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-                for sb in 0..supers {
-                    let p = group.as_ptr().add(sb * 1680);
-                    let mut acc_s = [_mm256_setzero_ps(); 4];
-                    for s in 0..8 {
-                        let b = 8 * sb + s;
-                        prefetch_ahead(p.add(144 + 192 * s), 3);
-                        let (q, sc) = (k6_quants(p.add(144 + 192 * s)), k6_scales(p, s));
-                        for t in 0..4 {
-                            let v = $k6_dot(&q, ys[t].add(b * STRIDE + QS), sc, K6_BIAS, xs[t][b].half_sums);
-                            acc_s[t] = _mm256_fmadd_ps(v, _mm256_set1_ps(xs[t][b].d), acc_s[t]);
-                        }
-                    }
-                    let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                    for t in 0..4 {
-                        acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
-                    }
-                }
-                std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
-            }
-
             /// IQ4_NLx8 / IQ4_XSx8 for four tokens: each block's levels looked up once
             /// for all four.
             #[inline]
@@ -600,55 +654,16 @@ macro_rules! rows8_kernels {
                 std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
             }
 
-            /// Q2_Kx8 / Q3_Kx8 for four tokens: each sub-block's values unpacked and
-            /// its scales (mins) converted once for all four.
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn k23<const THREE: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-                let (sup_bytes, head, sub_bytes) = if THREE { (912, 144, 96) } else { (672, 160, 64) };
-                let blocks = xs[0].len();
-                let supers = blocks / 8;
-                assert!(blocks.is_multiple_of(8) && group.len() >= supers * sup_bytes && xs.iter().all(|x| x.len() == blocks));
-                let (mut acc, mut acc_m) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
-                let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-                for sb in 0..supers {
-                    let p = group.as_ptr().add(sb * sup_bytes);
-                    let (mut acc_s, mut acc_ms) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
-                    for s in 0..8 {
-                        let b = 8 * sb + s;
-                        prefetch_ahead(p.add(head + sub_bytes * s), 2);
-                        let q = k23_quants::<THREE>(p.add(head + sub_bytes * s));
-                        let (sc, mn) = if THREE { (k6_scales(p, s), [_mm256_setzero_ps(); 2]) } else { k2_scales_mins(p, s) };
-                        for t in 0..4 {
-                            let y = ys[t].add(b * STRIDE + QS);
-                            let xd = xs[t][b].d;
-                            acc_s[t] = _mm256_fmadd_ps($k6_dot(&q, y, sc, k23_bias::<THREE>(), xs[t][b].half_sums), _mm256_set1_ps(xd), acc_s[t]);
-                            if !THREE {
-                                let [ha, hb] = xs[t][b].half_sums;
-                                acc_ms[t] = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(ha as f32 * xd), _mm256_fmadd_ps(mn[1], _mm256_set1_ps(hb as f32 * xd), acc_ms[t]));
-                            }
-                        }
-                    }
-                    let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                    let dmin = if THREE { _mm256_setzero_ps() } else { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) };
-                    for t in 0..4 {
-                        acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
-                        acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
-                    }
-                }
-                rows8_less_mins(acc, acc_m)
-            }
-
             match format {
-                WeightFormat::Q2Kx8 => k23::<false>(group, xs),
-                WeightFormat::Q3Kx8 => k23::<true>(group, xs),
+                WeightFormat::Q2Kx8 => $k23_many::<false, 4>(group, xs),
+                WeightFormat::Q3Kx8 => $k23_many::<true, 4>(group, xs),
                 WeightFormat::Iq4Nlx8 => iq4::<false>(group, xs, &scalar::IQ4_LEVELS),
                 WeightFormat::Mxfp4x8 => iq4::<false>(group, xs, &scalar::MXFP4_LEVELS),
                 WeightFormat::Nvfp4x8 => $nv_many::<4>(group, xs),
                 WeightFormat::Iq4Xsx8 => iq4::<true>(group, xs, &scalar::IQ4_LEVELS),
-                WeightFormat::Q6Kx8 => k6(group, xs),
-                WeightFormat::Q4Kx8 => k4::<false>(group, xs),
-                WeightFormat::Q5Kx8 => k4::<true>(group, xs),
+                WeightFormat::Q6Kx8 => $k6_many::<4>(group, xs),
+                WeightFormat::Q4Kx8 => $k4_many::<false, 4>(group, xs),
+                WeightFormat::Q5Kx8 => $k4_many::<true, 4>(group, xs),
                 WeightFormat::Q4_0x8 => u4(false, false),
                 WeightFormat::Q4_1x8 => u4(true, false),
                 WeightFormat::Q5_0x8 => u4(false, true),
@@ -772,15 +787,11 @@ unsafe fn k6_quants(qp: *const u8) -> [__m256i; 8] {
     q
 }
 
-/// Four tokens' 8-row results: the scaled sums less the min terms (K-quants with mins).
+/// `T` tokens' 8-row results: the scaled sums less the min terms (K-quants with mins).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows8_less_mins(acc: [__m256; 4], acc_m: [__m256; 4]) -> [[f32; 8]; 4] {
-    let mut out = acc;
-    for (o, m) in out.iter_mut().zip(acc_m) {
-        *o = _mm256_sub_ps(*o, m);
-    }
-    std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(out)
+unsafe fn rows8_less_mins<const T: usize>(acc: [__m256; T], acc_m: [__m256; T]) -> [[f32; 8]; T] {
+    std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(_mm256_sub_ps(acc[t], acc_m[t])))
 }
 
 /// One `Q2_Kx8` (`Q3_Kx8` when `THREE`) sub-block's codes (the values plus
@@ -837,5 +848,5 @@ unsafe fn k2_scales_mins(p: *const u8, s: usize) -> ([__m256; 2], [__m256; 2]) {
     ([f(_mm256_and_si256(a, low)), f(_mm256_and_si256(b, low))], [f(_mm256_srli_epi32(a, 4)), f(_mm256_srli_epi32(b, 4))])
 }
 
-rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_xn, avx2_u4_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
-rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_xn_vnni, vnni_u4_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
+rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_xn, avx2_u4_many, avx2_k4_many, avx2_k6_many, avx2_k23_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
+rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_xn_vnni, vnni_u4_many, vnni_k4_many, vnni_k6_many, vnni_k23_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
