@@ -289,7 +289,7 @@ impl Isa {
 
     /// [`Isa::dot_q8_rows8`] for `T` tokens in one pass over the group, each block's
     /// nibbles unpacked once for all of them: the 4- and 5-bit layouts, and two or three
-    /// tokens of the K-quant layouts, on x86 (the same results, bit for bit, as those
+    /// tokens of the K-quant and 8-bit layouts, on x86 (the same results, bit for bit, as those
     /// tokens in a four-token pass); `None` elsewhere.
     #[inline]
     pub fn dot_q8_rows8_few<const T: usize>(self, format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; T]) -> Option<[[f32; 8]; T]> {

@@ -20,7 +20,7 @@ use super::*;
 /// The integer sums are exact either way, so the two ISAs' results are equal bit for
 /// bit (`vnni_kernels_equal_avx2_bit_for_bit`).
 macro_rules! rows8_kernels {
-    ($features:literal, $one:ident, $four:ident, $many:ident, $u4_many:ident, $k4_many:ident, $k6_many:ident, $k23_many:ident, $nv_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+    ($features:literal, $one:ident, $four:ident, $many:ident, $u4_many:ident, $k4_many:ident, $k6_many:ident, $k23_many:ident, $i8_many:ident, $nv_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
         /// The integer sums of one 32-column block of 8 interleaved IQ4 rows (indices at
         /// `qp` in Q4_0x8's order) against `T` tokens: each chunk's indices become int8
         /// levels of `table` (IQ4's, or MXFP4's doubled values) by PSHUFB (once for all tokens), then signed products as in Q8_0x8
@@ -474,6 +474,48 @@ macro_rules! rows8_kernels {
             rows8_less_mins(acc, acc_m)
         }
 
+        /// Q8_0x8 (MLX-A8x8 when `MIN`) for `T` tokens (two to four): each block's
+        /// magnitudes taken once for all of them.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $i8_many<const MIN: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
+            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+            let (bb, q0) = if MIN { (288, 32) } else { (272, 16) };
+            let blocks = xs[0].len();
+            assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
+            let mut acc = [_mm256_setzero_ps(); T];
+            let ys: [*const i32; T] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+            for b in 0..blocks {
+                let p = group.as_ptr().add(b * bb);
+                prefetch_ahead(p, 5);
+                let mut sum: [$acc; T] = [$zero; T];
+                // Two chunks per pass and an opaque trip count: fully unrolled, LLVM
+                // hoists all eight chunks and their magnitudes (16 registers) and
+                // spills, at a third of the speed.
+                for jj in 0..std::hint::black_box(4usize) {
+                    let j = 2 * jj;
+                    let (w0, w1) = (_mm256_loadu_si256(p.add(q0 + 32 * j) as *const __m256i), _mm256_loadu_si256(p.add(q0 + 32 + 32 * j) as *const __m256i));
+                    let (a0, a1) = (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1));
+                    for t in 0..T {
+                        let y = ys[t].add(b * STRIDE + QS + j);
+                        let (y0, y1) = (_mm256_set1_epi32(std::ptr::read_unaligned(y)), _mm256_set1_epi32(std::ptr::read_unaligned(y.add(1))));
+                        sum[t] = $i8_pair(sum[t], a0, _mm256_sign_epi8(y0, w0), a1, _mm256_sign_epi8(y1, w1));
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                let m = if MIN { a8_min(p, d) } else { _mm256_setzero_ps() };
+                for t in 0..T {
+                    let xd = _mm256_set1_ps(xs[t][b].d);
+                    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps($sum_i8(sum[t])), acc[t]);
+                    if MIN {
+                        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t][b].sum), acc[t]);
+                    }
+                }
+            }
+            std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
+        }
+
         /// NVFP4x8 for `T` tokens: per block, each chunk's codes become MXFP4's doubled
         /// levels plus 12 (0..=24, unsigned: no sign trick) by PSHUFB, once for all
         /// tokens; the low nibbles (elements 0..16) and the high ones (16..32) are summed
@@ -532,7 +574,7 @@ macro_rules! rows8_kernels {
         }
 
         /// `T` tokens at once for the 4- and 5-bit block formats, and two or three for
-        /// the K-quants; `None` for the other layouts and counts. Eight: nibble
+        /// the K-quants and the 8-bit layouts; `None` for the other layouts and counts. Eight: nibble
         /// unpacking shared by eight, 1.08–1.18× two four-token passes, alternating in
         /// one process on this project's Zen 3; the 32-token GEMM bench 5–8 % (the
         /// other layouts take [`Isa::dot_q8_rows8_x4`] twice: Q5_Kx8 and Q8_0x8 ran
@@ -553,6 +595,8 @@ macro_rules! rows8_kernels {
                 WeightFormat::Q6Kx8 if T <= 3 => $k6_many::<T>(group, xs),
                 WeightFormat::Q2Kx8 if T <= 3 => $k23_many::<false, T>(group, xs),
                 WeightFormat::Q3Kx8 if T <= 3 => $k23_many::<true, T>(group, xs),
+                WeightFormat::Q8_0x8 if T <= 3 => $i8_many::<false, T>(group, xs),
+                WeightFormat::A8x8 if T <= 3 => $i8_many::<true, T>(group, xs),
                 _ => return None,
             })
         }
@@ -571,44 +615,6 @@ macro_rules! rows8_kernels {
                 (false, true) => $u4_many::<false, true, 4>(group, xs),
                 (true, true) => $u4_many::<true, true, 4>(group, xs),
             };
-
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn i8<const MIN: bool>(group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-                let (bb, q0) = if MIN { (288, 32) } else { (272, 16) };
-                let blocks = xs[0].len();
-                assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-                for b in 0..blocks {
-                    let p = group.as_ptr().add(b * bb);
-                    prefetch_ahead(p, 5);
-                    let mut sum: [$acc; 4] = [$zero; 4];
-                    // Two chunks per pass and an opaque trip count: fully unrolled, LLVM
-                    // hoists all eight chunks and their magnitudes (16 registers) and
-                    // spills, at a third of the speed.
-                    for jj in 0..std::hint::black_box(4usize) {
-                        let j = 2 * jj;
-                        let (w0, w1) = (_mm256_loadu_si256(p.add(q0 + 32 * j) as *const __m256i), _mm256_loadu_si256(p.add(q0 + 32 + 32 * j) as *const __m256i));
-                        let (a0, a1) = (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1));
-                        for t in 0..4 {
-                            let y = ys[t].add(b * STRIDE + QS + j);
-                            let (y0, y1) = (_mm256_set1_epi32(std::ptr::read_unaligned(y)), _mm256_set1_epi32(std::ptr::read_unaligned(y.add(1))));
-                            sum[t] = $i8_pair(sum[t], a0, _mm256_sign_epi8(y0, w0), a1, _mm256_sign_epi8(y1, w1));
-                        }
-                    }
-                    let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                    let m = if MIN { a8_min(p, d) } else { _mm256_setzero_ps() };
-                    for t in 0..4 {
-                        let xd = _mm256_set1_ps(xs[t][b].d);
-                        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps($sum_i8(sum[t])), acc[t]);
-                        if MIN {
-                            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t][b].sum), acc[t]);
-                        }
-                    }
-                }
-                std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
-            }
 
             /// IQ4_NLx8 / IQ4_XSx8 for four tokens: each block's levels looked up once
             /// for all four.
@@ -668,8 +674,8 @@ macro_rules! rows8_kernels {
                 WeightFormat::Q4_1x8 => u4(true, false),
                 WeightFormat::Q5_0x8 => u4(false, true),
                 WeightFormat::Q5_1x8 => u4(true, true),
-                WeightFormat::Q8_0x8 => i8::<false>(group, xs),
-                WeightFormat::A8x8 => i8::<true>(group, xs),
+                WeightFormat::Q8_0x8 => $i8_many::<false, 4>(group, xs),
+                WeightFormat::A8x8 => $i8_many::<true, 4>(group, xs),
                 _ => unreachable!("{format}: no four-token interleaved kernel"),
             }
         }
@@ -848,5 +854,5 @@ unsafe fn k2_scales_mins(p: *const u8, s: usize) -> ([__m256; 2], [__m256; 2]) {
     ([f(_mm256_and_si256(a, low)), f(_mm256_and_si256(b, low))], [f(_mm256_srli_epi32(a, 4)), f(_mm256_srli_epi32(b, 4))])
 }
 
-rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_xn, avx2_u4_many, avx2_k4_many, avx2_k6_many, avx2_k23_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
-rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_xn_vnni, vnni_u4_many, vnni_k4_many, vnni_k6_many, vnni_k23_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
+rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_xn, avx2_u4_many, avx2_k4_many, avx2_k6_many, avx2_k23_many, avx2_i8_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
+rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_xn_vnni, vnni_u4_many, vnni_k4_many, vnni_k6_many, vnni_k23_many, vnni_i8_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
