@@ -20,7 +20,7 @@ use super::*;
 /// The integer sums are exact either way, so the two ISAs' results are equal bit for
 /// bit (`vnni_kernels_equal_avx2_bit_for_bit`).
 macro_rules! rows8_kernels {
-    ($features:literal, $one:ident, $four:ident, $many:ident, $u4_many:ident, $k4_many:ident, $k6_many:ident, $k23_many:ident, $i8_many:ident, $nv_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
+    ($features:literal, $one:ident, $four:ident, $many:ident, $u4_many:ident, $k4_many:ident, $k6_many:ident, $k23_many:ident, $i8_many:ident, $iq4_many:ident, $nv_many:ident, $sums:ident, $k6_dot:ident, $iq4_sums:ident, $acc:ty, $zero:expr, $u4_pair:path, $i8_pair:path, $sum:path, $sum_i8:path) => {
         /// The integer sums of one 32-column block of 8 interleaved IQ4 rows (indices at
         /// `qp` in Q4_0x8's order) against `T` tokens: each chunk's indices become int8
         /// levels of `table` (IQ4's, or MXFP4's doubled values) by PSHUFB (once for all tokens), then signed products as in Q8_0x8
@@ -516,6 +516,53 @@ macro_rules! rows8_kernels {
             std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
         }
 
+        /// IQ4_NLx8 / IQ4_XSx8 (and MXFP4x8, IQ4_NL's layout with its own levels)
+        /// for `T` tokens (two to four): each block's levels looked up once for all
+        /// of them.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $iq4_many<const XS: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T], levels: &[i8; 16]) -> [[f32; 8]; T] {
+            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+            let blocks = xs[0].len();
+            assert!(xs.iter().all(|x| x.len() == blocks));
+            let mut acc = [_mm256_setzero_ps(); T];
+            let ys: [*const i32; T] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
+            if XS {
+                let supers = blocks / 8;
+                assert!(blocks.is_multiple_of(8) && group.len() >= supers * 1104);
+                for sb in 0..supers {
+                    let p = group.as_ptr().add(sb * 1104);
+                    let mut acc_s = [_mm256_setzero_ps(); T];
+                    for s in 0..8 {
+                        let b = 8 * sb + s;
+                        prefetch_ahead(p.add(80 + 128 * s), 2);
+                        let sum = $iq4_sums::<T>(p.add(80 + 128 * s), std::array::from_fn(|t| ys[t].add(b * STRIDE + QS)), levels);
+                        let scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 8 * s) as *const __m128i)));
+                        for t in 0..T {
+                            acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xs[t][b].d)), _mm256_cvtepi32_ps(sum[t]), acc_s[t]);
+                        }
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                    for t in 0..T {
+                        acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
+                    }
+                }
+            } else {
+                assert!(group.len() >= blocks * 144);
+                for b in 0..blocks {
+                    let p = group.as_ptr().add(b * 144);
+                    prefetch_ahead(p, 3);
+                    let sum = $iq4_sums::<T>(p.add(16), std::array::from_fn(|t| ys[t].add(b * STRIDE + QS)), levels);
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                    for t in 0..T {
+                        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[t][b].d)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
+                    }
+                }
+            }
+            std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
+        }
+
         /// NVFP4x8 for `T` tokens: per block, each chunk's codes become MXFP4's doubled
         /// levels plus 12 (0..=24, unsigned: no sign trick) by PSHUFB, once for all
         /// tokens; the low nibbles (elements 0..16) and the high ones (16..32) are summed
@@ -573,8 +620,8 @@ macro_rules! rows8_kernels {
             std::array::from_fn(|t| std::mem::transmute::<__m256, [f32; 8]>(acc[t]))
         }
 
-        /// `T` tokens at once for the 4- and 5-bit block formats, and two or three for
-        /// the K-quants and the 8-bit layouts; `None` for the other layouts and counts. Eight: nibble
+        /// `T` tokens at once for the 4- and 5-bit block formats, and up to four for
+        /// every other 8-row layout; `None` for the other layouts and counts. Eight: nibble
         /// unpacking shared by eight, 1.08–1.18× two four-token passes, alternating in
         /// one process on this project's Zen 3; the 32-token GEMM bench 5–8 % (the
         /// other layouts take [`Isa::dot_q8_rows8_x4`] twice: Q5_Kx8 and Q8_0x8 ran
@@ -588,96 +635,28 @@ macro_rules! rows8_kernels {
                 WeightFormat::Q4_1x8 => $u4_many::<true, false, T>(group, xs),
                 WeightFormat::Q5_0x8 => $u4_many::<false, true, T>(group, xs),
                 WeightFormat::Q5_1x8 => $u4_many::<true, true, T>(group, xs),
-                // Two or three: at eight the K-quants' accumulators spill (eight are two
-                // passes of four there).
-                WeightFormat::Q4Kx8 if T <= 3 => $k4_many::<false, T>(group, xs),
-                WeightFormat::Q5Kx8 if T <= 3 => $k4_many::<true, T>(group, xs),
-                WeightFormat::Q6Kx8 if T <= 3 => $k6_many::<T>(group, xs),
-                WeightFormat::Q2Kx8 if T <= 3 => $k23_many::<false, T>(group, xs),
-                WeightFormat::Q3Kx8 if T <= 3 => $k23_many::<true, T>(group, xs),
-                WeightFormat::Q8_0x8 if T <= 3 => $i8_many::<false, T>(group, xs),
-                WeightFormat::A8x8 if T <= 3 => $i8_many::<true, T>(group, xs),
+                // Up to four: at eight their accumulators spill (eight are two passes of
+                // four there).
+                WeightFormat::Q4Kx8 if T <= 4 => $k4_many::<false, T>(group, xs),
+                WeightFormat::Q5Kx8 if T <= 4 => $k4_many::<true, T>(group, xs),
+                WeightFormat::Q6Kx8 if T <= 4 => $k6_many::<T>(group, xs),
+                WeightFormat::Q2Kx8 if T <= 4 => $k23_many::<false, T>(group, xs),
+                WeightFormat::Q3Kx8 if T <= 4 => $k23_many::<true, T>(group, xs),
+                WeightFormat::Q8_0x8 if T <= 4 => $i8_many::<false, T>(group, xs),
+                WeightFormat::A8x8 if T <= 4 => $i8_many::<true, T>(group, xs),
+                WeightFormat::Iq4Nlx8 if T <= 4 => $iq4_many::<false, T>(group, xs, &scalar::IQ4_LEVELS),
+                WeightFormat::Mxfp4x8 if T <= 4 => $iq4_many::<false, T>(group, xs, &scalar::MXFP4_LEVELS),
+                WeightFormat::Iq4Xsx8 if T <= 4 => $iq4_many::<true, T>(group, xs, &scalar::IQ4_LEVELS),
+                WeightFormat::Nvfp4x8 if T <= 4 => $nv_many::<T>(group, xs),
                 _ => return None,
             })
         }
 
-        /// The one-token kernel above for four tokens: each block's weights are loaded and unpacked once
-        /// for all four.
+        /// The one-token kernel above for four tokens: each block's weights are loaded and
+        /// unpacked once for all four.
         #[target_feature(enable = $features)]
         pub unsafe fn $four(format: WeightFormat, group: &[u8], xs: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
-            // Token t's quants of block b, addressed as i32 words (a BlockQ8 is d, sum, qs).
-            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
-
-            let u4 = |min: bool, five: bool| match (min, five) {
-                (false, false) => $u4_many::<false, false, 4>(group, xs),
-                (true, false) => $u4_many::<true, false, 4>(group, xs),
-                (false, true) => $u4_many::<false, true, 4>(group, xs),
-                (true, true) => $u4_many::<true, true, 4>(group, xs),
-            };
-
-            /// IQ4_NLx8 / IQ4_XSx8 for four tokens: each block's levels looked up once
-            /// for all four.
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn iq4<const XS: bool>(group: &[u8], xs: [&[BlockQ8]; 4], levels: &[i8; 16]) -> [[f32; 8]; 4] {
-                let blocks = xs[0].len();
-                assert!(xs.iter().all(|x| x.len() == blocks));
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let ys: [*const i32; 4] = std::array::from_fn(|t| xs[t].as_ptr() as *const i32);
-                if XS {
-                    let supers = blocks / 8;
-                    assert!(blocks.is_multiple_of(8) && group.len() >= supers * 1104);
-                    for sb in 0..supers {
-                        let p = group.as_ptr().add(sb * 1104);
-                        let mut acc_s = [_mm256_setzero_ps(); 4];
-                        for s in 0..8 {
-                            let b = 8 * sb + s;
-                            prefetch_ahead(p.add(80 + 128 * s), 2);
-                            let sum = $iq4_sums::<4>(p.add(80 + 128 * s), [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)), levels);
-                            let scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(16 + 8 * s) as *const __m128i)));
-                            for t in 0..4 {
-                                acc_s[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xs[t][b].d)), _mm256_cvtepi32_ps(sum[t]), acc_s[t]);
-                            }
-                        }
-                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                        for t in 0..4 {
-                            acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
-                        }
-                    }
-                } else {
-                    assert!(group.len() >= blocks * 144);
-                    for b in 0..blocks {
-                        let p = group.as_ptr().add(b * 144);
-                        prefetch_ahead(p, 3);
-                        let sum = $iq4_sums::<4>(p.add(16), [0, 1, 2, 3].map(|t| ys[t].add(b * STRIDE + QS)), levels);
-                        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                        for t in 0..4 {
-                            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[t][b].d)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
-                        }
-                    }
-                }
-                std::mem::transmute::<[__m256; 4], [[f32; 8]; 4]>(acc)
-            }
-
-            match format {
-                WeightFormat::Q2Kx8 => $k23_many::<false, 4>(group, xs),
-                WeightFormat::Q3Kx8 => $k23_many::<true, 4>(group, xs),
-                WeightFormat::Iq4Nlx8 => iq4::<false>(group, xs, &scalar::IQ4_LEVELS),
-                WeightFormat::Mxfp4x8 => iq4::<false>(group, xs, &scalar::MXFP4_LEVELS),
-                WeightFormat::Nvfp4x8 => $nv_many::<4>(group, xs),
-                WeightFormat::Iq4Xsx8 => iq4::<true>(group, xs, &scalar::IQ4_LEVELS),
-                WeightFormat::Q6Kx8 => $k6_many::<4>(group, xs),
-                WeightFormat::Q4Kx8 => $k4_many::<false, 4>(group, xs),
-                WeightFormat::Q5Kx8 => $k4_many::<true, 4>(group, xs),
-                WeightFormat::Q4_0x8 => u4(false, false),
-                WeightFormat::Q4_1x8 => u4(true, false),
-                WeightFormat::Q5_0x8 => u4(false, true),
-                WeightFormat::Q5_1x8 => u4(true, true),
-                WeightFormat::Q8_0x8 => $i8_many::<false, 4>(group, xs),
-                WeightFormat::A8x8 => $i8_many::<true, 4>(group, xs),
-                _ => unreachable!("{format}: no four-token interleaved kernel"),
-            }
+            $many::<4>(format, group, xs).unwrap_or_else(|| unreachable!("{format}: no four-token interleaved kernel"))
         }
     };
 }
@@ -854,5 +833,5 @@ unsafe fn k2_scales_mins(p: *const u8, s: usize) -> ([__m256; 2], [__m256; 2]) {
     ([f(_mm256_and_si256(a, low)), f(_mm256_and_si256(b, low))], [f(_mm256_srli_epi32(a, 4)), f(_mm256_srli_epi32(b, 4))])
 }
 
-rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_xn, avx2_u4_many, avx2_k4_many, avx2_k6_many, avx2_k23_many, avx2_i8_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
-rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_xn_vnni, vnni_u4_many, vnni_k4_many, vnni_k6_many, vnni_k23_many, vnni_i8_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
+rows8_kernels!("avx2,fma,f16c", dot_q8_rows8, dot_q8_rows8_x4, dot_q8_rows8_xn, avx2_u4_many, avx2_k4_many, avx2_k6_many, avx2_k23_many, avx2_i8_many, avx2_iq4_many, avx2_nv_many, avx2_block_sums, avx2_k6_dot, avx2_iq4_sums, __m256i, _mm256_setzero_si256(), avx2_u4_pair, avx2_i8_pair, avx2_widen16, avx2_as_is);
+rows8_kernels!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_q8_rows8_vnni, dot_q8_rows8_x4_vnni, dot_q8_rows8_xn_vnni, vnni_u4_many, vnni_k4_many, vnni_k6_many, vnni_k23_many, vnni_i8_many, vnni_iq4_many, vnni_nv_many, vnni_block_sums, vnni_k6_dot, vnni_iq4_sums, [__m256i; 2], [_mm256_setzero_si256(); 2], vnni_pair, vnni_pair, vnni_sum, vnni_sum);
