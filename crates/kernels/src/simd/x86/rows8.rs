@@ -3,6 +3,11 @@
 
 use super::*;
 
+/// Token t's quants of block b sit at word `b·STRIDE + QS` of its blocks, addressed as
+/// i32 words (a `BlockQ8` is d, sum, qs, half sums).
+const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
+const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
+
 /// The interleaved kernels (`Q4_0x8`, `Q4_1x8`, `Q8_0x8`; one token, and four tokens
 /// sharing each block's unpacked weights) written once over the step that differs
 /// between instruction sets: how u8×i8 byte products are summed. Per 32-byte chunk
@@ -316,9 +321,6 @@ macro_rules! rows8_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $u4_many<const MIN: bool, const FIVE: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
-            // Token t's quants of block b, addressed as i32 words (a BlockQ8 is d, sum, qs).
-            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
             let bb = if MIN { 160 } else { 144 } + if FIVE { 32 } else { 0 };
             let blocks = xs[0].len();
             assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
@@ -367,8 +369,6 @@ macro_rules! rows8_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $k4_many<const FIVE: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
-            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
             let (sup_bytes, sub_bytes) = if FIVE { (1440, 160) } else { (1184, 128) };
             let blocks = xs[0].len();
             let supers = blocks / 8;
@@ -394,10 +394,7 @@ macro_rules! rows8_kernels {
                     }
                 }
                 let (d, dmin) = (_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)));
-                for t in 0..T {
-                    acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
-                    acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
-                }
+                fold_super(d, dmin, acc_s, acc_ms, &mut acc, &mut acc_m);
             }
             rows8_less_mins(acc, acc_m)
         }
@@ -406,8 +403,6 @@ macro_rules! rows8_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $k6_many<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
-            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
             let blocks = xs[0].len();
             let supers = blocks / 8;
             assert!(blocks.is_multiple_of(8) && group.len() >= supers * 1680 && xs.iter().all(|x| x.len() == blocks));
@@ -438,8 +433,6 @@ macro_rules! rows8_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $k23_many<const THREE: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
-            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
             let (sup_bytes, head, sub_bytes) = if THREE { (912, 144, 96) } else { (672, 160, 64) };
             let blocks = xs[0].len();
             let supers = blocks / 8;
@@ -466,10 +459,7 @@ macro_rules! rows8_kernels {
                 }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                 let dmin = if THREE { _mm256_setzero_ps() } else { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) };
-                for t in 0..T {
-                    acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
-                    acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
-                }
+                fold_super(d, dmin, acc_s, acc_ms, &mut acc, &mut acc_m);
             }
             rows8_less_mins(acc, acc_m)
         }
@@ -479,8 +469,6 @@ macro_rules! rows8_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $i8_many<const MIN: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
-            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
             let (bb, q0) = if MIN { (288, 32) } else { (272, 16) };
             let blocks = xs[0].len();
             assert!(group.len() >= blocks * bb && xs.iter().all(|x| x.len() == blocks));
@@ -522,8 +510,6 @@ macro_rules! rows8_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $iq4_many<const XS: bool, const T: usize>(group: &[u8], xs: [&[BlockQ8]; T], levels: &[i8; 16]) -> [[f32; 8]; T] {
-            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
             let blocks = xs[0].len();
             assert!(xs.iter().all(|x| x.len() == blocks));
             let mut acc = [_mm256_setzero_ps(); T];
@@ -572,8 +558,6 @@ macro_rules! rows8_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $nv_many<const T: usize>(group: &[u8], xs: [&[BlockQ8]; T]) -> [[f32; 8]; T] {
-            const STRIDE: usize = std::mem::size_of::<BlockQ8>() / 4;
-            const QS: usize = std::mem::offset_of!(BlockQ8, qs) / 4;
             const OFFSET: i8 = 12;
             const LEVELS: [i8; 16] = {
                 let mut t = scalar::MXFP4_LEVELS;
@@ -770,6 +754,17 @@ unsafe fn k6_quants(qp: *const u8) -> [__m256i; 8] {
         q[4 * i + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), h[3]);
     }
     q
+}
+
+/// A K-quant super-block's per-token sums into the accumulators: `acc += d·acc_s`,
+/// `acc_m += dmin·acc_ms`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fold_super<const T: usize>(d: __m256, dmin: __m256, acc_s: [__m256; T], acc_ms: [__m256; T], acc: &mut [__m256; T], acc_m: &mut [__m256; T]) {
+    for t in 0..T {
+        acc[t] = _mm256_fmadd_ps(d, acc_s[t], acc[t]);
+        acc_m[t] = _mm256_fmadd_ps(dmin, acc_ms[t], acc_m[t]);
+    }
 }
 
 /// `T` tokens' 8-row results: the scaled sums less the min terms (K-quants with mins).
