@@ -193,6 +193,27 @@ fn attend_layer_cold(bencher: divan::Bencher, len: usize) {
         });
 }
 
+/// One layer of the bench MoE moe-3g's batch-1 attention at a short context, hot: 4 kv
+/// groups of 4 query heads × 128 over 33 keys of an f16 cache laid out as the model's
+/// (each kv head's positions one run, `capacity` apart), everything in L1/L2: the
+/// kernel's own floor, to set against the layer's ideal (66 KiB of keys and values,
+/// 67.6 k multiply-adds).
+#[divan::bench(sample_count = 200)]
+fn attend_layer_short(bencher: divan::Bencher) {
+    let (d, g, kv_heads, len, capacity) = (128, 4, 4, 33, 64);
+    let f16s = |n: usize, seed: u64| -> Vec<half::f16> { bytes(n, seed).iter().map(|&b| half::f16::from_f32((b as f32 - 128.0) / 64.0)).collect() };
+    let (k, v) = (f16s(kv_heads * capacity * d, 2), f16s(kv_heads * capacity * d, 3));
+    let q: Vec<f32> = bytes(kv_heads * g * d, 1).iter().map(|&b| (b as f32 - 128.0) / 64.0).collect();
+    let (mut scores, mut out) = (vec![0.0; g * len], vec![0.0; kv_heads * g * d]);
+    let isa = Isa::detect();
+    bencher.counter(divan::counter::ItemsCount::new(2 * kv_heads * g * len * d)).bench_local(|| {
+        for h in 0..kv_heads {
+            let (at, qh) = (h * capacity * d, h * g * d..(h + 1) * g * d);
+            isa.attend_group(divan::black_box(&q[qh.clone()]), d, &k[at..], &v[at..], d, len, 0.088, &mut scores, &mut out[qh], None);
+        }
+    });
+}
+
 /// Prefill attention of one kv group (SmolLM2's shape: 3 query heads × 64, an f16 cache)
 /// for a block of 8 consecutive tokens over a 256-key range (the model's unit of long
 /// attention): "rows" is one `attend_rows` call, "tokens" one `attend_group` per token

@@ -275,13 +275,16 @@ struct Ahead<'a> {
 /// attention's own stream (it prefetches as it goes) and would only crowd L2.
 const AHEAD_BYTES_MAX: usize = 256 << 10;
 
-/// The share of a matmul's work units that ask for what comes next (the last 1/16th):
+/// The share of a matmul's work units that ask for what comes next (the last quarter):
 /// asked for throughout, more of a short context's cache had gone out to L3 under the
-/// weights' stream. The 3B bench model at a context of 16–48 (Zen 4, attention per
-/// token, alternating runs): one thread 0.66–0.77 ms without, 0.38–0.41 with; two
-/// threads 0.38–0.53 without, 0.25–0.42 (a thread may attend to lines the other asked
-/// for); the same attention run twice, the second hot: 0.13.
-const AHEAD_UNITS_SHARE: usize = 16;
+/// weights' stream; by the last 1/16th alone, a third of it was still on its way when
+/// attention began (reading it then took 3× its time from L2). The 3B bench model at a
+/// context of 16–48 (Zen 4, attention a step, alternating runs): one thread 0.66–0.77 ms
+/// without, 0.38–0.41 with the last 1/16th; two threads 0.38–0.53 without, 0.25–0.42 (a
+/// thread may attend to lines the other asked for). The last quarter against the last
+/// 1/16th, one thread, three alternating rounds: the 3B 0.371–0.384 → 0.345–0.359 ms,
+/// moe-3g 0.130–0.160 → 0.125–0.131.
+const AHEAD_UNITS_SHARE: usize = 4;
 
 impl<'a> Ahead<'a> {
     fn new(regions: &'a [&'a [u8]], units: usize) -> Self {

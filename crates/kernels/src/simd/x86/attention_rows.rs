@@ -4,7 +4,7 @@
 //! rather than once per token. Each row keeps the arithmetic of `attend_group` (the same
 //! score chains, softmax and value chains), so the same bits.
 
-use super::attention::{scores_tile, softmax_row, values_block, Ahead, VALUES_BLOCK};
+use super::attention::{scores_tile, softmax_row, values_block, Ahead, Ends, VALUES_BLOCK};
 use super::*;
 
 /// [`crate::Isa::attend_rows`] on AVX2.
@@ -138,7 +138,7 @@ unsafe fn attend_rows_t<L: Load8, const KJ: usize, const W: usize>(rows: &Rows, 
         let j1 = (j0 + VALUES_BLOCK).min(shared);
         let mut m = 0;
         while m < n {
-            values_block::<L, ROWS_TILE, W>(vp, stride, &rows.p(m), j0..j1, d, &rows.o(m));
+            values_block::<L, ROWS_TILE, W>(vp, stride, &rows.p(m), j0..j1, d, &rows.o(m), &Ends::MIDDLE);
             m += ROWS_TILE;
         }
         j0 = j1;
@@ -148,7 +148,7 @@ unsafe fn attend_rows_t<L: Load8, const KJ: usize, const W: usize>(rows: &Rows, 
         if end > shared {
             // One row: the tile repeats it.
             let (p, o) = ([rows.p::<1>(m)[0]; ROWS_TILE], [rows.o::<1>(m)[0]; ROWS_TILE]);
-            values_block::<L, ROWS_TILE, W>(vp, stride, &p, shared..end, d, &o);
+            values_block::<L, ROWS_TILE, W>(vp, stride, &p, shared..end, d, &o, &Ends::MIDDLE);
         }
         let st = (m / rows.g) * stats_stride + 2 * (m % rows.g);
         let inv = 1.0 / stats[st + 1];
