@@ -385,9 +385,12 @@ fn decode_profile_accounts_for_the_bytes_read() {
     };
     let profile_decode = |model: &tessera_model::Model, steps: usize| profile_batch(model, steps, 1);
     // Every step multiplies each token by every matrix it passes (the experts its router
-    // chose): the multiply-adds the profile charged, summed over its modules, are
-    // `batch` tokens' worth of the model's own count.
-    let macs_per_step = |p: &tessera_model::Profile| p.macs.iter().fold([0u64; 2], |[a, b], m| [a + m[0], b + m[1]]).map(|m| m / p.steps);
+    // chose): the multiply-adds the profile charged, summed over its modules but
+    // attention's, are `batch` tokens' worth of the model's own count.
+    let macs_per_step = |p: &tessera_model::Profile| {
+        let products = p.macs.iter().enumerate().filter(|&(k, _)| k != K::Attention as usize);
+        products.fold([0u64; 2], |[a, b], (_, m)| [a + m[0], b + m[1]]).map(|m| m / p.steps)
+    };
     let model = load_model(&fixtures().join("qwen3")).unwrap();
     let p = profile_decode(&model, 5);
     assert_eq!(p.steps, 5);
@@ -404,7 +407,11 @@ fn decode_profile_accounts_for_the_bytes_read() {
     assert_eq!(int8 + f32, c.layers * per_layer + c.vocab * c.hidden, "macs_per_token vs the config");
     let p3 = profile_batch(&model, 4, 3);
     assert_eq!(macs_per_step(&p3), [3 * int8 as u64, 3 * f32 as u64], "batch 3: three tokens' products per step");
-    assert_eq!(p3.macs[K::Attention as usize], [0, 0], "attention is not counted as matrix products");
+    // Attention's own: each query head multiplies every key and every value it attends
+    // (f16 cache: in f32); after a 4-token prompt, step s attends 5 + s keys.
+    let keys_per_sequence: usize = (0..4).map(|s| 5 + s).sum();
+    let attention = 2 * c.layers * c.heads * c.head_dim * 3 * keys_per_sequence;
+    assert_eq!(p3.macs[K::Attention as usize], [0, attention as u64], "attention's multiply-adds over 4 steps of 3 sequences");
     // Ranks send their profiles to rank 0 as bytes: every counter survives the trip.
     let back = tessera_model::Profile::from_bytes(&p3.to_bytes()).expect("a whole profile");
     assert_eq!((back.nanos, back.bytes, back.calls, back.macs, back.steps), (p3.nanos, p3.bytes, p3.calls, p3.macs, p3.steps));

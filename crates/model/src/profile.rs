@@ -56,8 +56,9 @@ pub struct Profile {
     pub nanos: [u64; ProfileKind::ALL.len()],
     pub bytes: [u64; ProfileKind::ALL.len()],
     pub calls: [u64; ProfileKind::ALL.len()],
-    /// Multiply-adds of the matrix products, [int8, f32] (see [`crate::linear::Linear::macs`]): at
-    /// batch sizes where a step is compute-bound these, not the bytes, set its ideal time.
+    /// Multiply-adds, [int8, f32]: the matrix products' (see [`crate::linear::Linear::macs`])
+    /// and GQA attention's (each query head by every key and value it attends): where a
+    /// module is compute-bound these, not the bytes, set its ideal time.
     pub macs: [[u64; 2]; ProfileKind::ALL.len()],
     pub steps: u64,
     /// The rank's resident memory when the profile was taken (0: unknown).

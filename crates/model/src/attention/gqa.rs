@@ -5,7 +5,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv::{KvCache, KvStore, TokenCaches};
+use crate::kv::{KvCache, KvDtype, KvStore, TokenCaches};
 use crate::linear::Linear;
 use crate::load::{Loader, Sel};
 use crate::profile::ProfileKind;
@@ -122,10 +122,15 @@ impl Gqa {
         let at = TokenCaches { caches, chunks: run.chunks, tok_chunk: &ws.tok_chunk[..n], tok_pos: &ws.tok_pos[..n], layer: li };
         let shape = HeadShape { q_heads: self.q_heads.clone(), kv_heads: self.kv_heads.clone(), group: c.heads / c.kv_heads, head_dim: hd };
         attention(run.pool, run.isa, &shape, &ws.q[..n * q_dim], &at, n, &mut ws.scores, &mut ws.attn[..n * q_dim], &mut ws.attn_part, &mut ws.attn_stats, &mut ws.attn_blocks);
-        // Each token reads its cached keys and values.
+        // Each token reads its cached keys and values, and each query head multiplies
+        // every key and every value it attends (the scores in int8 over a q8 cache):
+        // with 4 query heads per f16 kv head that is 2 multiply-adds a byte, more than
+        // the f32 ceiling takes at the memory's rate.
         let row_bytes = caches[0].dtype.key_row_bytes(kv_dim) + caches[0].dtype.value_row_bytes(kv_dim);
-        let kv_read: usize = (0..n).map(|t| (ws.tok_pos[t] as usize + 1) * row_bytes).sum();
-        ws.charge(ProfileKind::Attention, t0, kv_read);
+        let keys: usize = (0..n).map(|t| ws.tok_pos[t] as usize + 1).sum();
+        let per_key = (self.q_heads.len() * hd) as u64 * keys as u64;
+        let macs = if caches[0].dtype == KvDtype::Q8 { [per_key, per_key] } else { [0, 2 * per_key] };
+        ws.charge_work(ProfileKind::Attention, t0, keys * row_bytes, macs);
         if let Some(d) = &ws.dump {
             d.write(li, "heads", &ws.attn[..n * q_dim]);
         }
