@@ -346,7 +346,8 @@ fn l2_ahead_rows<L: Load8>(d: usize) -> usize {
     (AHEAD_L2_BYTES / L::row_bytes(d)).max(1)
 }
 
-/// Keys per block of the values pass: 32 rows of up to 128 f32 = 16 KiB, in L1.
+/// Keys per block of the values pass: 32 rows of up to 128 f32 = 16 KiB, in L1 (a
+/// call's last block up to 40: a remainder of 8 or fewer joins it).
 pub(super) const VALUES_BLOCK: usize = 32;
 
 /// Adds keys `js`' weighted values into columns `c..c + 8·W` of every row's output
