@@ -128,8 +128,8 @@ impl Gqa {
         // the f32 ceiling takes at the memory's rate.
         let row_bytes = caches[0].dtype.key_row_bytes(kv_dim) + caches[0].dtype.value_row_bytes(kv_dim);
         let keys: usize = (0..n).map(|t| ws.tok_pos[t] as usize + 1).sum();
-        let per_key = (self.q_heads.len() * hd) as u64 * keys as u64;
-        let macs = if caches[0].dtype == KvDtype::Q8 { [per_key, per_key] } else { [0, 2 * per_key] };
+        let one_pass = (self.q_heads.len() * hd) as u64 * keys as u64;
+        let macs = if caches[0].dtype == KvDtype::Q8 { [one_pass, one_pass] } else { [0, 2 * one_pass] };
         ws.charge_work(ProfileKind::Attention, t0, keys * row_bytes, macs);
         if let Some(d) = &ws.dump {
             d.write(li, "heads", &ws.attn[..n * q_dim]);
