@@ -119,9 +119,8 @@ pub(super) struct Ahead {
     row_bytes: usize,
     l1_rows: usize,
     l2_rows: usize,
-    /// The call's keys when they are no more than `l2_rows` (else usize::MAX): the
-    /// tiles ask for none past them (`l2_ahead_rows`).
-    short: usize,
+    /// Rows from which nothing is asked for (`ask_below`).
+    ask_below: usize,
 }
 
 impl Ahead {
@@ -136,8 +135,7 @@ impl Ahead {
         for r in 0..VALUES_BLOCK.min(len) {
             prefetch_row(vp.wrapping_add(r * stride), row_bytes);
         }
-        let short = if len <= l2_rows { len } else { usize::MAX };
-        Ahead { kp, vp, stride, row_bytes, l1_rows, l2_rows, short }
+        Ahead { kp, vp, stride, row_bytes, l1_rows, l2_rows, ask_below: ask_below::<L>(d, len) }
     }
 
     /// Before the score tile of keys `j ..`: a kv head's run of keys is short (8 KiB at
@@ -147,8 +145,8 @@ impl Ahead {
     /// or spare cache).
     #[inline(always)]
     pub(super) unsafe fn tile<const KJ: usize>(&self, j: usize) {
-        if self.short != usize::MAX {
-            for r in j + self.l1_rows..(j + self.l1_rows + KJ).min(self.short) {
+        if self.ask_below != usize::MAX {
+            for r in j + self.l1_rows..(j + self.l1_rows + KJ).min(self.ask_below) {
                 prefetch_row(self.kp.wrapping_add(r * self.stride), self.row_bytes);
             }
             return;
@@ -228,10 +226,11 @@ unsafe fn attend_tail<L: Load8, const G: usize, const W: usize>(sp: *mut f32, d:
     // The first block's chains start at zero and the last one's sums leave ×1/Σ (the
     // same operations as a zeroed output and a scaling pass after: the same bits); a
     // short remainder joins the block before it rather than taking a pass of its own.
+    let ask_below = ask_below::<L>(d, len);
     let mut j0 = 0;
     while j0 < len {
         let j1 = if len - j0 <= VALUES_BLOCK + VALUES_BLOCK / 4 { len } else { j0 + VALUES_BLOCK };
-        let ends = Ends { first: j0 == 0, last: j1 == len, inv, ask_below: if len <= l2_ahead_rows::<L>(d) { len } else { usize::MAX } };
+        let ends = Ends { first: j0 == 0, last: j1 == len, inv, ask_below };
         values_block::<L, G, W>(vp, stride, &ps, j0..j1, d, &os, &ends);
         j0 = j1;
     }
@@ -344,6 +343,17 @@ const AHEAD_L2_BYTES: usize = 16 << 10;
 #[inline(always)]
 fn l2_ahead_rows<L: Load8>(d: usize) -> usize {
     (AHEAD_L2_BYTES / L::row_bytes(d)).max(1)
+}
+
+/// The row from which a call over `len` keys asks for nothing: `len` when the call is
+/// short (`l2_ahead_rows`), else none (usize::MAX: past its keys is the next range's).
+#[inline(always)]
+fn ask_below<L: Load8>(d: usize, len: usize) -> usize {
+    if len <= l2_ahead_rows::<L>(d) {
+        len
+    } else {
+        usize::MAX
+    }
 }
 
 /// Keys per block of the values pass: 32 rows of up to 128 f32 = 16 KiB, in L1 (a
