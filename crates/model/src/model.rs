@@ -27,6 +27,7 @@ use crate::shard::{output_rows, split, CollGroup, Collectives, ExpertSplit, Shar
 use crate::step::{DispatchBuffers, LogitsFor, Run, SeqChunk, StageIo, StageOutput, StepError, StepLimits, Workspace, PER_TOKEN_PARALLEL_MIN};
 use std::ops::Range;
 use std::sync::Arc;
+use tessera_kernels::q8::{BlockQ8, QK};
 use tessera_kernels::{matmul_streaming, ops, scalar, Isa, KvElem, KvQ8, MatmulScratch, ThreadPool, WeightFormat, KV_Q8_HEAD_DIM_MAX};
 
 struct Layer {
@@ -559,6 +560,8 @@ impl Model {
             moe_gate: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_up: vec![0.0; moe.map_or(0, |m| fused_slots * m.expert_width)],
             moe_proj: vec![0.0; fused_slots * moe_width],
+            moe_q8_rows: vec![BlockQ8::default(); fused_slots * moe_width.div_ceil(QK)],
+            moe_q8: vec![BlockQ8::default(); fused_slots * moe_width.div_ceil(QK)],
             moe_kept: Vec::new(),
             moe_active: Vec::with_capacity(moe.map_or(0, |m| m.experts)),
             res_sums: vec![0.0; res_blocks * t * c.hidden],

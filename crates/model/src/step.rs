@@ -119,6 +119,10 @@ pub struct Workspace {
     pub(crate) moe_gate: Vec<f32>,
     pub(crate) moe_up: Vec<f32>,
     pub(crate) moe_proj: Vec<f32>,
+    /// Fused experts on 8-bit activations: the step's source rows quantized once, and
+    /// their blocks per slot.
+    pub(crate) moe_q8_rows: Vec<BlockQ8>,
+    pub(crate) moe_q8: Vec<BlockQ8>,
     /// Under the expert chain, unfused: this member's slot outputs (grows to the largest step's).
     pub(crate) moe_kept: Vec<f32>,
     /// Experts with at least one slot this step.
@@ -339,6 +343,8 @@ impl Workspace {
             + b(&self.route_ids)
             + b(&self.expert_count)
             + b(&self.expert_slots)
+            + b(&self.moe_q8_rows)
+            + b(&self.moe_q8)
             + b(&self.tok_chunk)
             + self.attn_blocks.capacity() * std::mem::size_of::<u32>()
             + b(&self.tok_pos)

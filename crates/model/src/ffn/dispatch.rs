@@ -216,7 +216,7 @@ impl Moe {
         let fused = slots <= EXPERT_SLOTS_FUSED_MAX && self.gate.iter().chain(&self.up).chain(&self.down).all(|l| l.bias.is_none());
         let mut expert_bytes = 0;
         if fused {
-            expert_bytes = self.experts_fused(run, ws, layer, false, Some(&a.rows))?.0;
+            expert_bytes = self.experts_fused(run, ws, layer, false, Some(&a.rows[..row0 * d]))?.0;
         } else {
             for ex in self.experts.clone() {
                 let (s0, s1) = (ws.expert_count[ex], ws.expert_count[ex + 1]);

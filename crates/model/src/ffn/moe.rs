@@ -16,7 +16,7 @@ use crate::shard::{output_rows, CollGroup, ExpertSplit, ShardSpec};
 use crate::step::{Run, StepError, Workspace};
 use std::ops::Range;
 use tessera_kernels::q8::QK;
-use tessera_kernels::{matmul_jobs, matmul_jobs_q8, ops, RowsJob};
+use tessera_kernels::{matmul_jobs, matmul_jobs_q8, ops, quantize_activation_rows, RowsJob};
 
 /// Expert slots (tokens × top-k) up to which a MoE layer runs all its experts in two
 /// parallel regions (decode and small batches, where per-region costs show); larger
@@ -209,20 +209,36 @@ impl Moe {
             None if self.latent.is_some() => &ws.moe_latent,
             None => &ws.xn,
         };
-        for (j, &(t, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
-            let t = t as usize;
-            ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&src[t * h..(t + 1) * h]);
-        }
         let slots = s1 - s0;
         let local = |i: usize| active[i] as usize - self.experts.start;
         let slots_of = |i: usize| starts[active[i] as usize] - s0..starts[active[i] as usize + 1] - s0;
-        let (gate, up) = (&mut ws.moe_gate[..slots * width], &mut ws.moe_up[..slots * width]);
         let gate_up = |i: usize| {
             let l = if i.is_multiple_of(2) { &self.gate[local(i / 2)] } else { &self.up[local(i / 2)] };
             RowsJob { w: l.weights(run.ckpt), rows: slots_of(i / 2), out: i % 2 }
         };
-        if width > 0 {
-            matmul_jobs(run.pool, run.isa, &ws.moe_in[..slots * h], h, 2 * active.len(), &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
+        // Each source row goes into several slots (top-k of them at a batch): where the
+        // experts take 8-bit activations in one scheme, each row is quantized once and
+        // its blocks copied per slot, not its floats copied and quantized per slot.
+        let src_rows = rows.map_or(run.n, |r| r.len() / h.max(1));
+        let jobs = 2 * active.len();
+        let scheme = gate_up(0).w.format.activation_blocks();
+        let once = width > 0 && scheme.is_some() && h.is_multiple_of(QK) && src_rows < slots && (1..jobs).all(|i| gate_up(i).w.format.activation_blocks() == scheme);
+        let (gate, up) = (&mut ws.moe_gate[..slots * width], &mut ws.moe_up[..slots * width]);
+        if let (true, Some(scheme)) = (once, scheme) {
+            let bpr = h / QK;
+            quantize_activation_rows(run.pool, run.isa, scheme, &src[..src_rows * h], src_rows, h, &mut ws.moe_q8_rows[..src_rows * bpr]);
+            for (j, &(t, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
+                let t = t as usize;
+                ws.moe_q8[j * bpr..(j + 1) * bpr].copy_from_slice(&ws.moe_q8_rows[t * bpr..(t + 1) * bpr]);
+            }
+            matmul_jobs_q8(run.pool, run.isa, &ws.moe_q8[..slots * bpr], h, jobs, &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
+            run.gate_rows(slots, width, gate, up);
+        } else if width > 0 {
+            for (j, &(t, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
+                let t = t as usize;
+                ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&src[t * h..(t + 1) * h]);
+            }
+            matmul_jobs(run.pool, run.isa, &ws.moe_in[..slots * h], h, jobs, &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
             run.gate_rows(slots, width, gate, up);
         }
         let full = run.cfg.moe.as_ref().map_or(0, |m| m.expert_width);
