@@ -386,7 +386,7 @@ fn matmul_group_ahead_equals_matmul_group() {
     let ws: Vec<WeightRows> = shapes.iter().zip(&datas).map(|(&(f, rows), d)| WeightRows::new(f.interleaved().unwrap(), rows, cols, d).unwrap()).collect();
     let x = random_vec(&mut rng, tokens * cols);
     let big = vec![7u8; 3 << 20];
-    let odd: Vec<&[u8]> = (0..100).map(|i| &big[i * 13..i * 13 + i % 7]).collect();
+    let odd: Vec<&[u8]> = (0..tessera_kernels::AHEAD_REGIONS_MAX + 36).map(|i| &big[i * 13..i * 13 + i % 7]).collect();
     let asks: [&[&[u8]]; 4] = [&[], &[&big[..0], &big[5..70]], &odd, &[&big[..], &big[1..]]];
     for threads in [1, 2, 3] {
         let pool = ThreadPool::new(threads);
