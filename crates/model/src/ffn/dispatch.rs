@@ -16,7 +16,7 @@
 //! A member with no tokens this step still serves its experts
 //! ([`crate::Model::serve_experts`]).
 
-use crate::ffn::moe::{Moe, EXPERT_SLOTS_FUSED_MAX};
+use crate::ffn::moe::{slot_rows, Moe, EXPERT_SLOTS_FUSED_MAX};
 use crate::linear::Linear;
 use crate::profile::ProfileKind;
 use crate::shard::CollGroup;
@@ -223,10 +223,7 @@ impl Moe {
                 if s0 == s1 {
                     continue;
                 }
-                for (j, &(r, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
-                    let r = r as usize;
-                    ws.moe_in[j * d..(j + 1) * d].copy_from_slice(&a.rows[r * d..(r + 1) * d]);
-                }
+                slot_rows(&ws.expert_slots[s0..s1], &a.rows, d, &mut ws.moe_in);
                 let local = ex - self.experts.start;
                 let l = [&self.gate[local], &self.up[local], &self.down[local]];
                 expert_bytes += l.iter().map(|x| x.bytes()).sum::<usize>();

@@ -24,6 +24,15 @@ use tessera_kernels::{matmul_jobs, matmul_jobs_q8, ops, quantize_activation_rows
 /// this size: 256 × (2·7168 + 2·2048) × 4 B ≈ 19 MB.
 pub const EXPERT_SLOTS_FUSED_MAX: usize = 256;
 
+/// Each slot's source row (`width` elements of `src`, the row its token or received row
+/// names) into `dst`, in slot order: the rows an expert pass takes.
+pub(crate) fn slot_rows<T: Copy>(slots: &[(u32, f32)], src: &[T], width: usize, dst: &mut [T]) {
+    for (j, &(r, _)) in slots.iter().enumerate() {
+        let r = r as usize;
+        dst[j * width..(j + 1) * width].copy_from_slice(&src[r * width..(r + 1) * width]);
+    }
+}
+
 /// One layer's sparse MoE on this rank.
 pub(crate) struct Moe {
     pub(crate) router: Linear,
@@ -227,17 +236,11 @@ impl Moe {
         if let (true, Some(scheme)) = (once, scheme) {
             let bpr = h / QK;
             quantize_activation_rows(run.pool, run.isa, scheme, &src[..src_rows * h], src_rows, h, &mut ws.moe_q8_rows[..src_rows * bpr]);
-            for (j, &(t, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
-                let t = t as usize;
-                ws.moe_q8[j * bpr..(j + 1) * bpr].copy_from_slice(&ws.moe_q8_rows[t * bpr..(t + 1) * bpr]);
-            }
+            slot_rows(&ws.expert_slots[s0..s1], &ws.moe_q8_rows, bpr, &mut ws.moe_q8);
             matmul_jobs_q8(run.pool, run.isa, &ws.moe_q8[..slots * bpr], h, jobs, &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
             run.gate_rows(slots, width, gate, up);
         } else if width > 0 {
-            for (j, &(t, _)) in ws.expert_slots[s0..s1].iter().enumerate() {
-                let t = t as usize;
-                ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&src[t * h..(t + 1) * h]);
-            }
+            slot_rows(&ws.expert_slots[s0..s1], src, h, &mut ws.moe_in);
             matmul_jobs(run.pool, run.isa, &ws.moe_in[..slots * h], h, jobs, &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
             run.gate_rows(slots, width, gate, up);
         }
@@ -363,10 +366,7 @@ impl Moe {
             }
             let cnt = b - a;
             let src = if self.latent.is_some() { &ws.moe_latent } else { &ws.xn };
-            for (j, &(t, _)) in ws.expert_slots[a..b].iter().enumerate() {
-                let t = t as usize;
-                ws.moe_in[j * h..(j + 1) * h].copy_from_slice(&src[t * h..(t + 1) * h]);
-            }
+            slot_rows(&ws.expert_slots[a..b], src, h, &mut ws.moe_in);
             let local = ex - self.experts.start;
             let (gate, up, down) = (&self.gate[local], &self.up[local], &self.down[local]);
             expert_bytes += gate.bytes() + up.bytes() + down.bytes();
