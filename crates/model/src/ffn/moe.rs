@@ -231,17 +231,21 @@ impl Moe {
         let src_rows = rows.map_or(run.n, |r| r.len() / h.max(1));
         let jobs = 2 * active.len();
         let scheme = gate_up(0).w.format.activation_blocks();
-        let once = width > 0 && scheme.is_some() && h.is_multiple_of(QK) && src_rows < slots && (1..jobs).all(|i| gate_up(i).w.format.activation_blocks() == scheme);
+        let once = scheme.is_some() && h.is_multiple_of(QK) && src_rows < slots && (1..jobs).all(|i| gate_up(i).w.format.activation_blocks() == scheme);
         let (gate, up) = (&mut ws.moe_gate[..slots * width], &mut ws.moe_up[..slots * width]);
-        if let (true, Some(scheme)) = (once, scheme) {
-            let bpr = h / QK;
-            quantize_activation_rows(run.pool, run.isa, scheme, &src[..src_rows * h], src_rows, h, &mut ws.moe_q8_rows[..src_rows * bpr]);
-            slot_rows(&ws.expert_slots[s0..s1], &ws.moe_q8_rows, bpr, &mut ws.moe_q8);
-            matmul_jobs_q8(run.pool, run.isa, &ws.moe_q8[..slots * bpr], h, jobs, &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
-            run.gate_rows(slots, width, gate, up);
-        } else if width > 0 {
-            slot_rows(&ws.expert_slots[s0..s1], src, h, &mut ws.moe_in);
-            matmul_jobs(run.pool, run.isa, &ws.moe_in[..slots * h], h, jobs, &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
+        if width > 0 {
+            match scheme.filter(|_| once) {
+                Some(scheme) => {
+                    let bpr = h / QK;
+                    quantize_activation_rows(run.pool, run.isa, scheme, &src[..src_rows * h], src_rows, h, &mut ws.moe_q8_rows[..src_rows * bpr]);
+                    slot_rows(&ws.expert_slots[s0..s1], &ws.moe_q8_rows, bpr, &mut ws.moe_q8);
+                    matmul_jobs_q8(run.pool, run.isa, &ws.moe_q8[..slots * bpr], h, jobs, &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
+                }
+                None => {
+                    slot_rows(&ws.expert_slots[s0..s1], src, h, &mut ws.moe_in);
+                    matmul_jobs(run.pool, run.isa, &ws.moe_in[..slots * h], h, jobs, &gate_up, &mut [&mut *gate, &mut *up], &mut ws.mm);
+                }
+            }
             run.gate_rows(slots, width, gate, up);
         }
         let full = run.cfg.moe.as_ref().map_or(0, |m| m.expert_width);
