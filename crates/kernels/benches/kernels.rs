@@ -281,12 +281,18 @@ fn prefill_chunk(bencher: divan::Bencher, how: &str) {
     });
 }
 
-/// A MoE router at batch 32 (the bench MoE's: 64 experts × 1024, F32), one thread, hot.
+/// A MoE router at batch 32 (the bench MoE's: 64 experts × 1024, F32), one thread, hot,
+/// in the layout the model runs it in (4-row groups where the ISA runs those).
 #[divan::bench(args = [1, 4, 32], sample_count = 50)]
 fn router(bencher: divan::Bencher, tokens: usize) {
     let (rows, cols) = (64, 1024);
     let data: Vec<u8> = bytes(rows * cols, 5).iter().flat_map(|&b| ((b as f32 - 128.0) / 512.0).to_le_bytes()).collect();
-    let w = WeightRows::new(WeightFormat::F32, rows, cols, &data).expect("matrix shape");
+    let packed = WeightFormat::F32.interleaved().filter(|&p| Isa::detect().runs_interleaved(p));
+    let data = match packed {
+        Some(_) => tessera_kernels::repack_interleaved(WeightFormat::F32, rows, cols, &data),
+        None => data,
+    };
+    let w = WeightRows::new(packed.unwrap_or(WeightFormat::F32), rows, cols, &data).expect("matrix shape");
     run_matmul(bencher.counter(divan::counter::ItemsCount::new(rows * cols * tokens)), w, tokens);
 }
 

@@ -654,8 +654,13 @@ fn run_unit_many(isa: Isa, w: &WeightRows<'_>, u: usize, x: &[f32], x_stride: us
                 }
             }
         }
-        // Four float rows (one stream), two tokens per pass.
-        (_, 4) => each_token::<2, 4>(0..n_tokens, rows, 4 * u, y, |t| isa.dot_f32_rows4_x2(f, unit(4), [x_of(t), x_of(t + 1)]), |t| isa.dot_f32_rows4(f, unit(4), x_of(t))),
+        // Four float rows (one stream): four tokens per pass where the ISA has the
+        // registers, then two, then one.
+        (_, 4) => {
+            let t4 = if isa.has_f32_rows4_x4() { n_tokens / 4 * 4 } else { 0 };
+            each_token::<4, 4>(0..t4, rows, 4 * u, y, |t| isa.dot_f32_rows4_x4(f, unit(4), f4(t)).expect("checked above"), |_| unreachable!("whole passes of 4"));
+            each_token::<2, 4>(t4..n_tokens, rows, 4 * u, y, |t| isa.dot_f32_rows4_x2(f, unit(4), [x_of(t), x_of(t + 1)]), |t| isa.dot_f32_rows4(f, unit(4), x_of(t)));
+        }
         (_, 8) => {
             // Eight tokens per pass, then four, then the last two or three together where
             // the layout has a kernel for that (each block unpacked once), else one by one.

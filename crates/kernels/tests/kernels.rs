@@ -710,8 +710,10 @@ fn group_pairs_equal_single_groups() {
 }
 
 /// F16 / BF16 / F32 repacked into 4-row groups: the groups dequantize to the source rows, the
-/// one- and two-token kernels match the scalar reference, and matmul over the repacked
-/// matrix (1, 2, 3 and 5 tokens: pairs and a single tail) matches matmul over the source.
+/// one- and two-token kernels match the scalar reference, the four-token kernel (where the
+/// ISA has one) gives the two-token kernel's results bit for bit, and matmul over the
+/// repacked matrix (1 to 5 and 7 tokens: fours, pairs and a single tail) matches matmul
+/// over the source.
 #[test]
 fn interleaved_float_rows_are_the_source_rows() {
     let isa = Isa::detect();
@@ -724,7 +726,7 @@ fn interleaved_float_rows_are_the_source_rows() {
             assert_eq!(packed.len(), data.len());
             let src = WeightRows::new(format, rows, cols, &data).unwrap();
             let dst = WeightRows::new(packed_format, rows, cols, &packed).unwrap();
-            let x = random_vec(&mut rng, 5 * cols);
+            let x = random_vec(&mut rng, 7 * cols);
             let group_bytes = 4 * packed_format.row_bytes(cols).unwrap();
             for g in 0..rows / 4 {
                 let group = &packed[g * group_bytes..(g + 1) * group_bytes];
@@ -732,6 +734,14 @@ fn interleaved_float_rows_are_the_source_rows() {
                 scalar::dequantize_rows4(packed_format, group, &mut w4);
                 let one = isa.dot_f32_rows4(packed_format, group, &x[..cols]);
                 let two = isa.dot_f32_rows4_x2(packed_format, group, [&x[..cols], &x[cols..2 * cols]]);
+                let xs4: [&[f32]; 4] = std::array::from_fn(|t| &x[t * cols..(t + 1) * cols]);
+                assert_eq!(isa.dot_f32_rows4_x4(packed_format, group, xs4).is_some(), isa.has_f32_rows4_x4(), "{isa:?}");
+                if let Some(four) = isa.dot_f32_rows4_x4(packed_format, group, xs4) {
+                    let pairs = [0, 2].map(|t0| isa.dot_f32_rows4_x2(packed_format, group, [xs4[t0], xs4[t0 + 1]]));
+                    for t in 0..4 {
+                        assert_eq!(four[t].map(f32::to_bits), pairs[t / 2][t % 2].map(f32::to_bits), "{packed_format} {rows}x{cols} group {g}: token {t} of four");
+                    }
+                }
                 for r in 0..4 {
                     let mut w = vec![0.0; cols];
                     scalar::dequantize_row(format, src.row(4 * g + r), &mut w);
@@ -743,7 +753,7 @@ fn interleaved_float_rows_are_the_source_rows() {
                     }
                 }
             }
-            for tokens in [1, 2, 3, 5] {
+            for tokens in [1, 2, 3, 4, 5, 7] {
                 let pool = ThreadPool::new(2);
                 let mut scratch = MatmulScratch::new(tokens, cols);
                 let (mut y0, mut y1) = (vec![0.0; tokens * rows], vec![0.0; tokens * rows]);

@@ -394,6 +394,26 @@ impl Isa {
         }
     }
 
+    /// Whether [`Isa::dot_f32_rows4_x4`] has a kernel here.
+    pub fn has_f32_rows4_x4(self) -> bool {
+        self == Isa::Avx512Vnni
+    }
+
+    /// [`Isa::dot_f32_rows4_x2`] for four tokens in one pass, bit for bit its results, where
+    /// the ISA has the registers for it (AVX-512, [`Isa::has_f32_rows4_x4`]); `None`
+    /// elsewhere (take pairs).
+    #[inline]
+    pub fn dot_f32_rows4_x4(self, format: WeightFormat, group: &[u8], xs: [&[f32]; 4]) -> Option<[[f32; 4]; 4]> {
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (format, group, xs);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: see dot_q8_rows8 (AVX-512VL is part of what Avx512Vnni detects).
+            Isa::Avx512Vnni => Some(unsafe { x86::dot_f32_rows4_x4_vl(format, group, xs) }),
+            _ => None,
+        }
+    }
+
     /// [`Isa::dot_q8`] for four activation rows at once.
     #[inline]
     pub fn dot_q8_x4(self, format: WeightFormat, row: &[u8], xs: [&[BlockQ8]; 4]) -> [f32; 4] {

@@ -562,27 +562,46 @@ pub unsafe fn dot_f32_rows4(format: WeightFormat, group: &[u8], x: &[f32]) -> [f
 /// once for both; one accumulator per (token, row).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f32_rows4_x2(format: WeightFormat, group: &[u8], xs: [&[f32]; 2]) -> [[f32; 4]; 2] {
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn t<L: Load8>(group: &[u8], xs: [&[f32]; 2]) -> [[f32; 4]; 2] {
+    rows4_tokens(format, group, xs)
+}
+
+/// [`dot_f32_rows4_x2`] for four tokens where AVX-512VL gives 32 vector registers: 16
+/// accumulators, 8 activation and 2 weight vectors live (AVX2's 16 registers hold the
+/// two-token pass only). Twice the FMA chains in flight and each weight vector loaded
+/// (and converted) once for four tokens; each (token, row) sums in the two-token pass's
+/// order, so the results are its results bit for bit.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub unsafe fn dot_f32_rows4_x4_vl(format: WeightFormat, group: &[u8], xs: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    rows4_tokens(format, group, xs)
+}
+
+/// The 4-row float groups against `T` tokens: per 16-column piece each row's two weight
+/// vectors are loaded (converted) once for all tokens, one accumulator per (token, row).
+/// No target features of its own: always inlined, it is compiled with its caller's (the
+/// four-token caller's 32 registers).
+#[inline(always)]
+unsafe fn rows4_tokens<const T: usize>(format: WeightFormat, group: &[u8], xs: [&[f32]; T]) -> [[f32; 4]; T] {
+    #[inline(always)]
+    unsafe fn t<L: Load8, const T: usize>(group: &[u8], xs: [&[f32]; T]) -> [[f32; 4]; T] {
         let n = xs[0].len();
         let (row, half) = (16 * L::ELEM_BYTES, 8 * L::ELEM_BYTES);
-        assert!(n.is_multiple_of(16) && group.len() >= 4 * L::ELEM_BYTES * n && xs[1].len() == n, "rows4: {n} columns, {} bytes", group.len());
+        assert!(n.is_multiple_of(16) && group.len() >= 4 * L::ELEM_BYTES * n && xs.iter().all(|x| x.len() == n), "rows4: {n} columns, {} bytes", group.len());
         let gp = group.as_ptr();
-        let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+        let mut acc = [[_mm256_setzero_ps(); 4]; T];
         for piece in 0..n / 16 {
             let p = gp.add(4 * row * piece);
             prefetch_ahead(p, 4 * row / 64);
-            let x: [[__m256; 2]; 2] = std::array::from_fn(|t| [_mm256_loadu_ps(xs[t].as_ptr().add(16 * piece)), _mm256_loadu_ps(xs[t].as_ptr().add(16 * piece + 8))]);
+            let x: [[__m256; 2]; T] = std::array::from_fn(|t| [_mm256_loadu_ps(xs[t].as_ptr().add(16 * piece)), _mm256_loadu_ps(xs[t].as_ptr().add(16 * piece + 8))]);
             for r in 0..4 {
                 let (w0, w1) = (L::load8(p.add(row * r)), L::load8(p.add(row * r + half)));
-                for t in 0..2 {
+                for t in 0..T {
                     acc[t][r] = _mm256_fmadd_ps(w1, x[t][1], _mm256_fmadd_ps(w0, x[t][0], acc[t][r]));
                 }
             }
         }
-        let mut out = [[0.0f32; 4]; 2];
-        for t in 0..2 {
+        // Loops, not `map`: a closure is compiled apart, without the caller's features.
+        let mut out = [[0.0f32; 4]; T];
+        for t in 0..T {
             for r in 0..4 {
                 out[t][r] = hsum(acc[t][r]);
             }
@@ -590,9 +609,9 @@ pub unsafe fn dot_f32_rows4_x2(format: WeightFormat, group: &[u8], xs: [&[f32]; 
         out
     }
     match format {
-        WeightFormat::F16x4 => t::<LoadF16>(group, xs),
-        WeightFormat::Bf16x4 => t::<LoadBf16>(group, xs),
-        WeightFormat::F32x4 => t::<LoadF32>(group, xs),
+        WeightFormat::F16x4 => t::<LoadF16, T>(group, xs),
+        WeightFormat::Bf16x4 => t::<LoadBf16, T>(group, xs),
+        WeightFormat::F32x4 => t::<LoadF32, T>(group, xs),
         _ => unreachable!("{format} does not interleave 4 float rows"),
     }
 }
