@@ -599,7 +599,8 @@ unsafe fn rows4_tokens<const T: usize>(format: WeightFormat, group: &[u8], xs: [
                 }
             }
         }
-        // Loops, not `map`: a closure is compiled apart, without the caller's features.
+        // Loops, not `map`: `map` stayed a call, and its closure, compiled out of line
+        // without the caller's features, called `hsum` 16 times a pass.
         let mut out = [[0.0f32; 4]; T];
         for t in 0..T {
             for r in 0..4 {
