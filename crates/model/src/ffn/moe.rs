@@ -231,10 +231,10 @@ impl Moe {
         let src_rows = rows.map_or(run.n, |r| r.len() / h.max(1));
         let jobs = 2 * active.len();
         let scheme = gate_up(0).w.format.activation_blocks();
-        let once = scheme.is_some() && h.is_multiple_of(QK) && src_rows < slots && (1..jobs).all(|i| gate_up(i).w.format.activation_blocks() == scheme);
+        let once = scheme.filter(|_| h.is_multiple_of(QK) && src_rows < slots && (1..jobs).all(|i| gate_up(i).w.format.activation_blocks() == scheme));
         let (gate, up) = (&mut ws.moe_gate[..slots * width], &mut ws.moe_up[..slots * width]);
         if width > 0 {
-            match scheme.filter(|_| once) {
+            match once {
                 Some(scheme) => {
                     let bpr = h / QK;
                     quantize_activation_rows(run.pool, run.isa, scheme, &src[..src_rows * h], src_rows, h, &mut ws.moe_q8_rows[..src_rows * bpr]);
